@@ -1,0 +1,41 @@
+"""hf_grow: widen the query/key dimension of attention heads with weights solved from first-order loss statistics.
+
+Importing hf_grow registers the grown model types with the transformers Auto classes.
+"""
+
+from .adapters import get_adapter, supported_model_types
+from .growth import DEFAULT_TRUNCATION, evaluate_loss, grow_model
+from .models import (
+    GrownGPT2Config,
+    GrownGPT2DoubleHeadsModel,
+    GrownGPT2ForQuestionAnswering,
+    GrownGPT2ForSequenceClassification,
+    GrownGPT2ForTokenClassification,
+    GrownGPT2LMHeadModel,
+    GrownGPT2Model,
+)
+from .report import GrowthReport, load_growth_report
+from .statistics import GrowthStatistics, collect_statistics
+
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_TRUNCATION",
+    "GrowthReport",
+    "GrowthStatistics",
+    "GrownGPT2Config",
+    "GrownGPT2DoubleHeadsModel",
+    "GrownGPT2ForQuestionAnswering",
+    "GrownGPT2ForSequenceClassification",
+    "GrownGPT2ForTokenClassification",
+    "GrownGPT2LMHeadModel",
+    "GrownGPT2Model",
+    "collect_statistics",
+    "evaluate_loss",
+    "get_adapter",
+    "grow_model",
+    "load_growth_report",
+    "supported_model_types",
+    "__version__",
+]

@@ -1,0 +1,465 @@
+"""`grow_model`: statistics, solve, line search and the grown model, with its report.
+
+The step: per head, Z_new = best rank-(d_k + p) approximation of Z - lam * P with P = C^+ M C^+ (see
+`hf_grow.linalg`), one lam for the whole model, chosen on held-out batches. Step sizes are searched in
+relative units, ``step_size = lam / lam_unit`` with ``lam_unit = sqrt(sum ||C^1/2 Z C^1/2||^2 / sum
+||C^1/2 P C^1/2||^2)`` over all heads: at step size 1 the update moves the scores by about their own RMS size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from . import linalg
+from .adapters import ArchitectureAdapter, get_adapter
+from .report import GrowthReport, HeadReport, LayerReport, LineSearchPoint
+from .statistics import GrowthStatistics, LossFn, collect_statistics, compute_loss, iterate_batches
+
+
+logger = logging.getLogger("hf_grow")
+
+#: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z.
+DEFAULT_TRUNCATION = "whitened"
+SEARCHES = ("exact", "fast")
+QKWeights = dict[int, tuple[Tensor, Tensor]]
+
+
+def evaluate_loss(
+    model: PreTrainedModel,
+    batches: Iterable[Mapping[str, Tensor]],
+    adapter: ArchitectureAdapter | None = None,
+    loss_fn: LossFn | None = None,
+) -> tuple[float, int]:
+    """Mean loss over ``batches``, each batch weighted by the number of loss terms it averages over.
+
+    Returns ``(loss, total_weight)``; the model runs in eval mode without gradients and keeps its mode.
+    """
+    adapter = adapter or get_adapter(model)
+    was_training = model.training
+    model.eval()
+    total, weight = 0.0, 0
+    try:
+        with torch.no_grad():
+            for batch in iterate_batches(batches, next(model.parameters()).device):
+                batch_weight = adapter.loss_weight(model, batch) if loss_fn is None else len(next(iter(batch.values())))
+                total += float(compute_loss(model, batch, loss_fn)) * batch_weight
+                weight += batch_weight
+    finally:
+        model.train(was_training)
+    if weight == 0:
+        raise ValueError("the evaluation data holds no loss terms (no batches, or every label is -100).")
+    return total / weight, weight
+
+
+@dataclass
+class _LayerProblem:
+    """Everything the step of one layer needs, in float64."""
+
+    query: Tensor
+    key: Tensor
+    scaling_before: float
+    scaling_after: float
+    qk_dim_after: int
+    bilinear: Tensor
+    gradient: Tensor
+    direction: Tensor
+    metric: linalg.Metric
+
+
+class _GrowthProblem:
+    """The solved statistics of a model: Q/K weights for any step size, and what they are expected to gain."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        adapter: ArchitectureAdapter,
+        statistics: GrowthStatistics,
+        qk_dims_after: list[int],
+        truncation: str,
+        rtol: float,
+    ):
+        self.truncation = truncation
+        self.layers: list[_LayerProblem] = []
+        config = model.config
+        with torch.no_grad():
+            for layer, attention in enumerate(adapter.attention_modules(model)):
+                query, key = adapter.read_qk(attention)
+                qk_before = query.shape[-1]
+                scaling_before = adapter.scaling(config, layer, qk_before)
+                device = statistics.gradients[layer].device
+                query, key = query.to(device), key.to(device)
+                metric = linalg.metric_from_second_moment(statistics.mean_second_moment(layer), rtol=rtol)
+                gradient = statistics.mean_gradient(layer)
+                self.layers.append(
+                    _LayerProblem(
+                        query=query,
+                        key=key,
+                        scaling_before=scaling_before,
+                        scaling_after=adapter.scaling(config, layer, qk_dims_after[layer]),
+                        qk_dim_after=qk_dims_after[layer],
+                        bilinear=linalg.bilinear_form(query, key, scaling_before),
+                        gradient=gradient,
+                        direction=linalg.solve_direction(gradient, metric),
+                        metric=metric,
+                    )
+                )
+            scores_sq = sum(float(linalg.whitened_norm_sq(p.bilinear, p.metric).sum()) for p in self.layers)
+            step_sq = sum(float(linalg.whitened_norm_sq(p.direction, p.metric).sum()) for p in self.layers)
+        # lam per unit step size; zero when the gradients vanish (nothing to gain) or Q/K are all zero.
+        self.lam_unit = math.sqrt(scores_sq / step_sq) if step_sq > 0 and scores_sq > 0 else 0.0
+        if step_sq > 0 and scores_sq == 0:
+            self.lam_unit = 1.0 / math.sqrt(step_sq)
+
+    def lam(self, step_size: float) -> float:
+        return step_size * self.lam_unit
+
+    def factorization(self, layer: int, step_size: float, rank: int, truncation: str) -> linalg.Factorization:
+        problem = self.layers[layer]
+        target = problem.bilinear - self.lam(step_size) * problem.direction
+        return linalg.truncate(target, rank, problem.metric if truncation == "whitened" else None)
+
+    def weights(self, step_size: float) -> QKWeights:
+        """Augmented Q/K weights of the grown width for every layer. Step size 0 is exactly the old function:
+        the old weights, zero-padded, with the change of scale folded into the queries."""
+        weights = {}
+        with torch.no_grad():
+            for layer, problem in enumerate(self.layers):
+                if step_size == 0:
+                    padding = problem.qk_dim_after - problem.query.shape[-1]
+                    fold = problem.scaling_before / problem.scaling_after
+                    weights[layer] = (
+                        torch.nn.functional.pad(problem.query * fold, (0, padding)),
+                        torch.nn.functional.pad(problem.key, (0, padding)),
+                    )
+                    continue
+                factors = self.factorization(layer, step_size, problem.qk_dim_after, self.truncation)
+                root_scaling = math.sqrt(problem.scaling_after)
+                weights[layer] = (factors.left / root_scaling, factors.right / root_scaling)
+        return weights
+
+    def unconstrained_weights(self, step_size: float, scalings: list[float]) -> QKWeights:
+        """Full-rank weights computing Z - lam P exactly: queries (Z - lam P) / scaling, keys the identity."""
+        weights = {}
+        with torch.no_grad():
+            for layer, problem in enumerate(self.layers):
+                target = problem.bilinear - self.lam(step_size) * problem.direction
+                identity = torch.eye(target.shape[-1], dtype=target.dtype, device=target.device).expand_as(target)
+                weights[layer] = (target / scalings[layer], identity.clone())
+        return weights
+
+    def head_reports(self, layer: int, step_size: float) -> list[HeadReport]:
+        problem = self.layers[layer]
+        lam = self.lam(step_size)
+        qk_before = problem.query.shape[-1]
+        with torch.no_grad():
+            grown = self.factorization(layer, step_size, problem.qk_dim_after, self.truncation)
+            kept = self.factorization(layer, step_size, qk_before, self.truncation)
+            delta, delta_kept = grown.product - problem.bilinear, kept.product - problem.bilinear
+            expected = linalg.predicted_decrease(problem.gradient, delta, problem.metric, lam)
+            expected_kept = linalg.predicted_decrease(problem.gradient, delta_kept, problem.metric, lam)
+            first_order = -(problem.gradient * delta).sum(dim=(-2, -1))
+            spectrum = self.factorization(layer, step_size, 1, "whitened").singular_values
+            marginal = linalg.rank_gains(spectrum, lam)[:, qk_before : problem.qk_dim_after]
+        return [
+            HeadReport(
+                layer=layer,
+                head=head,
+                expected_gain=float(expected[head]),
+                expected_gain_without_growth=float(expected_kept[head]),
+                first_order_gain=float(first_order[head]),
+                marginal_gains=[float(g) for g in marginal[head]],
+            )
+            for head in range(len(expected))
+        ]
+
+
+def _resolve_growth(p: int | Mapping[int, int], num_layers: int) -> list[int]:
+    """Dimensions added per layer, validated before any work."""
+    if isinstance(p, bool) or not isinstance(p, (int, Mapping)):
+        raise TypeError(f"p must be an int or a mapping {{layer: int}}, got {type(p).__name__}")
+    if isinstance(p, int):
+        if p <= 0:
+            raise ValueError(
+                f"p must be a positive number of query/key dimensions to add per head, got {p}. "
+                "(To take the same step without adding dimensions, pass p={layer: 0, ...}.)"
+            )
+        return [p] * num_layers
+    unknown = [layer for layer in p if not isinstance(layer, int) or not 0 <= layer < num_layers]
+    if unknown:
+        raise ValueError(f"p names layers {unknown} but the model has layers 0..{num_layers - 1}")
+    negative = {layer: value for layer, value in p.items() if not isinstance(value, int) or value < 0}
+    if negative:
+        raise ValueError(f"p must map layers to non-negative ints, got {negative}")
+    return [p.get(layer, 0) for layer in range(num_layers)]
+
+
+def _split_batches(
+    dataloader: Iterable,
+    eval_dataloader: Iterable | None,
+    eval_fraction: float,
+    needs_eval: bool,
+) -> tuple[Iterable, list[dict[str, Tensor]] | None]:
+    """Statistics batches and held-out batches (materialized: the line search reads them many times)."""
+    if eval_dataloader is not None:
+        eval_batches = list(eval_dataloader)
+        if not eval_batches:
+            raise ValueError("eval_dataloader yielded no batches.")
+        return dataloader, eval_batches
+    if not needs_eval:
+        return dataloader, None
+    if not 0 < eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    batches = list(dataloader)
+    if len(batches) < 2:
+        raise ValueError(
+            f"the dataloader yielded {len(batches)} batch(es): the line search holds out the last "
+            f"{eval_fraction:.0%} of at least 2 batches. Pass more data, an eval_dataloader, or a step_size."
+        )
+    num_eval = max(1, round(eval_fraction * len(batches)))
+    return batches[:-num_eval], batches[-num_eval:]
+
+
+def _line_search(
+    evaluate: Callable[[float], float],
+    start: float,
+    factor: float = 4.0,
+    max_expansions: int = 12,
+    refinements: int = 4,
+) -> dict[float, float]:
+    """Losses at the step sizes tried: 0, a log grid from ``start`` followed downhill, then a refined bracket.
+
+    The grid steps down until a step beats step 0, then moves by ``factor`` while the loss falls; the
+    bracket around the best grid point is then halved ``refinements`` times in log space (geometric means).
+    """
+    losses: dict[float, float] = {}
+
+    def loss(step: float) -> float:
+        if step not in losses:
+            losses[step] = evaluate(step)
+        return losses[step]
+
+    step = start
+    for _ in range(max_expansions):
+        if loss(step) < loss(0.0):
+            break
+        step /= factor
+    else:
+        return losses
+    for _ in range(max_expansions):
+        if loss(step * factor) < loss(step):
+            step *= factor
+        elif loss(step / factor) < loss(step):
+            step /= factor
+        else:
+            break
+    low, best, high = step / factor, step, step * factor
+    for _ in range(refinements):
+        probe = math.sqrt(best * high) if high / best >= best / low else math.sqrt(low * best)
+        if loss(probe) < loss(best):
+            low, high = (best, high) if probe > best else (low, best)
+            best = probe
+        else:
+            low, high = (low, probe) if probe > best else (probe, high)
+    return losses
+
+
+def _write_weights(adapter: ArchitectureAdapter, model: PreTrainedModel, weights: QKWeights) -> None:
+    attentions = adapter.attention_modules(model)
+    for layer, (query, key) in weights.items():
+        adapter.write_qk(attentions[layer], query, key)
+
+
+def grow_model(
+    model: PreTrainedModel,
+    dataloader: Iterable[Mapping[str, Tensor]],
+    p: int | Mapping[int, int] = 8,
+    *,
+    eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
+    step_size: float | None = None,
+    truncation: str = DEFAULT_TRUNCATION,
+    search: str = "exact",
+    loss_fn: LossFn | None = None,
+    max_batches: int | None = None,
+    eval_fraction: float = 0.1,
+    initial_step_size: float = 0.03,
+    rtol: float = 1e-6,
+    measure_realized_gains: bool = True,
+    compute_dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+) -> PreTrainedModel:
+    """Grow the query/key width of every attention head by ``p``, with weights solved from the loss.
+
+    Args:
+        model: a supported transformers model (GPT-2 classes, or a model grown by hf_grow). Left unchanged.
+        dataloader: dict batches passed as ``model(**batch)``; the loss is ``outputs.loss`` (or ``loss_fn``).
+        p: dimensions added per head, in every layer, or a mapping ``{layer: p}`` (missing layers get 0;
+            layers with 0 keep their width but still take the step).
+        eval_dataloader: held-out batches for the line search and the before/after losses. Without it, the
+            last ``eval_fraction`` of the dataloader's batches are held out (when a line search runs).
+        step_size: skip the line search and take this step (relative units, see the module docstring);
+            ``0.0`` returns a grown model that computes exactly the old function.
+        truncation: ``"whitened"`` (rank truncation in the metric of C, the default) or ``"frobenius"``.
+        search: ``"exact"`` searches the rank-constrained update; ``"fast"`` first brackets the step with
+            the full-rank update Z - lam P (no SVD per step, also reported as an upper reference), then
+            refines the rank-constrained step from there.
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor`` instead of ``outputs.loss``.
+        max_batches: use at most this many statistics batches.
+        initial_step_size: where the log-grid search starts.
+        rtol: relative eigenvalue tolerance of C for pseudo-inverse and whitening.
+        measure_realized_gains: evaluate the held-out loss with each layer's step alone (one pass per layer).
+        compute_dtype: precision of the per-batch statistics products (float32 or float64).
+        progress: show progress bars.
+
+    Returns:
+        The grown model (a new object of the grown model type, same device and dtype) with the
+        `GrowthReport` as ``grown.growth_report``; `save_pretrained` writes it as ``growth_report.json``.
+    """
+    started = time.perf_counter()
+    adapter = get_adapter(model)
+    qk_before = adapter.qk_head_dims(model.config)
+    growth = _resolve_growth(p, len(qk_before))
+    qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
+    max_rank = adapter.hidden_size(model.config) + 1
+    too_wide = {layer: dim for layer, dim in enumerate(qk_after) if dim > max_rank}
+    if too_wide:
+        raise ValueError(
+            f"query/key widths {too_wide} exceed hidden_size + 1 = {max_rank}, the largest rank a head's scores "
+            "can have: choose a smaller p."
+        )
+    if truncation not in linalg.TRUNCATIONS:
+        raise ValueError(f"truncation must be one of {linalg.TRUNCATIONS}, got {truncation!r}")
+    if search not in SEARCHES:
+        raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
+    if step_size is not None and (not math.isfinite(step_size) or step_size < 0):
+        raise ValueError(f"step_size must be a finite number >= 0, got {step_size}")
+    unaligned = sorted({dim for dim, extra in zip(qk_after, growth) if extra and dim % 8})
+    if unaligned:
+        warnings.warn(
+            f"query/key widths {unaligned} are not multiples of 8; fused attention kernels are fastest with "
+            "multiples of 8.",
+            stacklevel=2,
+        )
+
+    statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
+    seconds: dict[str, float] = {}
+    tick = time.perf_counter()
+    statistics = collect_statistics(
+        model, statistics_batches, adapter, loss_fn, max_batches, compute_dtype=compute_dtype, progress=progress
+    )
+    seconds["statistics"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    problem = _GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol)
+    grown = adapter.build_grown_model(model, qk_after, problem.weights(0.0))
+    seconds["solve"] = time.perf_counter() - tick
+
+    def evaluate(candidate: PreTrainedModel) -> float:
+        return evaluate_loss(candidate, eval_batches, adapter, loss_fn)[0]
+
+    def evaluate_step(step: float) -> float:
+        _write_weights(adapter, grown, problem.weights(step))
+        return evaluate(grown)
+
+    tick = time.perf_counter()
+    points: list[LineSearchPoint] = []
+    unconstrained_loss = None
+    eval_weight = 0
+    loss_before = loss_after = None
+    if eval_batches is not None:
+        loss_before, eval_weight = evaluate_loss(grown, eval_batches, adapter, loss_fn)
+    if step_size is None and problem.lam_unit == 0:
+        logger.warning("the loss has zero gradient with respect to every head's scores: nothing to gain, step 0.")
+        step_size, loss_after = 0.0, loss_before
+    if step_size is None:
+        with tqdm(desc="line search", unit="eval", disable=not progress) as bar:
+
+            def tracked(kind: str, evaluate_at: Callable[[float], float]) -> Callable[[float], float]:
+                def run(step: float) -> float:
+                    loss = loss_before if step == 0 else evaluate_at(step)
+                    points.append(LineSearchPoint(step, loss, kind))
+                    bar.update()
+                    bar.set_postfix(step=f"{step:.3g}", loss=f"{loss:.4f}")
+                    return loss
+
+                return run
+
+            start = initial_step_size
+            if search == "fast":
+                full_rank = [max_rank] * len(qk_after)
+                scalings = [adapter.scaling(model.config, layer, max_rank) for layer in range(len(qk_after))]
+                reference = adapter.build_grown_model(model, full_rank, problem.unconstrained_weights(0.0, scalings))
+
+                def evaluate_unconstrained(step: float) -> float:
+                    _write_weights(adapter, reference, problem.unconstrained_weights(step, scalings))
+                    return evaluate(reference)
+
+                unconstrained = _line_search(tracked("unconstrained", evaluate_unconstrained), start)
+                unconstrained_loss = min(unconstrained.values())
+                bracketed = min(unconstrained, key=unconstrained.get)
+                del reference
+                # The rank-constrained optimum sits near the unconstrained one: a finer, shorter search.
+                losses = _line_search(tracked("rank", evaluate_step), bracketed or start, factor=2.0, refinements=2)
+            else:
+                losses = _line_search(tracked("rank", evaluate_step), start)
+        step_size = min(losses, key=losses.get)
+        loss_after = losses[step_size]
+    _write_weights(adapter, grown, problem.weights(step_size))
+    if eval_batches is not None and loss_after is None:
+        loss_after = evaluate(grown)
+    seconds["line_search"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    realized: list[float | None] = [None] * len(qk_after)
+    if measure_realized_gains and eval_batches is not None and step_size > 0:
+        unchanged, stepped = problem.weights(0.0), problem.weights(step_size)
+        for layer in tqdm(range(len(qk_after)), desc="realized gains", unit="layer", disable=not progress):
+            _write_weights(adapter, grown, {**unchanged, layer: stepped[layer]})
+            realized[layer] = loss_before - evaluate(grown)
+        _write_weights(adapter, grown, stepped)
+    layers = []
+    for layer, problem_layer in enumerate(problem.layers):
+        heads = problem.head_reports(layer, step_size)
+        layers.append(
+            LayerReport(
+                layer=layer,
+                qk_dim_before=qk_before[layer],
+                qk_dim_after=qk_after[layer],
+                expected_gain=sum(head.expected_gain for head in heads),
+                realized_gain=realized[layer],
+                heads=heads,
+            )
+        )
+    seconds["report"] = time.perf_counter() - tick
+    seconds["total"] = time.perf_counter() - started
+
+    grown.growth_report = GrowthReport(
+        model_class=type(model).__name__,
+        model_type=model.config.model_type,
+        truncation=truncation,
+        search=search,
+        step_size=step_size,
+        lam=problem.lam(step_size),
+        eval_loss_before=loss_before,
+        eval_loss_after=loss_after,
+        unconstrained_eval_loss=unconstrained_loss,
+        statistics_tokens=statistics.num_tokens,
+        statistics_batches=statistics.num_batches,
+        eval_weight=eval_weight,
+        parameters_before=model.num_parameters(),
+        parameters_after=grown.num_parameters(),
+        seconds=seconds,
+        line_search=points,
+        layers=layers,
+    )
+    logger.info("grew %s: %s", type(model).__name__, grown.growth_report.summary())
+    return grown

@@ -1,0 +1,153 @@
+"""The linear algebra of attention growth, in pure torch (no transformers).
+
+Notation, per layer and head, with X' = [X | 1] the attention input with a column of ones (d = d_e + 1):
+
+- ``C`` (d, d): E[x' x'^T], the second moment of the attention input. For LayerNorm'd inputs X' lies in a
+  hyperplane, so C is singular by construction: every inverse here uses a relative tolerance.
+- ``Z`` (d, d): ``scaling * W'_Q W'_K^T``, the bilinear form of the pre-softmax scores ``S = X' Z X'^T``.
+- ``M`` (d, d): dLoss/dZ = sum X'^T G X' with G = dLoss/dS.
+- ``P = C^+ M C^+``: the step ``dZ = -lam P`` minimizes the local model
+  ``<M, dZ> + ||C^{1/2} dZ C^{1/2}||_F^2 / (2 lam)`` (the data-metric least-squares direction).
+
+A rank-r truncation of ``Z - lam P`` is taken either in the plain Frobenius norm or in the metric of C
+(whiten with C^{1/2}, truncate, un-whiten), and factored as ``Z_r = L R^T`` with the singular values split
+evenly (``sqrt(sigma)`` on each side). Tensors may have leading batch dimensions (heads); C broadcasts.
+All functions expect float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+
+Truncation = Literal["whitened", "frobenius"]
+TRUNCATIONS: tuple[str, ...] = ("whitened", "frobenius")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """The eigendecomposition of one second moment C, with a relative tolerance applied once.
+
+    ``pinv_diag`` inverts the eigenvalues above ``rtol * max`` and drops the rest (for C^+), while
+    ``root_diag`` floors them at ``rtol * max`` before the square root, so that whitening stays invertible
+    and a truncation of rank >= rank(Z) returns Z exactly, also off the span of the data.
+    """
+
+    eigenvectors: Tensor
+    eigenvalues: Tensor
+    pinv_diag: Tensor
+    root_diag: Tensor
+    rank: int
+
+    def to_basis(self, matrix: Tensor) -> Tensor:
+        """U^T A U: a matrix in the eigenbasis of C."""
+        return self.eigenvectors.mT @ matrix @ self.eigenvectors
+
+    def from_basis(self, matrix: Tensor) -> Tensor:
+        """U A U^T: back from the eigenbasis of C."""
+        return self.eigenvectors @ matrix @ self.eigenvectors.mT
+
+
+def metric_from_second_moment(second_moment: Tensor, rtol: float = 1e-6) -> Metric:
+    """Decompose a PSD second moment C with a tolerance relative to its largest eigenvalue.
+
+    ``rtol`` should sit above the relative precision of the statistics: with M accumulated from float32
+    products (~1e-7 relative error) directions of C below ~1e-6 of the largest carry only noise.
+    """
+    if second_moment.shape[-1] != second_moment.shape[-2]:
+        raise ValueError(f"second moment must be square, got shape {tuple(second_moment.shape)}")
+    if not torch.isfinite(second_moment).all():
+        raise FloatingPointError("second moment contains NaN or Inf")
+    symmetric = (second_moment + second_moment.mT) / 2
+    eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
+    eigenvalues = eigenvalues.clamp_min(0)
+    largest = eigenvalues.amax(dim=-1, keepdim=True)
+    if (largest <= 0).any():
+        raise ValueError("second moment is zero: no (non-padding) tokens reached this layer")
+    floor = rtol * largest
+    kept = eigenvalues > floor
+    pinv_diag = torch.where(kept, 1 / eigenvalues.clamp_min(floor), torch.zeros_like(eigenvalues))
+    root_diag = eigenvalues.clamp_min(floor).sqrt()
+    return Metric(eigenvectors, eigenvalues, pinv_diag, root_diag, int(kept.sum(dim=-1).min()))
+
+
+def bilinear_form(query_weight: Tensor, key_weight: Tensor, scaling: float) -> Tensor:
+    """Z = scaling * W'_Q W'_K^T from augmented (d, d_k) weights, the bias as their last row."""
+    return scaling * query_weight @ key_weight.mT
+
+
+def solve_direction(gradient: Tensor, metric: Metric) -> Tensor:
+    """P = C^+ M C^+ for the loss gradient M = dLoss/dZ."""
+    inverse = metric.pinv_diag
+    in_basis = metric.to_basis(gradient) * inverse[..., :, None] * inverse[..., None, :]
+    return metric.from_basis(in_basis)
+
+
+def whitened_norm_sq(matrix: Tensor, metric: Metric) -> Tensor:
+    """||C^{1/2} A C^{1/2}||_F^2 (with the floored root), over the last two dimensions."""
+    root = metric.root_diag
+    return (metric.to_basis(matrix) * root[..., :, None] * root[..., None, :]).square().sum(dim=(-2, -1))
+
+
+@dataclass(frozen=True)
+class Factorization:
+    """A rank-r truncation Z_r = left @ right^T and the singular values of the matrix it was cut from."""
+
+    left: Tensor
+    right: Tensor
+    singular_values: Tensor
+
+    @property
+    def product(self) -> Tensor:
+        return self.left @ self.right.mT
+
+
+def truncate(target: Tensor, rank: int, metric: Metric | None = None) -> Factorization:
+    """Best rank-``rank`` approximation of ``target``, factored with a balanced sqrt(sigma) split.
+
+    With ``metric=None`` the approximation is best in the Frobenius norm (Eckart-Young). With a metric it is
+    best in ``||C^{1/2} (target - Z_r) C^{1/2}||_F``: SVD of the whitened target, un-whitened factors.
+    ``singular_values`` are those of the (whitened) target, all of them, largest first.
+    """
+    if rank <= 0:
+        raise ValueError(f"rank must be positive, got {rank}")
+    if rank > target.shape[-1]:
+        raise ValueError(f"rank {rank} exceeds the size {target.shape[-1]} of the matrix")
+    if metric is None:
+        u, s, vh = torch.linalg.svd(target)
+        root_s = s[..., :rank].sqrt()
+        return Factorization(u[..., :rank] * root_s[..., None, :], vh[..., :rank, :].mT * root_s[..., None, :], s)
+    root = metric.root_diag
+    whitened = metric.to_basis(target) * root[..., :, None] * root[..., None, :]
+    u, s, vh = torch.linalg.svd(whitened)
+    root_s = s[..., :rank].sqrt()
+    left = metric.eigenvectors @ (u[..., :rank] * root_s[..., None, :] / root[..., :, None])
+    right = metric.eigenvectors @ (vh[..., :rank, :].mT * root_s[..., None, :] / root[..., :, None])
+    return Factorization(left, right, s)
+
+
+def predicted_decrease(gradient: Tensor, delta: Tensor, metric: Metric, lam: float) -> Tensor:
+    """Loss decrease predicted for Z -> Z + delta by the local model of step size lam.
+
+    ``-(<M, delta> + ||C^{1/2} delta C^{1/2}||^2 / (2 lam))``: the first-order change, penalized by the
+    curvature 1/lam under which ``-lam P`` is the optimal step. Zero for ``lam == 0``.
+    """
+    if lam == 0:
+        return torch.zeros(gradient.shape[:-2], dtype=gradient.dtype, device=gradient.device)
+    first_order = (gradient * delta).sum(dim=(-2, -1))
+    return -(first_order + whitened_norm_sq(delta, metric) / (2 * lam))
+
+
+def rank_gains(singular_values: Tensor, lam: float) -> Tensor:
+    """Predicted loss decrease of each rank of a whitened truncation, sigma_i^2 / (2 lam).
+
+    With A the whitened target, keeping rank r instead of r-1 lowers the local model by sigma_r^2 / (2 lam):
+    the gain of growing a head from d_k to d_k + p is the sum over ranks d_k+1 .. d_k+p.
+    """
+    if lam == 0:
+        return torch.zeros_like(singular_values)
+    return singular_values.square() / (2 * lam)

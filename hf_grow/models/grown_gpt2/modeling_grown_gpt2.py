@@ -1,0 +1,256 @@
+# Copyright 2026 The hf_grow authors. Licensed under the Apache License, Version 2.0.
+"""GPT-2 whose attention heads have a query/key width of their own, per layer.
+
+Everything except the attention projection is GPT-2 as shipped by transformers: the classes below subclass
+the GPT-2 classes and only build a `GrownGPT2Model` backbone whose attention projects queries and keys to
+`config.qk_head_dims[layer]` dimensions per head (values keep `n_embd // n_head`). All `forward` methods
+are inherited unchanged, so losses, generation, caching and outputs behave exactly as in GPT-2.
+
+This file imports only torch and transformers, so that `save_pretrained` can copy it next to the weights and
+people without hf_grow can load the checkpoint with `trust_remote_code=True`.
+"""
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gpt2.modeling_gpt2 import (
+    GPT2Attention,
+    GPT2Block,
+    GPT2DoubleHeadsModel,
+    GPT2ForQuestionAnswering,
+    GPT2ForSequenceClassification,
+    GPT2ForTokenClassification,
+    GPT2LMHeadModel,
+    GPT2MLP,
+    GPT2Model,
+    GPT2PreTrainedModel,
+    GPT2SequenceSummary,
+    eager_attention_forward,
+)
+from transformers.pytorch_utils import Conv1D
+from transformers.utils.output_capturing import OutputRecorder
+
+from .configuration_grown_gpt2 import GrownGPT2Config
+
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_grown_gpt2.GrownGPT2Config",
+    "AutoModel": "modeling_grown_gpt2.GrownGPT2Model",
+    "AutoModelForCausalLM": "modeling_grown_gpt2.GrownGPT2LMHeadModel",
+    "AutoModelForSequenceClassification": "modeling_grown_gpt2.GrownGPT2ForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_grown_gpt2.GrownGPT2ForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_grown_gpt2.GrownGPT2ForQuestionAnswering",
+}
+
+
+class GrownGPT2Attention(GPT2Attention):
+    """GPT-2 self-attention with `qk_head_dim` query/key dimensions per head and `n_embd // n_head` value dims.
+
+    The fused `c_attn` projection keeps GPT-2's layout, `[queries | keys | values]` along its output, head-major
+    within each block: output width `2 * n_head * qk_head_dim + n_embd`.
+    """
+
+    def __init__(self, config: GrownGPT2Config, layer_idx: int):
+        nn.Module.__init__(self)  # GPT2Attention.__init__ would build a projection of the wrong width
+        self.config = config
+        self.embed_dim = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = self.embed_dim // self.num_heads
+        self.qk_head_dim = config.qk_head_dims[layer_idx]
+        self.split_size = [self.num_heads * self.qk_head_dim] * 2 + [self.embed_dim]
+        self.scale_attn_weights = config.scale_attn_weights
+        self.scale_attn_by_inverse_layer_idx = config.scale_attn_by_inverse_layer_idx
+        self.reorder_and_upcast_attn = config.reorder_and_upcast_attn
+        self.is_cross_attention = False
+        self.layer_idx = layer_idx
+
+        self.scaling = self.qk_head_dim**-0.5 if self.scale_attn_weights else 1.0
+        if self.scale_attn_by_inverse_layer_idx:
+            self.scaling /= float(self.layer_idx + 1)
+
+        self.c_attn = Conv1D(sum(self.split_size), self.embed_dim)
+        self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
+        self.attn_dropout = nn.Dropout(config.attn_pdrop)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        self.is_causal = True
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if kwargs.get("encoder_hidden_states") is not None:
+            raise ValueError("GrownGPT2Attention is self-attention only; cross-attention is not supported.")
+        kwargs.pop("encoder_hidden_states", None)
+        kwargs.pop("encoder_attention_mask", None)
+        kwargs.pop("output_attentions", None)
+
+        query_states, key_states, value_states = self.c_attn(hidden_states).split(self.split_size, dim=2)
+        batch_and_seq = hidden_states.shape[:-1]
+        query_states = query_states.view(*batch_and_seq, self.num_heads, self.qk_head_dim).transpose(1, 2)
+        key_states = key_states.view(*batch_and_seq, self.num_heads, self.qk_head_dim).transpose(1, 2)
+        value_states = value_states.view(*batch_and_seq, self.num_heads, self.head_dim).transpose(1, 2)
+
+        if past_key_values is not None:
+            if isinstance(past_key_values, EncoderDecoderCache):
+                past_key_values = past_key_values.self_attention_cache
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        if self.config._attn_implementation == "eager" and self.reorder_and_upcast_attn:
+            attn_output, attn_weights = self._upcast_and_reordered_attn(
+                query_states, key_states, value_states, attention_mask
+            )
+        else:
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            attn_output, attn_weights = attention_interface(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                attention_mask,
+                dropout=self.attn_dropout.p if self.training else 0.0,
+                scaling=self.scaling,
+                **kwargs,
+            )
+
+        attn_output = attn_output.reshape(*attn_output.shape[:-2], -1).contiguous()
+        attn_output = self.c_proj(attn_output)
+        attn_output = self.resid_dropout(attn_output)
+        return attn_output, attn_weights
+
+
+class GrownGPT2Block(GPT2Block):
+    """A GPT-2 block with `GrownGPT2Attention`; `forward` is GPT-2's."""
+
+    def __init__(self, config: GrownGPT2Config, layer_idx: int):
+        GradientCheckpointingLayer.__init__(self)  # GPT2Block.__init__ would build a plain GPT2Attention
+        hidden_size = config.hidden_size
+        inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size
+        self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = GrownGPT2Attention(config=config, layer_idx=layer_idx)
+        self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(inner_dim, config)
+
+
+class GrownGPT2PreTrainedModel(GPT2PreTrainedModel):
+    config_class = GrownGPT2Config
+    _no_split_modules = ["GrownGPT2Block"]
+    # Flash-attention kernels need equal query/key and value widths; eager and sdpa handle different widths.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_record_outputs = {
+        "hidden_states": GrownGPT2Block,
+        "attentions": OutputRecorder(GrownGPT2Attention, layer_name=".attn", index=1),
+    }
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus what a grown checkpoint carries beside the weights.
+
+        The two source files and `auto_map` (for `trust_remote_code`), and `growth_report.json` when the
+        model holds the report of the growth that made it (`model.growth_report`, set by hf_grow).
+        """
+        self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            here = Path(__file__)
+            for source in [here, *map(Path, get_relative_import_files(str(here)))]:
+                shutil.copyfile(source, Path(save_directory) / source.name)
+            report = getattr(self, "growth_report", None)
+            if report is not None:
+                report.to_json_file(Path(save_directory) / "growth_report.json")
+
+
+class GrownGPT2Model(GrownGPT2PreTrainedModel, GPT2Model):
+    """`GPT2Model` built from `GrownGPT2Block`s."""
+
+    def __init__(self, config: GrownGPT2Config):
+        GrownGPT2PreTrainedModel.__init__(self, config)  # GPT2Model.__init__ would build plain blocks
+        self.embed_dim = config.hidden_size
+        self.wte = nn.Embedding(config.vocab_size, self.embed_dim)
+        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList([GrownGPT2Block(config, layer_idx=i) for i in range(config.num_hidden_layers)])
+        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False
+        self._attn_implementation = config._attn_implementation
+        self.post_init()
+
+
+# Each task model below is its GPT-2 counterpart with a GrownGPT2Model backbone: `__init__` repeats the
+# counterpart's (which would build a plain GPT2Model), `forward` and everything else are inherited.
+
+
+class GrownGPT2LMHeadModel(GrownGPT2PreTrainedModel, GPT2LMHeadModel):
+    def __init__(self, config: GrownGPT2Config):
+        GrownGPT2PreTrainedModel.__init__(self, config)
+        self.transformer = GrownGPT2Model(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+
+class GrownGPT2DoubleHeadsModel(GrownGPT2PreTrainedModel, GPT2DoubleHeadsModel):
+    def __init__(self, config: GrownGPT2Config):
+        GrownGPT2PreTrainedModel.__init__(self, config)
+        config.num_labels = 1
+        self.transformer = GrownGPT2Model(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.multiple_choice_head = GPT2SequenceSummary(config)
+        self.post_init()
+
+
+class GrownGPT2ForSequenceClassification(GrownGPT2PreTrainedModel, GPT2ForSequenceClassification):
+    def __init__(self, config: GrownGPT2Config):
+        GrownGPT2PreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.transformer = GrownGPT2Model(config)
+        self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)
+        self.post_init()
+
+
+class GrownGPT2ForTokenClassification(GrownGPT2PreTrainedModel, GPT2ForTokenClassification):
+    def __init__(self, config: GrownGPT2Config):
+        GrownGPT2PreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.transformer = GrownGPT2Model(config)
+        if getattr(config, "classifier_dropout", None) is not None:
+            classifier_dropout = config.classifier_dropout
+        elif getattr(config, "hidden_dropout", None) is not None:
+            classifier_dropout = config.hidden_dropout
+        else:
+            classifier_dropout = 0.1
+        self.dropout = nn.Dropout(classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class GrownGPT2ForQuestionAnswering(GrownGPT2PreTrainedModel, GPT2ForQuestionAnswering):
+    def __init__(self, config: GrownGPT2Config):
+        GrownGPT2PreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.transformer = GrownGPT2Model(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+
+__all__ = [
+    "GrownGPT2Attention",
+    "GrownGPT2Block",
+    "GrownGPT2PreTrainedModel",
+    "GrownGPT2Model",
+    "GrownGPT2LMHeadModel",
+    "GrownGPT2DoubleHeadsModel",
+    "GrownGPT2ForSequenceClassification",
+    "GrownGPT2ForTokenClassification",
+    "GrownGPT2ForQuestionAnswering",
+]

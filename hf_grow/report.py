@@ -1,0 +1,142 @@
+"""The growth report: what was grown, on how much data, what it was expected to gain and what it gained.
+
+`grow_model` attaches it to the grown model as ``model.growth_report``; `save_pretrained` of a grown model
+writes it beside the weights as ``growth_report.json`` (`load_growth_report` reads it back).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+
+REPORT_FILENAME = "growth_report.json"
+
+
+@dataclass
+class HeadReport:
+    """Expected loss decreases of one head under the local model of the chosen step (see `hf_grow.linalg`).
+
+    ``expected_gain``: of the update applied (rank d_k + p). ``expected_gain_without_growth``: of the same
+    solve truncated to the old rank d_k. ``marginal_gains``: sigma_r^2 / (2 lam) of each added dimension
+    (whitened truncation; the spectrum that tells where growth pays). ``first_order_gain``: -<M, dZ>.
+    """
+
+    layer: int
+    head: int
+    expected_gain: float
+    expected_gain_without_growth: float
+    first_order_gain: float
+    marginal_gains: list[float]
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    qk_dim_before: int
+    qk_dim_after: int
+    expected_gain: float
+    #: Held-out loss decrease when only this layer takes the chosen step (None when not measured).
+    realized_gain: float | None
+    heads: list[HeadReport]
+
+
+@dataclass
+class LineSearchPoint:
+    step_size: float
+    loss: float
+    #: "rank" for the rank-(d_k+p) truncation, "unconstrained" for the full-rank update Z - lam P.
+    kind: str = "rank"
+
+
+@dataclass
+class GrowthReport:
+    model_class: str
+    model_type: str
+    truncation: str
+    search: str
+    #: The chosen step in relative units: 1 moves the scores by their own RMS size (see `grow_model`).
+    step_size: float
+    #: The same step in absolute units of the mean statistics, Z_new = Z - lam * P.
+    lam: float
+    eval_loss_before: float | None
+    eval_loss_after: float | None
+    #: Best held-out loss of the full-rank update (search="fast" only): an upper reference for growth.
+    unconstrained_eval_loss: float | None
+    statistics_tokens: int
+    statistics_batches: int
+    eval_weight: int
+    parameters_before: int
+    parameters_after: int
+    seconds: dict[str, float]
+    line_search: list[LineSearchPoint] = field(default_factory=list)
+    layers: list[LayerReport] = field(default_factory=list)
+
+    @property
+    def qk_dims_before(self) -> list[int]:
+        return [layer.qk_dim_before for layer in self.layers]
+
+    @property
+    def qk_dims_after(self) -> list[int]:
+        return [layer.qk_dim_after for layer in self.layers]
+
+    @property
+    def parameters_added(self) -> int:
+        return self.parameters_after - self.parameters_before
+
+    @property
+    def perplexity_before(self) -> float | None:
+        return None if self.eval_loss_before is None else math.exp(self.eval_loss_before)
+
+    @property
+    def perplexity_after(self) -> float | None:
+        return None if self.eval_loss_after is None else math.exp(self.eval_loss_after)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GrowthReport:
+        data = {key: value for key, value in data.items() if key in {f.name for f in fields(cls)}}
+        data["line_search"] = [LineSearchPoint(**point) for point in data.get("line_search", [])]
+        data["layers"] = [
+            LayerReport(**{**layer, "heads": [HeadReport(**head) for head in layer["heads"]]})
+            for layer in data.get("layers", [])
+        ]
+        return cls(**data)
+
+    def to_json_file(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def summary(self) -> str:
+        """A short human-readable table."""
+
+        def fmt(value: float | None) -> str:
+            return "-" if value is None else f"{value:.4f}"
+
+        lines = [
+            f"held-out loss  before {fmt(self.eval_loss_before)}  after {fmt(self.eval_loss_after)}",
+            f"perplexity     before {fmt(self.perplexity_before)}  after {fmt(self.perplexity_after)}",
+            f"step size {self.step_size:.4g} (lam {self.lam:.4g}), truncation {self.truncation}, search {self.search}",
+            f"Q/K dims {self.qk_dims_before} -> {self.qk_dims_after}, parameters added {self.parameters_added:,}",
+        ]
+        if self.unconstrained_eval_loss is not None:
+            lines.append(f"full-rank update (reference) held-out loss {fmt(self.unconstrained_eval_loss)}")
+        lines.append("layer  qk  expected gain  realized gain")
+        for layer in self.layers:
+            lines.append(
+                f"{layer.layer:5d}  {layer.qk_dim_before}->{layer.qk_dim_after}  {layer.expected_gain:13.5f}  "
+                f"{fmt(layer.realized_gain):>13}"
+            )
+        return "\n".join(lines)
+
+
+def load_growth_report(directory: str | os.PathLike) -> GrowthReport:
+    """Read ``growth_report.json`` from a folder written by `save_pretrained` of a grown model."""
+    path = Path(directory) / REPORT_FILENAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no {REPORT_FILENAME} in {directory}: was this model grown and saved by hf_grow?")
+    return GrowthReport.from_dict(json.loads(path.read_text()))

@@ -1,0 +1,128 @@
+"""grow_model on a GPT-2 trained on real text: the held-out loss decreases, the report tells the truth."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from hf_grow import DEFAULT_TRUNCATION, GrowthReport, evaluate_loss, get_adapter, grow_model
+
+from conftest import lm_batches
+
+
+@pytest.fixture(scope="module")
+def data(stdlib_bytes):
+    return {
+        "stats": lm_batches(stdlib_bytes["stats"], 12, seed=21),
+        "eval": lm_batches(stdlib_bytes["eval"], 4, seed=22),
+        "test": lm_batches(stdlib_bytes["test"], 6, seed=23),
+    }
+
+
+@pytest.fixture(scope="module")
+def grown_by_truncation(trained_gpt2, data):
+    return {
+        truncation: grow_model(trained_gpt2, data["stats"], p=8, eval_dataloader=data["eval"], truncation=truncation)
+        for truncation in ("whitened", "frobenius")
+    }
+
+
+def test_growth_decreases_held_out_loss(trained_gpt2, grown_by_truncation, data):
+    grown = grown_by_truncation[DEFAULT_TRUNCATION]
+    report = grown.growth_report
+    before, _ = evaluate_loss(trained_gpt2, data["eval"])
+    assert report.eval_loss_before == pytest.approx(before, abs=1e-5)
+    assert report.eval_loss_after < report.eval_loss_before - 2e-3
+    assert report.step_size > 0
+    assert evaluate_loss(grown, data["eval"])[0] == pytest.approx(report.eval_loss_after, abs=1e-6)
+    # The decrease carries over to text neither the statistics nor the line search saw.
+    assert evaluate_loss(grown, data["test"])[0] < evaluate_loss(trained_gpt2, data["test"])[0] - 1e-3
+
+
+def test_default_truncation_is_at_least_as_good(grown_by_truncation):
+    whitened = grown_by_truncation["whitened"].growth_report
+    frobenius = grown_by_truncation["frobenius"].growth_report
+    assert DEFAULT_TRUNCATION == "whitened"
+    assert whitened.eval_loss_after <= frobenius.eval_loss_after + 1e-4
+
+
+def test_report_is_complete_and_consistent(trained_gpt2, grown_by_truncation, data, tmp_path):
+    grown = grown_by_truncation["whitened"]
+    report = grown.growth_report
+    assert report.qk_dims_before == [16, 16] and report.qk_dims_after == [24, 24]
+    assert report.parameters_added == grown.num_parameters() - trained_gpt2.num_parameters() == 2 * 2 * 4 * 8 * 65
+    assert report.statistics_tokens == 12 * 16 * 64 and report.statistics_batches == 12
+    assert report.eval_weight == 4 * 16 * 63  # next-token targets: exact, shifted counts
+    assert {"statistics", "solve", "line_search", "total"} <= set(report.seconds)
+    assert report.perplexity_after == pytest.approx(math.exp(report.eval_loss_after))
+    # Every evaluated point is in the report; the chosen one is the best, and step 0 is among them.
+    losses = {point.step_size: point.loss for point in report.line_search}
+    assert losses[0.0] == pytest.approx(report.eval_loss_before)
+    assert min(losses.values()) == pytest.approx(report.eval_loss_after)
+    assert report.lam > 0
+    for layer in report.layers:
+        assert len(layer.heads) == 4
+        assert layer.realized_gain is not None
+        for head in layer.heads:
+            assert len(head.marginal_gains) == 8
+            assert all(a >= b >= 0 for a, b in zip(head.marginal_gains, head.marginal_gains[1:]))
+            # Growing adds the marginal gains of the added ranks to the same solve at the old rank.
+            assert head.expected_gain == pytest.approx(head.expected_gain_without_growth + sum(head.marginal_gains), rel=1e-6, abs=1e-9)
+    assert sum(layer.expected_gain for layer in report.layers) > 0
+    # JSON round trip
+    path = tmp_path / "report.json"
+    report.to_json_file(path)
+    assert GrowthReport.from_dict(json.loads(path.read_text())).to_dict() == report.to_dict()
+    assert "held-out loss" in report.summary()
+
+
+def test_fast_search_brackets_with_the_unconstrained_update(trained_gpt2, data):
+    grown = grow_model(trained_gpt2, data["stats"], p=8, eval_dataloader=data["eval"], search="fast", measure_realized_gains=False)
+    report = grown.growth_report
+    kinds = {point.kind for point in report.line_search}
+    assert kinds == {"unconstrained", "rank"}
+    assert report.unconstrained_eval_loss < report.eval_loss_before
+    assert report.eval_loss_after < report.eval_loss_before - 2e-3
+
+
+def test_without_growth_the_same_solve_still_helps(trained_gpt2, data):
+    grown = grow_model(trained_gpt2, data["stats"], p={0: 0, 1: 0}, eval_dataloader=data["eval"], measure_realized_gains=False)
+    assert grown.config.qk_head_dims == [16, 16]
+    assert grown.growth_report.eval_loss_after < grown.growth_report.eval_loss_before
+
+
+def test_default_split_holds_out_the_last_batches(trained_gpt2, data):
+    batches = data["stats"] + data["eval"][:2]  # 14 batches: the last round(1.4) = 1 is held out
+    grown = grow_model(trained_gpt2, batches, p=8, measure_realized_gains=False)
+    assert grown.growth_report.statistics_batches == 13
+    assert grown.growth_report.eval_loss_before == pytest.approx(evaluate_loss(trained_gpt2, batches[-1:])[0], abs=1e-5)
+
+
+def test_given_step_size_skips_the_search_and_is_deterministic(trained_gpt2, data):
+    first = grow_model(trained_gpt2, data["stats"][:4], p=8, step_size=0.05)
+    second = grow_model(trained_gpt2, data["stats"][:4], p=8, step_size=0.05)
+    assert first.growth_report.line_search == [] and first.growth_report.eval_loss_before is None
+    assert first.growth_report.step_size == 0.05
+    for name, tensor in first.state_dict().items():
+        assert torch.equal(tensor, second.state_dict()[name]), name
+    # Q/K actually moved; everything else is the input's.
+    attention = get_adapter(first).attention_modules(first)[0]
+    original = get_adapter(trained_gpt2).attention_modules(trained_gpt2)[0]
+    assert not torch.allclose(attention.c_attn.weight[:, :64], original.c_attn.weight[:, :64])
+    assert torch.equal(attention.c_attn.weight[:, -64:], original.c_attn.weight[:, -64:])
+    assert torch.equal(first.transformer.wte.weight, trained_gpt2.transformer.wte.weight)
+
+
+def test_zero_gradients_mean_no_step(trained_gpt2, data):
+    """A constant loss: nothing to learn, the model keeps its function exactly."""
+    grown = grow_model(
+        trained_gpt2, data["stats"][:3], p=8, eval_dataloader=data["eval"][:1],
+        loss_fn=lambda model, batch: model(**batch).logits.sum() * 0.0,
+    )
+    report = grown.growth_report
+    assert report.step_size == 0.0 and report.eval_loss_after == report.eval_loss_before
+    assert all(head.expected_gain == 0 for layer in report.layers for head in layer.heads)
+    batch = data["test"][0]
+    with torch.no_grad():
+        assert (grown(**batch).logits - trained_gpt2(**batch).logits).abs().max() <= 1e-4

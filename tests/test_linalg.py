@@ -1,0 +1,126 @@
+"""The solve against closed forms: Eckart-Young, exactness, metric optimality, singular C."""
+
+import pytest
+import torch
+
+from hf_grow import linalg
+
+
+def random_psd(d: int, rank: int, generator: torch.Generator) -> torch.Tensor:
+    factor = torch.randn(d, rank, generator=generator, dtype=torch.float64)
+    return factor @ factor.T / rank
+
+
+def low_rank(d: int, rank: int, generator: torch.Generator, batch: int = 3) -> torch.Tensor:
+    left = torch.randn(batch, d, rank, generator=generator, dtype=torch.float64)
+    right = torch.randn(batch, d, rank, generator=generator, dtype=torch.float64)
+    return left @ right.mT
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def test_frobenius_residual_is_eckart_young(generator):
+    target = torch.randn(3, 12, 12, generator=generator, dtype=torch.float64)
+    for rank in (1, 4, 11):
+        factors = linalg.truncate(target, rank)
+        residual = (target - factors.product).square().sum(dim=(-2, -1))
+        expected = factors.singular_values[:, rank:].square().sum(dim=-1)
+        torch.testing.assert_close(residual, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("singular", [False, True])
+def test_exact_reconstruction_when_rank_fits(generator, singular):
+    d = 10
+    metric = linalg.metric_from_second_moment(random_psd(d, 6 if singular else 40, generator))
+    target = low_rank(d, 3, generator)
+    for chosen in (None, metric):
+        for rank in (3, 5, d):
+            torch.testing.assert_close(linalg.truncate(target, rank, chosen).product, target, rtol=1e-8, atol=1e-8)
+
+
+def test_whitened_truncation_is_optimal_in_the_metric(generator):
+    d, rank = 9, 3
+    second_moment = random_psd(d, 30, generator)
+    metric = linalg.metric_from_second_moment(second_moment)
+    root = torch.linalg.cholesky(second_moment)  # L L^T = C: ||L^T A L|| = ||C^1/2 A C^1/2||
+
+    def metric_error(approximation):
+        return (root.T @ (target - approximation) @ root).square().sum(dim=(-2, -1))
+
+    target = torch.randn(d, d, generator=generator, dtype=torch.float64)
+    best = metric_error(linalg.truncate(target, rank, metric).product)
+    expected = linalg.truncate(target, rank, metric).singular_values[rank:].square().sum()
+    torch.testing.assert_close(best, expected, rtol=1e-9, atol=1e-9)
+    frobenius = metric_error(linalg.truncate(target, rank).product)
+    assert best < frobenius
+    for _ in range(200):
+        competitor = low_rank(d, rank, generator, batch=1)[0]
+        assert best <= metric_error(competitor)
+    # Local perturbations of the optimum within rank r never do better either.
+    factors = linalg.truncate(target, rank, metric)
+    for _ in range(50):
+        left = factors.left + 1e-3 * torch.randn(factors.left.shape, generator=generator, dtype=torch.float64)
+        assert best <= metric_error(left @ factors.right.mT) + 1e-12
+
+
+def test_singular_second_moment_like_layernorm(generator):
+    # Centered features (rows sum to zero, as after LayerNorm without affine) plus the ones column.
+    features = torch.randn(500, 8, generator=generator, dtype=torch.float64)
+    features = features - features.mean(dim=1, keepdim=True)
+    augmented = torch.cat([features, torch.ones(500, 1, dtype=torch.float64)], dim=1)
+    second_moment = augmented.T @ augmented / 500
+    metric = linalg.metric_from_second_moment(second_moment)
+    assert metric.rank == 8  # one exact null direction: [1, ..., 1, 0]
+    pinv = metric.from_basis(torch.diag_embed(metric.pinv_diag))
+    torch.testing.assert_close(second_moment @ pinv @ second_moment, second_moment, rtol=1e-9, atol=1e-9)
+    gradient = torch.randn(9, 9, generator=generator, dtype=torch.float64)
+    direction = linalg.solve_direction(gradient, metric)
+    null = torch.cat([torch.ones(8), torch.zeros(1)]).double()
+    assert torch.isfinite(direction).all()
+    assert direction @ null == pytest.approx(torch.zeros(9), abs=1e-9)  # the step stays where data lives
+    torch.testing.assert_close(direction, pinv @ gradient @ pinv)
+
+
+def test_zero_second_moment_is_a_clear_error():
+    with pytest.raises(ValueError, match="no \\(non-padding\\) tokens"):
+        linalg.metric_from_second_moment(torch.zeros(4, 4, dtype=torch.float64))
+    with pytest.raises(FloatingPointError):
+        linalg.metric_from_second_moment(torch.full((4, 4), float("nan"), dtype=torch.float64))
+
+
+def test_balanced_factorization(generator):
+    target = torch.randn(2, 8, 8, generator=generator, dtype=torch.float64)
+    factors = linalg.truncate(target, 4)
+    torch.testing.assert_close(factors.left.norm(dim=-2), factors.right.norm(dim=-2))
+    torch.testing.assert_close(factors.left.norm(dim=-2).square(), factors.singular_values[:, :4])
+
+
+def test_step_minimizes_the_local_model_and_gains_read_from_singular_values(generator):
+    d, rank, lam = 8, 3, 0.7
+    metric = linalg.metric_from_second_moment(random_psd(d, 40, generator))
+    bilinear = low_rank(d, 2, generator, batch=1)[0]
+    gradient = torch.randn(d, d, generator=generator, dtype=torch.float64)
+    direction = linalg.solve_direction(gradient, metric)
+    best = linalg.predicted_decrease(gradient, -lam * direction, metric, lam)
+    for _ in range(50):
+        other = -lam * direction + 0.05 * torch.randn(d, d, generator=generator, dtype=torch.float64)
+        assert linalg.predicted_decrease(gradient, other, metric, lam) <= best
+    # Rank-r whitened truncation: decrease = lam/2 ||P||_C^2 - sum_{i>r} sigma_i^2 / (2 lam).
+    factors = linalg.truncate(bilinear - lam * direction, rank, metric)
+    decrease = linalg.predicted_decrease(gradient, factors.product - bilinear, metric, lam)
+    gains = linalg.rank_gains(factors.singular_values, lam)
+    expected = lam / 2 * linalg.whitened_norm_sq(direction, metric) - gains[rank:].sum()
+    torch.testing.assert_close(decrease, expected, rtol=1e-8, atol=1e-10)
+    assert (gains[:-1] >= gains[1:]).all() and (gains >= 0).all()
+    assert float(linalg.predicted_decrease(gradient, direction, metric, 0.0)) == 0.0
+
+
+def test_truncate_rejects_impossible_ranks(generator):
+    target = torch.randn(5, 5, generator=generator, dtype=torch.float64)
+    with pytest.raises(ValueError, match="exceeds"):
+        linalg.truncate(target, 6)
+    with pytest.raises(ValueError, match="positive"):
+        linalg.truncate(target, 0)
