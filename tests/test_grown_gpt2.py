@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -235,3 +236,12 @@ def test_input_model_is_unchanged(gpt2_copy, stdlib_bytes):
     grown_storages = {t.untyped_storage().data_ptr() for t in grown.state_dict().values()}
     assert not grown_storages & {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
     assert hf_grow.get_adapter(grown).qk_head_dims(grown.config) == [24, 24]
+
+
+def test_widths_off_multiples_of_eight_warn(trained_gpt2, stdlib_bytes):
+    batches = lm_batches(stdlib_bytes["stats"], 2)
+    with pytest.warns(UserWarning, match="not multiples of 8"):
+        grow_model(trained_gpt2, batches, p=4, step_size=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grow_model(trained_gpt2, batches, p=8, step_size=0.0)
