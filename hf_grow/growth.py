@@ -115,10 +115,9 @@ class _GrowthProblem:
                 )
             scores_sq = sum(float(linalg.whitened_norm_sq(p.bilinear, p.metric).sum()) for p in self.layers)
             step_sq = sum(float(linalg.whitened_norm_sq(p.direction, p.metric).sum()) for p in self.layers)
-        # lam per unit step size; zero when the gradients vanish (nothing to gain) or Q/K are all zero.
-        self.lam_unit = math.sqrt(scores_sq / step_sq) if step_sq > 0 and scores_sq > 0 else 0.0
-        if step_sq > 0 and scores_sq == 0:
-            self.lam_unit = 1.0 / math.sqrt(step_sq)
+        # lam per unit step size: zero when the gradients vanish (nothing to gain); with all-zero Q/K the
+        # unit step has whitened norm 1 instead of the scores' own size.
+        self.lam_unit = math.sqrt((scores_sq or 1.0) / step_sq) if step_sq > 0 else 0.0
 
     def lam(self, step_size: float) -> float:
         return step_size * self.lam_unit
