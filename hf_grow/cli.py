@@ -1,0 +1,274 @@
+"""The ``hf-grow`` command: load a causal LM, read text, grow it, write the grown model atomically."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as transformers_logging
+
+from . import __version__
+from .data import causal_lm_batches, read_dataset, read_text_files, token_windows
+from .growth import DEFAULT_TRUNCATION, SEARCHES, grow_model
+from .linalg import TRUNCATIONS
+from .report import GrowthReport
+
+
+EXAMPLES = """examples:
+  hf-grow gpt2 --p 8 --output-dir gpt2-grown
+      statistics from wikitext-2-raw-v1 (train), line search on its validation split
+  hf-grow ./my-gpt2 --p 8 --data 'corpus/*.txt' --output-dir my-gpt2-grown
+      a local model and local text files (the held-out text is the tail of the files)
+  hf-grow gpt2 --p 16 --dataset wikitext --dataset-config wikitext-103-raw-v1 --max-tokens 2000000 \\
+      --output-dir gpt2-grown --report growth.json
+"""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CommandError(Exception):
+    """A problem the user can fix: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-grow",
+        description="Grow the query/key dimension of every attention head of a causal language model, "
+        "with weights solved from first-order loss statistics.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", help="Hub id (e.g. gpt2) or local folder of a causal LM and its tokenizer")
+    parser.add_argument("--p", type=int, default=8, help="query/key dimensions to add per head (default 8)")
+    parser.add_argument("--output-dir", required=True, help="folder for the grown model (must be empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    data = parser.add_argument_group("data (default: --dataset wikitext --dataset-config wikitext-2-raw-v1)")
+    data.add_argument("--data", nargs="+", metavar="FILE", help="plain text files or globs")
+    data.add_argument("--dataset", help="a datasets name (Hub or local script/folder)")
+    data.add_argument("--dataset-config", help="the dataset's configuration name")
+    data.add_argument("--split", default="train", help="split for the statistics (default train)")
+    data.add_argument("--eval-split", default="validation", help="split for held-out text (default validation)")
+    data.add_argument("--text-column", default="text", help="column holding the text (default text)")
+    data.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it")
+    data.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    data.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
+    data.add_argument("--max-tokens", type=int, default=500_000, help="tokens for the statistics")
+    data.add_argument("--eval-tokens", type=int, default=50_000, help="held-out tokens for the line search")
+    growth = parser.add_argument_group("growth")
+    growth.add_argument("--step-size", type=float, help="skip the line search and take this (relative) step")
+    growth.add_argument("--truncation", choices=TRUNCATIONS, default=DEFAULT_TRUNCATION)
+    growth.add_argument("--search", choices=SEARCHES, default="exact")
+    run = parser.add_argument_group("run")
+    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (statistics are float32+)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--report", help="also write the JSON growth report to this file")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--version", action="version", version=f"hf-grow {__version__}")
+    return parser
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    if args.p <= 0:
+        raise CommandError(f"--p must be a positive number of dimensions to add, got {args.p}")
+    for name in ("seq_len", "batch_size", "max_tokens", "eval_tokens"):
+        if getattr(args, name) <= 0:
+            raise CommandError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.data and args.dataset:
+        raise CommandError("give either --data or --dataset, not both")
+    output = Path(args.output_dir)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
+        raise CommandError(f"{output} exists and is not empty: choose another --output-dir or pass --overwrite")
+
+
+def _load_tokenizer(args: argparse.Namespace):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as error:
+        raise CommandError(
+            f"cannot load a tokenizer for {args.model!r} ({str(error).splitlines()[0]}): check the name, "
+            "that the folder holds tokenizer files, and network access (HF_HUB_OFFLINE)"
+        ) from None
+    # transformers builds an empty tokenizer for a folder without vocabulary files: it encodes nothing.
+    if not tokenizer("def grow(): pass", add_special_tokens=False)["input_ids"]:
+        raise CommandError(f"{args.model!r} has no usable tokenizer: save the model's tokenizer into that folder")
+    return tokenizer
+
+
+def _load_model(args: argparse.Namespace):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype])
+    except ValueError as error:
+        raise CommandError(
+            f"{args.model!r} is not a causal language model the command line can grow "
+            f"({str(error).splitlines()[0]}); for other heads use the Python API: grow_model(..., loss_fn=...)"
+        ) from None
+    except OSError as error:
+        raise CommandError(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}") from None
+    return model.to(args.device)
+
+
+def _dataset_windows(args: argparse.Namespace, tokenizer) -> tuple[list, list]:
+    """Statistics windows from ``--split`` and held-out windows from ``--eval-split`` of a datasets dataset."""
+    name = args.dataset or "wikitext"
+    config = args.dataset_config or (None if args.dataset else "wikitext-2-raw-v1")
+
+    def windows(split: str, max_tokens: int) -> list:
+        texts = read_dataset(name, config, split, args.text_column, args.streaming)
+        return token_windows(texts, tokenizer, args.seq_len, max_tokens)
+
+    try:
+        return windows(args.split, args.max_tokens), windows(args.eval_split, args.eval_tokens)
+    except KeyError as error:
+        raise CommandError(str(error).strip("'\"")) from None
+    except Exception as error:  # datasets raises many types for unreachable or unknown datasets
+        if not args.dataset:
+            raise CommandError(
+                f"cannot reach the default dataset wikitext ({type(error).__name__}): pass local text with --data FILE"
+            ) from None
+        raise CommandError(f"cannot load dataset {args.dataset!r}: {str(error).splitlines()[0]}") from None
+
+
+def _batches(args: argparse.Namespace, tokenizer) -> tuple[list, list]:
+    """Statistics and held-out batches; local files give their tail as held-out text."""
+    if args.data:
+        eval_windows = max(1, args.eval_tokens // args.seq_len)
+        try:
+            windows = token_windows(
+                read_text_files(args.data), tokenizer, args.seq_len, args.max_tokens + args.eval_tokens
+            )
+        except FileNotFoundError as error:
+            raise CommandError(str(error)) from None
+        statistics, held_out = windows[:-eval_windows], windows[-eval_windows:]
+    else:
+        statistics, held_out = _dataset_windows(args, tokenizer)
+    if not statistics or not held_out:
+        raise CommandError(
+            f"the text is too short: it gives {len(statistics)} statistics and {len(held_out)} held-out sequences "
+            f"of {args.seq_len} tokens; pass more text or a smaller --seq-len"
+        )
+    return causal_lm_batches(statistics, args.batch_size), causal_lm_batches(held_out, args.batch_size)
+
+
+def model_card(model_name: str, report: GrowthReport, output_name: str) -> str:
+    """A model card for the grown model: metadata, the growth summary and how to load it."""
+    return f"""---
+base_model: {model_name}
+library_name: transformers
+pipeline_tag: text-generation
+tags:
+- hf_grow
+- grown-attention
+---
+
+# {output_name}
+
+`{model_name}` with the query/key width of every attention head grown by
+[hf_grow](https://pypi.org/project/hf_grow/): Q/K dims {report.qk_dims_before} -> {report.qk_dims_after},
+{report.parameters_added:,} parameters added, new weights solved from first-order loss statistics over
+{report.statistics_tokens:,} tokens.
+
+| | before | after |
+|---|---|---|
+| held-out loss | {report.eval_loss_before} | {report.eval_loss_after} |
+| held-out perplexity | {report.perplexity_before} | {report.perplexity_after} |
+
+Step size {report.step_size:.4g} (λ = {report.lam:.4g}), truncation `{report.truncation}`. The full report is in
+`growth_report.json`.
+
+## Load
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("{output_name}", trust_remote_code=True)
+```
+
+or, with hf_grow installed, `import hf_grow` first and drop `trust_remote_code`.
+"""
+
+
+def _write_atomically(output: Path, write) -> None:
+    """Write into a temporary sibling folder, then rename it into place: no half-written model, ever."""
+    output = output.resolve()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.hf-grow-{os.getpid()}"
+    replaced = output.parent / f".{output.name}.hf-grow-old-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir()
+        write(staging)
+        if output.exists():
+            output.rename(replaced)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if replaced.exists() and not output.exists():
+            replaced.rename(output)
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    _check_arguments(args)
+    torch.manual_seed(args.seed)
+    show_progress = not args.quiet and sys.stderr.isatty()
+    transformers_logging.set_verbosity_error()
+    if not show_progress:
+        transformers_logging.disable_progress_bar()
+    tokenizer = _load_tokenizer(args)
+    statistics_batches, held_out_batches = _batches(args, tokenizer)  # read the data before loading the model
+    model = _load_model(args)
+    try:
+        grown = grow_model(
+            model,
+            statistics_batches,
+            p=args.p,
+            eval_dataloader=held_out_batches,
+            step_size=args.step_size,
+            truncation=args.truncation,
+            search=args.search,
+            progress=show_progress,
+        )
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    report = grown.growth_report
+    output = Path(args.output_dir)
+
+    def write(folder: Path) -> None:
+        grown.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        (folder / "README.md").write_text(model_card(args.model, report, output.name))
+
+    _write_atomically(output, write)
+    if args.report:
+        report.to_json_file(args.report)
+    elapsed = time.perf_counter() - started
+    print(report.summary())
+    print(f"wall time {elapsed:.1f} s; grown model written to {output}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except CommandError as error:
+        print(f"hf-grow: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hf-grow: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

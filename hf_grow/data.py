@@ -1,0 +1,70 @@
+"""Text to batches for the command line: local files or a `datasets` dataset, tokenized into fixed windows."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+
+def read_text_files(patterns: list[str]) -> Iterator[str]:
+    """The contents of every file matching ``patterns`` (paths or globs), in sorted order per pattern."""
+    for pattern in patterns:
+        paths = sorted(glob.glob(os.path.expanduser(pattern), recursive=True)) or [pattern]
+        for path in paths:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no text file at {path!r}: --data takes text files or globs")
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                yield handle.read()
+
+
+def read_dataset(name: str, config: str | None, split: str, text_column: str, streaming: bool) -> Iterator[str]:
+    """The ``text_column`` of a `datasets` split, one document at a time."""
+    import datasets
+
+    dataset = datasets.load_dataset(name, config, split=split, streaming=streaming)
+    columns = dataset.column_names or []
+    if columns and text_column not in columns:
+        raise KeyError(f"dataset {name!r} has no column {text_column!r}; columns: {', '.join(columns)} (use --text-column)")
+    for row in dataset:
+        yield row[text_column]
+
+
+def token_windows(
+    texts: Iterable[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, max_tokens: int, skip_tokens: int = 0
+) -> list[torch.Tensor]:
+    """Concatenate the tokenized texts and cut windows of ``seq_len`` tokens, after skipping ``skip_tokens``.
+
+    Stops after ``max_tokens`` tokens of windows; a last partial window is dropped.
+    """
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    buffer: list[int] = []
+    windows: list[torch.Tensor] = []
+    skipped = 0
+    for text in texts:
+        if not text:
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + separator
+        if skipped < skip_tokens:
+            take = min(len(ids), skip_tokens - skipped)
+            skipped += take
+            ids = ids[take:]
+        buffer.extend(ids)
+        while len(buffer) >= seq_len and len(windows) * seq_len < max_tokens:
+            windows.append(torch.tensor(buffer[:seq_len], dtype=torch.long))
+            buffer = buffer[seq_len:]
+        if len(windows) * seq_len >= max_tokens:
+            break
+    return windows
+
+
+def causal_lm_batches(windows: list[torch.Tensor], batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Batches for next-token loss: full windows, so there is no padding and every label counts."""
+    batches = []
+    for start in range(0, len(windows), batch_size):
+        input_ids = torch.stack(windows[start : start + batch_size])
+        batches.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids})
+    return batches

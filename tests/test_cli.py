@@ -1,0 +1,151 @@
+"""The hf-grow command end to end on a local model folder and local text, and its one-line errors."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from hf_grow import GrownGPT2LMHeadModel, cli, load_growth_report
+
+from conftest import tiny_gpt2_config
+
+
+STDLIB = sysconfig.get_paths()["stdlib"]
+TRAIN_FILES = sorted(glob.glob(os.path.join(STDLIB, "*.py")))[:30]
+TEXT_GLOB = os.path.join(STDLIB, "json", "*.py")
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A byte-level BPE tokenizer and a GPT-2 trained briefly on standard-library sources, saved to a folder."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train(TRAIN_FILES, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=128))
+    ids = tokenizer("".join(open(f).read() for f in TRAIN_FILES[:10]))["input_ids"]
+    data = torch.tensor(ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        starts = torch.randint(0, len(data) - 64, (16,), generator=generator).tolist()
+        batch = torch.stack([data[s : s + 64] for s in starts])
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    folder = tmp_path_factory.mktemp("model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "hf_grow", *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+SMALL = ["--seq-len", "64", "--batch-size", "8", "--max-tokens", "6000", "--eval-tokens", "2000", "--quiet"]
+
+
+def test_grows_a_local_model_on_local_text(model_folder, tmp_path):
+    output = tmp_path / "grown"
+    before = {name: t.clone() for name, t in GPT2LMHeadModel.from_pretrained(model_folder).state_dict().items()}
+    result = run_cli(str(model_folder), "--p", "8", "--data", TEXT_GLOB, "--output-dir", str(output),
+                     "--report", str(tmp_path / "report.json"), *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out loss" in result.stdout and "perplexity" in result.stdout and "wall time" in result.stdout
+    report = load_growth_report(output)
+    assert report.qk_dims_after == [24, 24]
+    assert report.eval_loss_after <= report.eval_loss_before
+    assert json.loads((tmp_path / "report.json").read_text()) == report.to_dict()
+    card = (output / "README.md").read_text()
+    assert "base_model:" in card and "hf_grow" in card and "trust_remote_code=True" in card
+    loaded = AutoModelForCausalLM.from_pretrained(output)
+    assert isinstance(loaded, GrownGPT2LMHeadModel)
+    assert (output / "tokenizer.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".grown")]  # no staging left behind
+    after = GPT2LMHeadModel.from_pretrained(model_folder).state_dict()
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())  # input untouched
+
+
+def test_refuses_a_non_empty_output_folder(model_folder, tmp_path):
+    (tmp_path / "keep.txt").write_text("precious")
+    result = run_cli(str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path), *SMALL)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "--overwrite" in result.stderr
+    assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--p", "0"], "--p must be a positive"),
+        (["--p", "-4"], "--p must be a positive"),
+        (["--data", "/nonexistent/*.txt"], "no text file"),
+        (["--data", TEXT_GLOB, "--max-tokens", "10", "--eval-tokens", "10", "--seq-len", "64"], "too short"),
+        (["--dataset", "/nonexistent-dataset-folder"], "cannot load dataset"),
+    ],
+)
+def test_bad_input_is_one_line(model_folder, tmp_path, arguments, message):
+    base = [str(model_folder), "--output-dir", str(tmp_path / "out"), "--quiet"]
+    if "--data" not in arguments and "--dataset" not in arguments:
+        base += ["--data", TEXT_GLOB]
+    result = run_cli(*base, *arguments)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreachable_model_and_default_dataset(model_folder, tmp_path):
+    result = run_cli("no-such-user/no-such-model", "--output-dir", str(tmp_path / "out"), "--data", TEXT_GLOB)
+    assert result.returncode == 2 and "cannot load a tokenizer" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli(str(model_folder), "--output-dir", str(tmp_path / "out"), "--quiet")
+    assert result.returncode == 2 and "--data" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_tokenizer_and_unsupported_architecture(model_folder, tmp_path):
+    bare = tmp_path / "bare"
+    GPT2LMHeadModel.from_pretrained(model_folder).save_pretrained(bare)
+    result = run_cli(str(bare), "--output-dir", str(tmp_path / "out"), "--data", TEXT_GLOB)
+    assert result.returncode == 2 and "tokenizer" in result.stderr and "Traceback" not in result.stderr
+    from transformers import BertConfig, BertForMaskedLM
+
+    bert = tmp_path / "bert"
+    BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(bert)
+    PreTrainedTokenizerFast.from_pretrained(model_folder).save_pretrained(bert)
+    result = run_cli(str(bert), "--output-dir", str(tmp_path / "out"), "--data", TEXT_GLOB, *SMALL)
+    assert result.returncode == 2 and "supported model types: gpt2" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_failed_save_leaves_nothing_behind(model_folder, tmp_path, monkeypatch):
+    def broken_save(self, *args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(GrownGPT2LMHeadModel, "save_pretrained", broken_save)
+    output = tmp_path / "grown"
+    with pytest.raises(OSError, match="disk full"):
+        cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--step-size", "0.01", *SMALL])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_replaces_the_folder(model_folder, tmp_path):
+    output = tmp_path / "grown"
+    output.mkdir()
+    (output / "old.txt").write_text("old")
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--overwrite",
+                     "--step-size", "0.0", *SMALL]) == 0
+    assert not (output / "old.txt").exists() and (output / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grown"]
