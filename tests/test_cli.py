@@ -6,15 +6,17 @@ import os
 import subprocess
 import sys
 import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from hf_grow import GrownGPT2LMHeadModel, cli, load_growth_report
 
-from conftest import tiny_gpt2_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+from quickstart import train_small_gpt2  # noqa: E402
 
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -25,28 +27,8 @@ TEXT_GLOB = os.path.join(STDLIB, "json", "*.py")
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     """A byte-level BPE tokenizer and a GPT-2 trained briefly on standard-library sources, saved to a folder."""
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train(TRAIN_FILES, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=128))
-    ids = tokenizer("".join(open(f).read() for f in TRAIN_FILES[:10]))["input_ids"]
-    data = torch.tensor(ids)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(60):
-        starts = torch.randint(0, len(data) - 64, (16,), generator=generator).tolist()
-        batch = torch.stack([data[s : s + 64] for s in starts])
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
     folder = tmp_path_factory.mktemp("model")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    train_small_gpt2(folder, TRAIN_FILES, steps=60, vocab_size=400)
     return folder
 
 
