@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress bars only for a person watching: not with --quiet, not when stderr is a file or pipe."""
+    return not args.quiet and sys.stderr.isatty()
+
+
 def _check_arguments(args: argparse.Namespace) -> None:
     if args.p <= 0:
         raise CommandError(f"--p must be a positive number of dimensions to add, got {args.p}")
@@ -123,7 +128,7 @@ def _dataset_windows(args: argparse.Namespace, tokenizer) -> tuple[list, list]:
     config = args.dataset_config or (None if args.dataset else "wikitext-2-raw-v1")
 
     def windows(split: str, max_tokens: int) -> list:
-        texts = read_dataset(name, config, split, args.text_column, args.streaming)
+        texts = read_dataset(name, config, split, args.text_column, args.streaming, _progress(args))
         return token_windows(texts, tokenizer, args.seq_len, max_tokens)
 
     try:
@@ -221,7 +226,7 @@ def run(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     _check_arguments(args)
     torch.manual_seed(args.seed)
-    show_progress = not args.quiet and sys.stderr.isatty()
+    show_progress = _progress(args)
     transformers_logging.set_verbosity_error()
     if not show_progress:
         transformers_logging.disable_progress_bar()

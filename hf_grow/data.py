@@ -21,10 +21,14 @@ def read_text_files(patterns: list[str]) -> Iterator[str]:
                 yield handle.read()
 
 
-def read_dataset(name: str, config: str | None, split: str, text_column: str, streaming: bool) -> Iterator[str]:
+def read_dataset(
+    name: str, config: str | None, split: str, text_column: str, streaming: bool, progress: bool = True
+) -> Iterator[str]:
     """The ``text_column`` of a `datasets` split, one document at a time."""
     import datasets
 
+    if not progress:
+        datasets.disable_progress_bars()
     dataset = datasets.load_dataset(name, config, split=split, streaming=streaming)
     columns = dataset.column_names or []
     if columns and text_column not in columns:

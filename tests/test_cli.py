@@ -131,3 +131,23 @@ def test_overwrite_replaces_the_folder(model_folder, tmp_path):
                      "--step-size", "0.0", *SMALL]) == 0
     assert not (output / "old.txt").exists() and (output / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grown"]
+
+
+def test_local_dataset_through_the_datasets_library(model_folder, tmp_path):
+    """The --dataset path (the same code that reads wikitext from the Hub), on a local CSV dataset folder."""
+    import csv
+
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    with open(folder / "train.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["content"])
+        for path in sorted(glob.glob(TEXT_GLOB)):
+            writer.writerow([open(path).read()])
+    common = [str(model_folder), "--dataset", str(folder), "--eval-split", "train", *SMALL]
+    result = run_cli(*common, "--text-column", "missing", "--output-dir", str(tmp_path / "out"))
+    assert result.returncode == 2 and "no column 'missing'" in result.stderr and "content" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = run_cli(*common, "--text-column", "content", "--output-dir", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert load_growth_report(tmp_path / "out").eval_loss_after <= load_growth_report(tmp_path / "out").eval_loss_before

@@ -1,3 +1,5 @@
+"""The grown GPT-2 model type (config and modeling files are self-contained for trust_remote_code)."""
+
 from .configuration_grown_gpt2 import GrownGPT2Config
 from .modeling_grown_gpt2 import (
     GrownGPT2DoubleHeadsModel,
@@ -8,3 +10,15 @@ from .modeling_grown_gpt2 import (
     GrownGPT2Model,
     GrownGPT2PreTrainedModel,
 )
+
+
+__all__ = [
+    "GrownGPT2Config",
+    "GrownGPT2DoubleHeadsModel",
+    "GrownGPT2ForQuestionAnswering",
+    "GrownGPT2ForSequenceClassification",
+    "GrownGPT2ForTokenClassification",
+    "GrownGPT2LMHeadModel",
+    "GrownGPT2Model",
+    "GrownGPT2PreTrainedModel",
+]
