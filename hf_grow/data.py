@@ -38,24 +38,19 @@ def read_dataset(
 
 
 def token_windows(
-    texts: Iterable[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, max_tokens: int, skip_tokens: int = 0
+    texts: Iterable[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, max_tokens: int
 ) -> list[torch.Tensor]:
-    """Concatenate the tokenized texts and cut windows of ``seq_len`` tokens, after skipping ``skip_tokens``.
+    """Concatenate the tokenized texts and cut windows of ``seq_len`` tokens.
 
     Stops after ``max_tokens`` tokens of windows; a last partial window is dropped.
     """
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     buffer: list[int] = []
     windows: list[torch.Tensor] = []
-    skipped = 0
     for text in texts:
         if not text:
             continue
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] + separator
-        if skipped < skip_tokens:
-            take = min(len(ids), skip_tokens - skipped)
-            skipped += take
-            ids = ids[take:]
         buffer.extend(ids)
         while len(buffer) >= seq_len and len(windows) * seq_len < max_tokens:
             windows.append(torch.tensor(buffer[:seq_len], dtype=torch.long))
