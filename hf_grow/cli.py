@@ -1,4 +1,8 @@
-"""The ``hf-grow`` command: load a causal LM, read text, grow it, write the grown model atomically."""
+"""The ``hf-grow`` command: load a language model, read text, grow it, write the grown model atomically.
+
+Causal LMs (GPT-2) grow on next-token loss; masked LMs (BERT) on masked-LM loss with transformers' standard
+collator. Any other objective goes through the Python API's ``loss_fn``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from . import __version__
-from .data import causal_lm_batches, read_dataset, read_text_files, token_windows
+from .adapters import supported_model_types
+from .data import causal_lm_batches, masked_lm_batches, read_dataset, read_text_files, token_windows
 from .growth import DEFAULT_TRUNCATION, SEARCHES, grow_model
 from .linalg import TRUNCATIONS
 from .report import GrowthReport
@@ -24,6 +29,8 @@ EXAMPLES = """examples:
       statistics from wikitext-2-raw-v1 (train), line search on its validation split
   hf-grow ./my-gpt2 --p 8 --data 'corpus/*.txt' --output-dir my-gpt2-grown
       a local model and local text files (the held-out text is the tail of the files)
+  hf-grow google-bert/bert-base-uncased --p 8 --seq-len 128 --output-dir bert-grown
+      a masked LM: masked-LM loss with 15% of tokens masked
   hf-grow gpt2 --p 16 --dataset wikitext --dataset-config wikitext-103-raw-v1 --max-tokens 2000000 \\
       --output-dir gpt2-grown --report growth.json
 """
@@ -38,12 +45,13 @@ class CommandError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-grow",
-        description="Grow the query/key dimension of every attention head of a causal language model, "
-        "with weights solved from first-order loss statistics.",
+        description="Grow the query/key dimension of every attention head of a language model (causal LMs "
+        "such as GPT-2 on next-token loss, masked LMs such as BERT on masked-LM loss), with weights solved from "
+        "first-order loss statistics.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="Hub id (e.g. gpt2) or local folder of a causal LM and its tokenizer")
+    parser.add_argument("model", help="Hub id (e.g. gpt2) or local folder of a causal or masked LM and its tokenizer")
     parser.add_argument("--p", type=int, default=8, help="query/key dimensions to add per head (default 8)")
     parser.add_argument("--output-dir", required=True, help="folder for the grown model (must be empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
@@ -55,10 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--eval-split", default="validation", help="split for held-out text (default validation)")
     data.add_argument("--text-column", default="text", help="column holding the text (default text)")
     data.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it")
-    data.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    data.add_argument("--seq-len", type=int, help="tokens per sequence (default 512, or the model's positions if fewer)")
     data.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
     data.add_argument("--max-tokens", type=int, default=500_000, help="tokens for the statistics")
     data.add_argument("--eval-tokens", type=int, default=50_000, help="held-out tokens for the line search")
+    data.add_argument("--mlm-probability", type=float, default=0.15, help="masked LMs: share of tokens masked")
     growth = parser.add_argument_group("growth")
     growth.add_argument("--step-size", type=float, help="skip the line search and take this (relative) step")
     growth.add_argument("--truncation", choices=TRUNCATIONS, default=DEFAULT_TRUNCATION)
@@ -82,8 +91,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if args.p <= 0:
         raise CommandError(f"--p must be a positive number of dimensions to add, got {args.p}")
     for name in ("seq_len", "batch_size", "max_tokens", "eval_tokens"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise CommandError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 < args.mlm_probability < 1:
+        raise CommandError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
     if args.data and args.dataset:
         raise CommandError("give either --data or --dataset, not both")
     output = Path(args.output_dir)
@@ -107,29 +118,69 @@ def _load_tokenizer(args: argparse.Namespace):
     return tokenizer
 
 
-def _load_model(args: argparse.Namespace):
-    from transformers import AutoModelForCausalLM
+def _objective(args: argparse.Namespace) -> str:
+    """``"causal"`` or ``"masked"``: the loss the command grows the model on, from the model's config.
+
+    Also checks the architecture and resolves ``--seq-len`` against the model's positions, before any data is read.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype])
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as error:
+        raise CommandError(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}") from None
+    if config.model_type not in supported_model_types():
+        raise CommandError(
+            f"hf_grow cannot grow {args.model!r} (model_type={config.model_type!r}); "
+            f"supported model types: {', '.join(supported_model_types())}"
+        )
+    positions = getattr(config, "max_position_embeddings", None)
+    if args.seq_len is None:
+        args.seq_len = min(512, positions or 512)
+    elif positions is not None and args.seq_len > positions:
+        raise CommandError(f"--seq-len {args.seq_len} exceeds the {positions} positions of {args.model!r}")
+    if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False):
+        return "masked"
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return "causal"
+    raise CommandError(
+        f"{args.model!r} ({config.model_type}) is neither a causal nor a masked language model: the command line "
+        "only knows those losses; use the Python API: grow_model(model, batches, loss_fn=...)"
+    )
+
+
+def _load_model(args: argparse.Namespace, objective: str):
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    auto_class = AutoModelForMaskedLM if objective == "masked" else AutoModelForCausalLM
+    try:
+        model, loading = auto_class.from_pretrained(args.model, dtype=DTYPES[args.dtype], output_loading_info=True)
     except ValueError as error:
         raise CommandError(
-            f"{args.model!r} is not a causal language model the command line can grow "
-            f"({str(error).splitlines()[0]}); for other heads use the Python API: grow_model(..., loss_fn=...)"
+            f"{args.model!r} cannot be loaded as a {objective} language model ({str(error).splitlines()[0]}); "
+            "for other heads use the Python API: grow_model(..., loss_fn=...)"
         ) from None
     except OSError as error:
         raise CommandError(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}") from None
+    if loading["missing_keys"]:
+        missing = sorted(loading["missing_keys"])
+        raise CommandError(
+            f"{args.model!r} has no trained {objective}-LM head (missing {', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): its loss would measure random weights. Use the Python API "
+            "with a loss for this model: grow_model(model, batches, loss_fn=...)"
+        )
     return model.to(args.device)
 
 
-def _dataset_windows(args: argparse.Namespace, tokenizer) -> tuple[list, list]:
+def _dataset_windows(args: argparse.Namespace, tokenizer, window: int) -> tuple[list, list]:
     """Statistics windows from ``--split`` and held-out windows from ``--eval-split`` of a datasets dataset."""
     name = args.dataset or "wikitext"
     config = args.dataset_config or (None if args.dataset else "wikitext-2-raw-v1")
 
     def windows(split: str, max_tokens: int) -> list:
         texts = read_dataset(name, config, split, args.text_column, args.streaming, _progress(args))
-        return token_windows(texts, tokenizer, args.seq_len, max_tokens)
+        return token_windows(texts, tokenizer, window, max_tokens)
 
     try:
         return windows(args.split, args.max_tokens), windows(args.eval_split, args.eval_tokens)
@@ -143,33 +194,45 @@ def _dataset_windows(args: argparse.Namespace, tokenizer) -> tuple[list, list]:
         raise CommandError(f"cannot load dataset {args.dataset!r}: {str(error).splitlines()[0]}") from None
 
 
-def _batches(args: argparse.Namespace, tokenizer) -> tuple[list, list]:
+def _batches(args: argparse.Namespace, tokenizer, objective: str) -> tuple[list, list]:
     """Statistics and held-out batches; local files give their tail as held-out text."""
+    window = args.seq_len
+    if objective == "masked":
+        if tokenizer.mask_token_id is None:
+            raise CommandError(f"the tokenizer of {args.model!r} has no mask token: masked-LM loss needs one")
+        window -= (tokenizer.cls_token_id is not None) + (tokenizer.sep_token_id is not None)
     if args.data:
-        eval_windows = max(1, args.eval_tokens // args.seq_len)
+        eval_windows = max(1, args.eval_tokens // window)
         try:
-            windows = token_windows(
-                read_text_files(args.data), tokenizer, args.seq_len, args.max_tokens + args.eval_tokens
-            )
+            windows = token_windows(read_text_files(args.data), tokenizer, window, args.max_tokens + args.eval_tokens)
         except FileNotFoundError as error:
             raise CommandError(str(error)) from None
         statistics, held_out = windows[:-eval_windows], windows[-eval_windows:]
     else:
-        statistics, held_out = _dataset_windows(args, tokenizer)
+        statistics, held_out = _dataset_windows(args, tokenizer, window)
     if not statistics or not held_out:
         raise CommandError(
             f"the text is too short: it gives {len(statistics)} statistics and {len(held_out)} held-out sequences "
             f"of {args.seq_len} tokens; pass more text or a smaller --seq-len"
         )
-    return causal_lm_batches(statistics, args.batch_size), causal_lm_batches(held_out, args.batch_size)
+    if objective == "causal":
+        return causal_lm_batches(statistics, args.batch_size), causal_lm_batches(held_out, args.batch_size)
+    return (
+        masked_lm_batches(statistics, args.batch_size, tokenizer, args.mlm_probability, args.seed),
+        masked_lm_batches(held_out, args.batch_size, tokenizer, args.mlm_probability, args.seed + 1),
+    )
 
 
-def model_card(model_name: str, report: GrowthReport, output_name: str) -> str:
+CARD_TASKS = {"causal": ("text-generation", "AutoModelForCausalLM"), "masked": ("fill-mask", "AutoModelForMaskedLM")}
+
+
+def model_card(model_name: str, report: GrowthReport, output_name: str, objective: str = "causal") -> str:
     """A model card for the grown model: metadata, the growth summary and how to load it."""
+    pipeline_tag, auto_class = CARD_TASKS[objective]
     return f"""---
 base_model: {model_name}
 library_name: transformers
-pipeline_tag: text-generation
+pipeline_tag: {pipeline_tag}
 tags:
 - hf_grow
 - grown-attention
@@ -193,8 +256,8 @@ Step size {report.step_size:.4g} (λ = {report.lam:.4g}), truncation `{report.tr
 ## Load
 
 ```python
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("{output_name}", trust_remote_code=True)
+from transformers import {auto_class}
+model = {auto_class}.from_pretrained("{output_name}", trust_remote_code=True)
 ```
 
 or, with hf_grow installed, `import hf_grow` first and drop `trust_remote_code`.
@@ -230,9 +293,10 @@ def run(args: argparse.Namespace) -> None:
     transformers_logging.set_verbosity_error()
     if not show_progress:
         transformers_logging.disable_progress_bar()
+    objective = _objective(args)
     tokenizer = _load_tokenizer(args)
-    statistics_batches, held_out_batches = _batches(args, tokenizer)  # read the data before loading the model
-    model = _load_model(args)
+    statistics_batches, held_out_batches = _batches(args, tokenizer, objective)  # data before the model
+    model = _load_model(args, objective)
     try:
         grown = grow_model(
             model,
@@ -252,7 +316,7 @@ def run(args: argparse.Namespace) -> None:
     def write(folder: Path) -> None:
         grown.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        (folder / "README.md").write_text(model_card(args.model, report, output.name))
+        (folder / "README.md").write_text(model_card(args.model, report, output.name, objective))
 
     _write_atomically(output, write)
     if args.report:

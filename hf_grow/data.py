@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable, Iterator
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
 
 def read_text_files(patterns: list[str]) -> Iterator[str]:
@@ -66,4 +66,29 @@ def causal_lm_batches(windows: list[torch.Tensor], batch_size: int) -> list[dict
     for start in range(0, len(windows), batch_size):
         input_ids = torch.stack(windows[start : start + batch_size])
         batches.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids})
+    return batches
+
+
+def masked_lm_batches(
+    windows: list[torch.Tensor],
+    batch_size: int,
+    tokenizer: PreTrainedTokenizerBase,
+    mlm_probability: float = 0.15,
+    seed: int = 0,
+) -> list[dict[str, torch.Tensor]]:
+    """Batches for masked-LM loss: each window between the tokenizer's [CLS]/[SEP] (when it has them), masked by
+    transformers' standard `DataCollatorForLanguageModeling`. The masks are drawn once, from ``seed``, so every
+    evaluation of the line search sees the same masked tokens."""
+    if tokenizer.mask_token_id is None:
+        raise ValueError("the tokenizer has no mask token: masked-LM batches need one")
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=mlm_probability, seed=seed)
+    prefix = [tokenizer.cls_token_id] if tokenizer.cls_token_id is not None else []
+    suffix = [tokenizer.sep_token_id] if tokenizer.sep_token_id is not None else []
+    batches = []
+    for start in range(0, len(windows), batch_size):
+        examples = [{"input_ids": prefix + window.tolist() + suffix} for window in windows[start : start + batch_size]]
+        batch = dict(collator(examples))
+        if (batch["labels"] != -100).any():  # a batch without masked tokens has no loss (0 / 0)
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+            batches.append(batch)
     return batches

@@ -8,8 +8,10 @@ relative units, ``step_size = lam / lam_unit`` with ``lam_unit = sqrt(sum ||C^1/
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -122,10 +124,10 @@ class _GrowthProblem:
     def lam(self, step_size: float) -> float:
         return step_size * self.lam_unit
 
-    def factorization(self, layer: int, step_size: float, rank: int, truncation: str) -> linalg.Factorization:
+    def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
         problem = self.layers[layer]
         target = problem.bilinear - self.lam(step_size) * problem.direction
-        return linalg.truncate(target, rank, problem.metric if truncation == "whitened" else None)
+        return linalg.decompose(target, problem.metric if truncation == "whitened" else None)
 
     def weights(self, step_size: float) -> QKWeights:
         """Augmented Q/K weights of the grown width for every layer. Step size 0 is exactly the old function:
@@ -141,7 +143,7 @@ class _GrowthProblem:
                         torch.nn.functional.pad(problem.key, (0, padding)),
                     )
                     continue
-                factors = self.factorization(layer, step_size, problem.qk_dim_after, self.truncation)
+                factors = self.decomposition(layer, step_size, self.truncation).truncate(problem.qk_dim_after)
                 root_scaling = math.sqrt(problem.scaling_after)
                 weights[layer] = (factors.left / root_scaling, factors.right / root_scaling)
         return weights
@@ -161,13 +163,15 @@ class _GrowthProblem:
         lam = self.lam(step_size)
         qk_before = problem.query.shape[-1]
         with torch.no_grad():
-            grown = self.factorization(layer, step_size, problem.qk_dim_after, self.truncation)
-            kept = self.factorization(layer, step_size, qk_before, self.truncation)
+            decomposition = self.decomposition(layer, step_size, self.truncation)
+            grown, kept = decomposition.truncate(problem.qk_dim_after), decomposition.truncate(qk_before)
             delta, delta_kept = grown.product - problem.bilinear, kept.product - problem.bilinear
             expected = linalg.predicted_decrease(problem.gradient, delta, problem.metric, lam)
             expected_kept = linalg.predicted_decrease(problem.gradient, delta_kept, problem.metric, lam)
             first_order = -(problem.gradient * delta).sum(dim=(-2, -1))
-            spectrum = self.factorization(layer, step_size, 1, "whitened").singular_values
+            if self.truncation != "whitened":
+                decomposition = self.decomposition(layer, step_size, "whitened")
+            spectrum = decomposition.singular_values
             marginal = linalg.rank_gains(spectrum, lam)[:, qk_before : problem.qk_dim_after]
         return [
             HeadReport(
@@ -180,6 +184,37 @@ class _GrowthProblem:
             )
             for head in range(len(expected))
         ]
+
+
+def _merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
+    """A PEFT-wrapped model's base model with its adapters merged in (on a copy: the input is left unchanged).
+
+    Growth rewrites the full Q/K weights, so LoRA deltas must be part of them; the grown model is a plain
+    grown model. (peft's own target-module tables list Q and V only; where Q/K live is the adapter's business.)
+    """
+    peft = sys.modules.get("peft")  # a PeftModel implies peft is imported; no import cost otherwise
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return model
+    logger.warning(
+        "%s wraps PEFT adapters %s: growing a copy of its base model with the adapters merged in "
+        "(merge_and_unload); the input model is left unchanged.",
+        type(model).__name__,
+        sorted(model.peft_config),
+    )
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def _check_statistics(statistics: GrowthStatistics, model: PreTrainedModel, adapter: ArchitectureAdapter) -> None:
+    """Refuse statistics whose layers, heads or input width do not match ``model``."""
+    config = model.config
+    layers, heads, width = len(adapter.attention_modules(model)), adapter.num_heads(config), adapter.hidden_size(config) + 1
+    expected = (layers, (heads, width, width))
+    found = (len(statistics.gradients), tuple(statistics.gradients[0].shape) if statistics.gradients else ())
+    if found != expected:
+        raise ValueError(
+            f"the statistics were collected for another model: {found[0]} layers of M with shape {found[1]}, but "
+            f"{type(model).__name__} has {layers} layers of {heads} heads over inputs of width {width - 1} (+1)."
+        )
 
 
 def _resolve_growth(p: int | Mapping[int, int], num_layers: int) -> list[int]:
@@ -280,7 +315,7 @@ def _write_weights(adapter: ArchitectureAdapter, model: PreTrainedModel, weights
 
 def grow_model(
     model: PreTrainedModel,
-    dataloader: Iterable[Mapping[str, Tensor]],
+    dataloader: Iterable[Mapping[str, Tensor]] | None,
     p: int | Mapping[int, int] = 8,
     *,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
@@ -289,6 +324,7 @@ def grow_model(
     search: str = "exact",
     loss_fn: LossFn | None = None,
     max_batches: int | None = None,
+    statistics: GrowthStatistics | None = None,
     eval_fraction: float = 0.1,
     initial_step_size: float = 0.03,
     rtol: float = 1e-6,
@@ -299,7 +335,8 @@ def grow_model(
     """Grow the query/key width of every attention head by ``p``, with weights solved from the loss.
 
     Args:
-        model: a supported transformers model (GPT-2 classes, or a model grown by hf_grow). Left unchanged.
+        model: a supported transformers model (GPT-2 or BERT classes, or a model grown by hf_grow), or a
+            PeftModel around one (its adapters are merged into a copy first). Left unchanged.
         dataloader: dict batches passed as ``model(**batch)``; the loss is ``outputs.loss`` (or ``loss_fn``).
         p: dimensions added per head, in every layer, or a mapping ``{layer: p}`` (missing layers get 0;
             layers with 0 keep their width but still take the step).
@@ -313,6 +350,9 @@ def grow_model(
             refines the rank-constrained step from there.
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor`` instead of ``outputs.loss``.
         max_batches: use at most this many statistics batches.
+        statistics: statistics already collected for this model (e.g. by `collect_statistics`), to grow it
+            several ways without reading the data again; ``dataloader`` may then be None when
+            ``eval_dataloader`` or ``step_size`` is given.
         initial_step_size: where the log-grid search starts.
         rtol: relative eigenvalue tolerance of C for pseudo-inverse and whitening.
         measure_realized_gains: evaluate the held-out loss with each layer's step alone (one pass per layer).
@@ -324,6 +364,7 @@ def grow_model(
         `GrowthReport` as ``grown.growth_report``; `save_pretrained` writes it as ``growth_report.json``.
     """
     started = time.perf_counter()
+    model = _merged_if_peft(model)
     adapter = get_adapter(model)
     qk_before = adapter.qk_head_dims(model.config)
     growth = _resolve_growth(p, len(qk_before))
@@ -349,12 +390,20 @@ def grow_model(
             stacklevel=2,
         )
 
-    statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
     seconds: dict[str, float] = {}
     tick = time.perf_counter()
-    statistics = collect_statistics(
-        model, statistics_batches, adapter, loss_fn, max_batches, compute_dtype=compute_dtype, progress=progress
-    )
+    if statistics is None:
+        if dataloader is None:
+            raise ValueError("grow_model needs a dataloader, or statistics collected before.")
+        statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
+        statistics = collect_statistics(
+            model, statistics_batches, adapter, loss_fn, max_batches, compute_dtype=compute_dtype, progress=progress
+        )
+    else:
+        _check_statistics(statistics, model, adapter)
+        if eval_dataloader is None and step_size is None:
+            raise ValueError("with precomputed statistics, pass an eval_dataloader for the line search (or a step_size).")
+        _, eval_batches = _split_batches(None, eval_dataloader, eval_fraction, False)
     seconds["statistics"] = time.perf_counter() - tick
 
     tick = time.perf_counter()

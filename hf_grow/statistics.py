@@ -172,6 +172,11 @@ class _Collector:
 
     def _input_hook(self, layer: int) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
+            if layer in self.inputs:
+                raise ValueError(
+                    f"layer {layer} ran twice on batch {self.batch_index}: loss_fn must call the model once per "
+                    "batch (each forward pass is paired with its backward); concatenate the inputs into one call."
+                )
             hidden = args[0].detach()
             ones = torch.ones_like(hidden[..., :1])
             augmented = torch.cat([hidden, ones], dim=-1).to(self.compute_dtype)

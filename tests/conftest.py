@@ -55,6 +55,19 @@ def lm_batches(data: torch.Tensor, count: int, batch_size: int = 16, seq_len: in
     return batches
 
 
+def sum_of_outputs(model, batch) -> torch.Tensor:
+    """A loss for any head class: the mean square of its first output (so every class has statistics)."""
+    first = next(value for value in model(**batch).values() if isinstance(value, torch.Tensor))
+    return first.float().square().mean()
+
+
+def outputs_of(model, batch) -> list[torch.Tensor]:
+    """Every tensor the model outputs on ``batch``, without gradients."""
+    with torch.no_grad():
+        outputs = model(**batch)
+    return [value for value in outputs.values() if isinstance(value, torch.Tensor)]
+
+
 @pytest.fixture(scope="session")
 def trained_gpt2(stdlib_bytes) -> GPT2LMHeadModel:
     """A 2-layer GPT-2 (d_k = 16) trained for 200 steps on real text, so that its loss means something."""

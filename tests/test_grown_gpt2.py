@@ -12,20 +12,20 @@ from safetensors.torch import save_file
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
-    BertConfig,
-    BertModel,
     GPT2DoubleHeadsModel,
     GPT2ForQuestionAnswering,
     GPT2ForSequenceClassification,
     GPT2ForTokenClassification,
     GPT2LMHeadModel,
     GPT2Model,
+    RobertaConfig,
+    RobertaModel,
 )
 
 import hf_grow
 from hf_grow import GrownGPT2LMHeadModel, grow_model, load_growth_report
 
-from conftest import lm_batches, tiny_gpt2_config
+from conftest import lm_batches, outputs_of, sum_of_outputs, tiny_gpt2_config
 
 
 CLASSES = [
@@ -45,23 +45,6 @@ def random_batches(count=2, batch_size=4, seq_len=16, seed=0):
         ids = torch.randint(1, 256, (batch_size, seq_len), generator=generator)
         batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     return batches
-
-
-def sum_of_outputs(model, batch):
-    """A loss for any head class: the sum of its main output (so every class has statistics)."""
-    outputs = model(**batch)
-    main = outputs.logits if hasattr(outputs, "logits") and outputs.logits is not None else None
-    if main is None:
-        main = getattr(outputs, "start_logits", None)
-    if main is None:
-        main = outputs.last_hidden_state
-    return main.float().square().mean()
-
-
-def outputs_of(model, batch):
-    with torch.no_grad():
-        outputs = model(**batch)
-    return [v for v in outputs.values() if isinstance(v, torch.Tensor)]
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
@@ -213,9 +196,11 @@ def test_bad_inputs_fail_before_any_work(trained_gpt2, stdlib_bytes):
         grow_model(trained_gpt2, never_called(), p=60)
     with pytest.raises(ValueError, match="truncation"):
         grow_model(trained_gpt2, never_called(), p=8, truncation="spectral")
-    bert = BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
-    with pytest.raises(ValueError, match="supported model types: gpt2"):
-        grow_model(bert, never_called(), p=8)
+    roberta = RobertaModel(
+        RobertaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    )
+    with pytest.raises(ValueError, match="supported model types: gpt2, grown_gpt2, bert, grown_bert"):
+        grow_model(roberta, never_called(), p=8)
     with pytest.raises(ValueError, match="no batches"):
         grow_model(trained_gpt2, [], p=8, step_size=0.0)
     with pytest.raises(ValueError, match="yielded 1 batch"):

@@ -1,14 +1,16 @@
 """grow_model on a GPT-2 trained on real text: the held-out loss decreases, the report tells the truth."""
 
+import copy
 import json
 import math
 
 import pytest
 import torch
+from transformers import GPT2LMHeadModel
 
-from hf_grow import DEFAULT_TRUNCATION, GrowthReport, evaluate_loss, get_adapter, grow_model
+from hf_grow import DEFAULT_TRUNCATION, GrowthReport, collect_statistics, evaluate_loss, get_adapter, grow_model
 
-from conftest import lm_batches
+from conftest import lm_batches, tiny_gpt2_config
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +128,43 @@ def test_zero_gradients_mean_no_step(trained_gpt2, data):
     batch = data["test"][0]
     with torch.no_grad():
         assert (grown(**batch).logits - trained_gpt2(**batch).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "bert"])
+def test_peft_model_is_merged_into_a_copy(architecture, trained_gpt2, data, caplog):
+    """LoRA deltas (random, so that merging matters) end up in the grown Q/K; the PeftModel is untouched."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertConfig, BertForMaskedLM
+
+    if architecture == "gpt2":
+        base = copy.deepcopy(trained_gpt2)
+        lora = LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False)
+    else:
+        torch.manual_seed(0)
+        base = BertForMaskedLM(BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64))
+        lora = LoraConfig(r=4, target_modules=["query", "value"], init_lora_weights=False)
+    peft_model = get_peft_model(base, lora).eval()
+    before = {name: tensor.clone() for name, tensor in peft_model.state_dict().items()}
+    with caplog.at_level("WARNING", logger="hf_grow"):
+        grown = grow_model(peft_model, data["stats"][:2], p=8, step_size=0.0)
+    assert "merge_and_unload" in caplog.text
+    assert type(grown).__name__.startswith("Grown") and not any("lora" in name for name in grown.state_dict())
+    batch = data["test"][0]
+    with torch.no_grad():
+        expected, actual = peft_model(**batch).logits, grown(**batch).logits
+    assert (expected - actual).abs().max() <= 1e-4
+    state = peft_model.state_dict()
+    assert state.keys() == before.keys() and all(torch.equal(state[name], before[name]) for name in before)
+
+
+def test_precomputed_statistics_give_the_same_growth(trained_gpt2, data):
+    statistics = collect_statistics(trained_gpt2, data["stats"], get_adapter(trained_gpt2))
+    direct = grow_model(trained_gpt2, data["stats"], p=8, step_size=0.05)
+    reused = grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=statistics)
+    assert all(torch.equal(tensor, reused.state_dict()[name]) for name, tensor in direct.state_dict().items())
+    with pytest.raises(ValueError, match="collected for another model"):
+        grow_model(GPT2LMHeadModel(tiny_gpt2_config(n_layer=3)), None, p=8, step_size=0.0, statistics=statistics)
+    with pytest.raises(ValueError, match="eval_dataloader"):
+        grow_model(trained_gpt2, None, p=8, statistics=statistics)
+    with pytest.raises(ValueError, match="needs a dataloader"):
+        grow_model(trained_gpt2, None, p=8, step_size=0.0)

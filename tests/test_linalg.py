@@ -124,3 +124,26 @@ def test_truncate_rejects_impossible_ranks(generator):
         linalg.truncate(target, 6)
     with pytest.raises(ValueError, match="positive"):
         linalg.truncate(target, 0)
+
+
+@pytest.mark.parametrize("singular", [False, True])
+def test_eigh_and_svd_methods_agree(generator, singular):
+    """The fast eigh-of-A A^T path gives the full SVD's truncation, also for rank-deficient targets."""
+    d = 24
+    metric = linalg.metric_from_second_moment(random_psd(d, 10 if singular else 60, generator))
+    for target in (torch.randn(4, d, d, generator=generator, dtype=torch.float64), low_rank(d, 5, generator, batch=4)):
+        for chosen in (None, metric):
+            fast, exact = linalg.decompose(target, chosen, "eigh"), linalg.decompose(target, chosen, "svd")
+            scale = exact.singular_values[..., :1]
+            torch.testing.assert_close(fast.singular_values / scale, exact.singular_values / scale, rtol=0, atol=1e-7)
+            # Compared in the norm each truncation is optimal in (off the data's span the metric is floored).
+            def norm(matrix):
+                squares = matrix.square().sum(dim=(-2, -1)) if chosen is None else linalg.whitened_norm_sq(matrix, metric)
+                return squares.sqrt()
+
+            for rank in (1, 5, 8, d):
+                fast_product, exact_product = fast.truncate(rank).product, exact.truncate(rank).product
+                error = norm(fast_product - exact_product) / norm(exact_product)
+                assert error.max() < 1e-6, (rank, error)
+    with pytest.raises(ValueError, match="method"):
+        linalg.decompose(target, None, "qr")

@@ -5,7 +5,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from hf_grow import collect_statistics, get_adapter
-from hf_grow.adapters.gpt2 import _split_heads
+from hf_grow.adapters.base import split_heads
 from hf_grow.statistics import STATISTICS_ATTENTION
 
 from conftest import lm_batches
@@ -34,8 +34,8 @@ def test_gradient_statistic_is_dloss_dz(gpt2_copy, stdlib_bytes):
         scaling = adapter.scaling(model.config, layer, query.shape[-1])
         width = query.shape[0] * query.shape[-1]
         weight_grad, bias_grad = attention.c_attn.weight.grad.double(), attention.c_attn.bias.grad.double()
-        query_grad = _split_heads(weight_grad[:, :width], bias_grad[:width], query.shape[0])
-        key_grad = _split_heads(weight_grad[:, width : 2 * width], bias_grad[width : 2 * width], query.shape[0])
+        query_grad = split_heads(weight_grad[:, :width], bias_grad[:width], query.shape[0])
+        key_grad = split_heads(weight_grad[:, width : 2 * width], bias_grad[width : 2 * width], query.shape[0])
         gradient = statistics.gradients[layer]
         torch.testing.assert_close(scaling * gradient @ key, query_grad, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(scaling * gradient.mT @ query, key_grad, rtol=1e-5, atol=1e-7)
@@ -145,6 +145,9 @@ def test_bad_data_is_a_clear_error(gpt2_copy, stdlib_bytes):
     all_padding = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": torch.zeros(2, 4, dtype=torch.long)}
     with pytest.raises(ValueError, match="padding"):
         collect_statistics(model, [all_padding], adapter, loss_fn=lambda m, b: m(**b).logits.sum() * 0)
+    batch = lm_batches(stdlib_bytes["stats"], 1)[0]
+    with pytest.raises(ValueError, match="call the model once per batch"):
+        collect_statistics(model, [batch], adapter, loss_fn=lambda m, b: m(**b).loss + m(**b).loss)
 
 
 def test_bfloat16_model_gives_float64_statistics(trained_gpt2, stdlib_bytes):

@@ -5,10 +5,11 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from .base import ArchitectureAdapter
+from .bert import BertAdapter
 from .gpt2 import GPT2Adapter
 
 
-ADAPTERS: tuple[ArchitectureAdapter, ...] = (GPT2Adapter(),)
+ADAPTERS: tuple[ArchitectureAdapter, ...] = (GPT2Adapter(), BertAdapter())
 
 
 def supported_model_types() -> list[str]:

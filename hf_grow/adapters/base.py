@@ -15,11 +15,35 @@ from torch import Tensor, nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
 
+# Config entries that describe a checkpoint rather than the architecture; the grown config sets its own.
+_CONFIG_KEYS_NOT_INHERITED = ("model_type", "qk_head_dims", "architectures", "auto_map", "transformers_version")
+
+
+def split_heads(columns: Tensor, bias: Tensor, num_heads: int) -> Tensor:
+    """(d_e, heads * d_k) projection columns and their bias -> augmented (heads, d_e + 1, d_k)."""
+    d_e = columns.shape[0]
+    weight = columns.reshape(d_e, num_heads, -1).permute(1, 0, 2)
+    return torch.cat([weight, bias.reshape(num_heads, 1, -1)], dim=1)
+
+
+def merge_heads(augmented: Tensor) -> tuple[Tensor, Tensor]:
+    """Augmented (heads, d_e + 1, d_k) -> (d_e, heads * d_k) projection columns and their bias."""
+    num_heads, d_aug, qk_dim = augmented.shape
+    weight = augmented[:, :-1, :].permute(1, 0, 2).reshape(d_aug - 1, num_heads * qk_dim)
+    return weight, augmented[:, -1, :].reshape(num_heads * qk_dim)
+
+
 class ArchitectureAdapter(ABC):
-    """Per-architecture knowledge. Subclasses set ``model_types`` and implement the abstract methods."""
+    """Per-architecture knowledge. Subclasses set the class attributes and implement the abstract methods."""
 
     #: `config.model_type` values handled: the plain architecture and its grown counterpart.
     model_types: tuple[str, ...] = ()
+    #: The config class of the grown model type.
+    grown_config_class: type[PreTrainedConfig]
+    #: The base class of the grown model classes (a grown model grows into its own class).
+    grown_base_class: type[PreTrainedModel]
+    #: Plain model class -> grown model class.
+    grown_classes: Mapping[type[PreTrainedModel], type[PreTrainedModel]] = {}
 
     @abstractmethod
     def attention_modules(self, model: PreTrainedModel) -> list[nn.Module]:
@@ -30,40 +54,74 @@ class ArchitectureAdapter(ABC):
         """The module whose input is X, the input of the query and key projections of ``attention``."""
 
     @abstractmethod
-    def num_heads(self, config: PreTrainedConfig) -> int: ...
-
-    @abstractmethod
-    def hidden_size(self, config: PreTrainedConfig) -> int: ...
-
-    @abstractmethod
-    def qk_head_dims(self, config: PreTrainedConfig) -> list[int]:
-        """The query/key width of the heads of each layer."""
-
-    @abstractmethod
-    def scaling(self, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> float:
-        """The factor the attention applies to Q K^T in ``layer`` when its heads have ``qk_head_dim`` dims."""
-
-    @abstractmethod
     def read_qk(self, attention: nn.Module) -> tuple[Tensor, Tensor]:
         """Augmented query and key weights ``(heads, d_e + 1, d_k)`` of one layer, as float64 copies."""
 
     @abstractmethod
+    def qk_parameters(self, attention: nn.Module, query: Tensor, key: Tensor) -> dict[str, Tensor]:
+        """The parameters of ``attention`` (names relative to it) that hold augmented ``query`` and ``key``.
+
+        New tensors in the dtype of the current parameters; their shapes follow the width of ``query``.
+        """
+
+    def num_heads(self, config: PreTrainedConfig) -> int:
+        return config.num_attention_heads
+
+    def hidden_size(self, config: PreTrainedConfig) -> int:
+        return config.hidden_size
+
+    def qk_head_dims(self, config: PreTrainedConfig) -> list[int]:
+        """The query/key width of the heads of each layer."""
+        default = config.hidden_size // config.num_attention_heads
+        return list(getattr(config, "qk_head_dims", None) or [default] * config.num_hidden_layers)
+
+    def scaling(self, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> float:
+        """The factor the attention applies to Q K^T in ``layer`` when its heads have ``qk_head_dim`` dims."""
+        return qk_head_dim**-0.5
+
     def write_qk(self, attention: nn.Module, query: Tensor, key: Tensor) -> None:
         """Set a layer's query and key weights, in place, from augmented weights of its current width."""
+        parameters = dict(attention.named_parameters())
+        with torch.no_grad():
+            for name, value in self.qk_parameters(attention, query, key).items():
+                if value.shape != parameters[name].shape:
+                    raise ValueError(
+                        f"Q/K weights of shape {tuple(query.shape)} do not fit {name} of shape "
+                        f"{tuple(parameters[name].shape)}"
+                    )
+                parameters[name].copy_(value)
 
-    @abstractmethod
     def grown_config(self, config: PreTrainedConfig, qk_head_dims: Sequence[int]) -> PreTrainedConfig:
         """The config of the grown model type with the given per-layer query/key widths."""
+        inherited = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_KEYS_NOT_INHERITED}
+        return self.grown_config_class(**inherited, qk_head_dims=list(qk_head_dims))
 
-    @abstractmethod
     def grown_class(self, model: PreTrainedModel) -> type[PreTrainedModel]:
         """The grown model class matching the class of ``model`` (its own class for grown models)."""
+        if isinstance(model, self.grown_base_class):
+            return type(model)
+        for cls in type(model).__mro__:
+            if cls in self.grown_classes:
+                return self.grown_classes[cls]
+        supported = ", ".join(cls.__name__ for cls in self.grown_classes)
+        raise ValueError(f"{type(model).__name__} cannot be grown; supported classes: {supported}.")
 
-    @abstractmethod
+    def grown_init_kwargs(self, model: PreTrainedModel) -> dict:
+        """Keyword arguments, beside the config, that build a grown model shaped like ``model``."""
+        return {}
+
     def grown_state_dict(
         self, model: PreTrainedModel, qk_weights: Mapping[int, tuple[Tensor, Tensor]]
     ) -> dict[str, Tensor]:
         """The state dict of ``model`` with new augmented Q/K weights for the given layers (new tensors)."""
+        state_dict = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        module_names = {module: name for name, module in model.named_modules()}
+        attentions = self.attention_modules(model)
+        for layer, (query, key) in qk_weights.items():
+            prefix = module_names[attentions[layer]]
+            for name, value in self.qk_parameters(attentions[layer], query, key).items():
+                state_dict[f"{prefix}.{name}"] = value
+        return state_dict
 
     def shifts_labels(self, model: PreTrainedModel) -> bool:
         """Whether the model's loss predicts token t+1 from position t (causal language modelling)."""
@@ -102,12 +160,18 @@ class ArchitectureAdapter(ABC):
         state_dict = self.grown_state_dict(model, qk_weights)
         reference = next(model.parameters())
         with torch.device("meta"):
-            grown = self.grown_class(model)(config)
+            grown = self.grown_class(model)(config, **self.grown_init_kwargs(model))
         grown = grown.to_empty(device=reference.device).to(dtype=reference.dtype)
         grown.load_state_dict(state_dict, strict=True)
-        missing_buffers = [name for name, _ in grown.named_buffers() if name not in state_dict]
-        if missing_buffers:
-            raise RuntimeError(f"grown model has buffers that are not in the state dict: {missing_buffers}")
+        # Non-persistent buffers (e.g. BERT's position_ids) are not in state dicts: copy them from the source.
+        source_buffers = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, buffer in grown.named_buffers():
+                if name in state_dict:
+                    continue
+                if name not in source_buffers or source_buffers[name].shape != buffer.shape:
+                    raise RuntimeError(f"the grown model's buffer {name} has no counterpart in {type(model).__name__}")
+                buffer.copy_(source_buffers[name])
         grown.tie_weights()
         grown.train(model.training)
         return grown

@@ -1,14 +1,27 @@
-"""Grown model types, registered with the transformers Auto classes when hf_grow is imported."""
+"""Grown model types, registered with the transformers Auto classes when hf_grow is imported.
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
+Each grown package (a self-contained config file and modeling file) exports ``AUTO_MAP``, the Auto classes its
+checkpoints declare for `trust_remote_code`; the same table registers them here, so that checkpoints load
+with the plain Auto classes wherever hf_grow is imported.
+"""
+
+from types import ModuleType
+
+import transformers
+
+from . import grown_bert, grown_gpt2
+from .grown_bert import (
+    GrownBertConfig,
+    GrownBertForMaskedLM,
+    GrownBertForMultipleChoice,
+    GrownBertForPreTraining,
+    GrownBertForQuestionAnswering,
+    GrownBertForSequenceClassification,
+    GrownBertForTokenClassification,
+    GrownBertLMHeadModel,
+    GrownBertModel,
+    GrownBertPreTrainedModel,
 )
-
 from .grown_gpt2 import (
     GrownGPT2Config,
     GrownGPT2DoubleHeadsModel,
@@ -21,21 +34,31 @@ from .grown_gpt2 import (
 )
 
 
-def _register() -> None:
-    AutoConfig.register(GrownGPT2Config.model_type, GrownGPT2Config, exist_ok=True)
-    for auto_class, model_class in (
-        (AutoModel, GrownGPT2Model),
-        (AutoModelForCausalLM, GrownGPT2LMHeadModel),
-        (AutoModelForSequenceClassification, GrownGPT2ForSequenceClassification),
-        (AutoModelForTokenClassification, GrownGPT2ForTokenClassification),
-        (AutoModelForQuestionAnswering, GrownGPT2ForQuestionAnswering),
-    ):
-        auto_class.register(GrownGPT2Config, model_class, exist_ok=True)
+GROWN_PACKAGES: tuple[ModuleType, ...] = (grown_gpt2, grown_bert)
 
 
-_register()
+def _register(package: ModuleType) -> None:
+    classes = {auto_name: getattr(package, reference.split(".")[-1]) for auto_name, reference in package.AUTO_MAP.items()}
+    config_class = classes.pop("AutoConfig")
+    transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    for auto_name, model_class in classes.items():
+        getattr(transformers, auto_name).register(config_class, model_class, exist_ok=True)
+
+
+for _package in GROWN_PACKAGES:
+    _register(_package)
 
 __all__ = [
+    "GrownBertConfig",
+    "GrownBertForMaskedLM",
+    "GrownBertForMultipleChoice",
+    "GrownBertForPreTraining",
+    "GrownBertForQuestionAnswering",
+    "GrownBertForSequenceClassification",
+    "GrownBertForTokenClassification",
+    "GrownBertLMHeadModel",
+    "GrownBertModel",
+    "GrownBertPreTrainedModel",
     "GrownGPT2Config",
     "GrownGPT2DoubleHeadsModel",
     "GrownGPT2ForQuestionAnswering",

@@ -2,6 +2,7 @@
 
 from .configuration_grown_gpt2 import GrownGPT2Config
 from .modeling_grown_gpt2 import (
+    AUTO_MAP,
     GrownGPT2DoubleHeadsModel,
     GrownGPT2ForQuestionAnswering,
     GrownGPT2ForSequenceClassification,
@@ -13,6 +14,7 @@ from .modeling_grown_gpt2 import (
 
 
 __all__ = [
+    "AUTO_MAP",
     "GrownGPT2Config",
     "GrownGPT2DoubleHeadsModel",
     "GrownGPT2ForQuestionAnswering",

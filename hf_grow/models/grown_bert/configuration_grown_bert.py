@@ -1,0 +1,48 @@
+# Copyright 2026 The hf_grow authors. Licensed under the Apache License, Version 2.0.
+"""Configuration of a BERT whose attention heads have their own query/key width.
+
+This file is self-contained (transformers and its own dependency huggingface_hub only) so that it can be
+copied next to a checkpoint and loaded with `trust_remote_code=True` where hf_grow is not installed.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers import BertConfig
+
+
+@strict
+class GrownBertConfig(BertConfig):
+    r"""
+    A [`BertConfig`] with a query/key head width per layer.
+
+    qk_head_dims (`list[int]`, *optional*):
+        Width of the query and key of every head, one entry per layer. Values keep
+        `hidden_size // num_attention_heads`, which stays the width of every value head. Defaults to that
+        width in every layer (a plain BERT).
+
+    The attention scale is `1 / sqrt(qk_head_dims[layer])`: BERT's rule, applied to the query/key width.
+    """
+
+    model_type = "grown_bert"
+    qk_head_dims: list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.qk_head_dims is None:
+            self.qk_head_dims = [self.hidden_size // self.num_attention_heads] * self.num_hidden_layers
+        self.qk_head_dims = [int(dim) for dim in self.qk_head_dims]
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: one positive query/key width per layer, no cross-attention."""
+        super().validate_architecture()
+        if len(self.qk_head_dims) != self.num_hidden_layers:
+            raise ValueError(
+                f"qk_head_dims has {len(self.qk_head_dims)} entries but the model has "
+                f"num_hidden_layers={self.num_hidden_layers} layers."
+            )
+        if any(dim <= 0 for dim in self.qk_head_dims):
+            raise ValueError(f"Every entry of qk_head_dims must be positive, got {self.qk_head_dims}.")
+        if self.add_cross_attention:
+            raise ValueError("GrownBertConfig does not support add_cross_attention=True.")
+
+
+__all__ = ["GrownBertConfig"]

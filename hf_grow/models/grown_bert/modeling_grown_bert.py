@@ -1,0 +1,280 @@
+# Copyright 2026 The hf_grow authors. Licensed under the Apache License, Version 2.0.
+"""BERT whose attention heads have a query/key width of their own, per layer.
+
+Everything except the query and key projections is BERT as shipped by transformers: the classes below
+subclass the BERT classes and only build a `GrownBertModel` backbone whose self-attention projects queries
+and keys to `config.qk_head_dims[layer]` dimensions per head (values keep `hidden_size // num_attention_heads`).
+All `forward` methods except the self-attention's are inherited unchanged, so losses, masks, pooling and
+outputs behave exactly as in BERT.
+
+This file imports only torch and transformers, so that `save_pretrained` can copy it next to the weights and
+people without hf_grow can load the checkpoint with `trust_remote_code=True`.
+"""
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.bert.modeling_bert import (
+    BertAttention,
+    BertEmbeddings,
+    BertEncoder,
+    BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertIntermediate,
+    BertLayer,
+    BertLMHeadModel,
+    BertModel,
+    BertOnlyMLMHead,
+    BertOutput,
+    BertPooler,
+    BertPreTrainedModel,
+    BertPreTrainingHeads,
+    BertSelfOutput,
+    eager_attention_forward,
+)
+
+from .configuration_grown_bert import GrownBertConfig
+
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_grown_bert.GrownBertConfig",
+    "AutoModel": "modeling_grown_bert.GrownBertModel",
+    "AutoModelForPreTraining": "modeling_grown_bert.GrownBertForPreTraining",
+    "AutoModelForMaskedLM": "modeling_grown_bert.GrownBertForMaskedLM",
+    "AutoModelForCausalLM": "modeling_grown_bert.GrownBertLMHeadModel",
+    "AutoModelForSequenceClassification": "modeling_grown_bert.GrownBertForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_grown_bert.GrownBertForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_grown_bert.GrownBertForQuestionAnswering",
+    "AutoModelForMultipleChoice": "modeling_grown_bert.GrownBertForMultipleChoice",
+}
+
+
+class GrownBertSelfAttention(nn.Module):
+    """BERT self-attention with `qk_head_dim` query/key dimensions per head and `hidden_size // heads` value dims.
+
+    Parameter names and layouts are BERT's (`query`, `key`, `value` linear layers, head-major outputs); only the
+    output width of `query` and `key` is `num_attention_heads * qk_head_dim`.
+    """
+
+    def __init__(self, config: GrownBertConfig, is_causal: bool = False, layer_idx: int | None = None):
+        super().__init__()
+        self.config = config
+        self.num_attention_heads = config.num_attention_heads
+        self.attention_head_size = config.hidden_size // config.num_attention_heads
+        self.all_head_size = self.num_attention_heads * self.attention_head_size
+        self.qk_head_dim = config.qk_head_dims[layer_idx]
+        self.scaling = self.qk_head_dim**-0.5
+
+        self.query = nn.Linear(config.hidden_size, self.num_attention_heads * self.qk_head_dim)
+        self.key = nn.Linear(config.hidden_size, self.num_attention_heads * self.qk_head_dim)
+        self.value = nn.Linear(config.hidden_size, self.all_head_size)
+
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+
+        self.is_decoder = config.is_decoder
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kwargs.pop("encoder_hidden_states", None)
+        input_shape = hidden_states.shape[:-1]
+        qk_shape = (*input_shape, self.num_attention_heads, self.qk_head_dim)
+        value_shape = (*input_shape, self.num_attention_heads, self.attention_head_size)
+
+        query_layer = self.query(hidden_states).view(qk_shape).transpose(1, 2)
+        key_layer = self.key(hidden_states).view(qk_shape).transpose(1, 2)
+        value_layer = self.value(hidden_states).view(value_shape).transpose(1, 2)
+
+        if past_key_values is not None:
+            if isinstance(past_key_values, EncoderDecoderCache):
+                past_key_values = past_key_values.self_attention_cache
+            key_layer, value_layer = past_key_values.update(key_layer, value_layer, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_layer,
+            key_layer,
+            value_layer,
+            attention_mask,
+            dropout=0.0 if not self.training else self.dropout.p,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return attn_output, attn_weights
+
+
+class GrownBertAttention(BertAttention):
+    """`BertAttention` around a `GrownBertSelfAttention`; `forward` is BERT's."""
+
+    def __init__(self, config: GrownBertConfig, is_causal: bool = False, layer_idx: int | None = None):
+        nn.Module.__init__(self)  # BertAttention.__init__ would build a plain BertSelfAttention
+        self.is_cross_attention = False
+        self.self = GrownBertSelfAttention(config, is_causal=is_causal, layer_idx=layer_idx)
+        self.output = BertSelfOutput(config)
+
+
+class GrownBertLayer(BertLayer):
+    """A BERT layer with `GrownBertAttention`; `forward` is BERT's."""
+
+    def __init__(self, config: GrownBertConfig, layer_idx: int):
+        GradientCheckpointingLayer.__init__(self)  # BertLayer.__init__ would build a plain BertAttention
+        self.chunk_size_feed_forward = config.chunk_size_feed_forward
+        self.seq_len_dim = 1
+        self.attention = GrownBertAttention(config, is_causal=config.is_decoder, layer_idx=layer_idx)
+        self.is_decoder = config.is_decoder
+        self.add_cross_attention = False
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+
+class GrownBertEncoder(BertEncoder):
+    def __init__(self, config: GrownBertConfig):
+        nn.Module.__init__(self)
+        self.config = config
+        self.layer = nn.ModuleList([GrownBertLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
+
+
+class GrownBertPreTrainedModel(BertPreTrainedModel):
+    config_class = GrownBertConfig
+    _no_split_modules = ["BertEmbeddings", "GrownBertLayer"]
+    # Flash-attention kernels need equal query/key and value widths; eager and sdpa handle different widths.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_record_outputs = {"hidden_states": GrownBertLayer, "attentions": GrownBertSelfAttention}
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus what a grown checkpoint carries beside the weights.
+
+        The two source files and `auto_map` (for `trust_remote_code`), and `growth_report.json` when the
+        model holds the report of the growth that made it (`model.growth_report`, set by hf_grow).
+        """
+        self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            here = Path(__file__)
+            for source in [here, *map(Path, get_relative_import_files(str(here)))]:
+                shutil.copyfile(source, Path(save_directory) / source.name)
+            report = getattr(self, "growth_report", None)
+            if report is not None:
+                report.to_json_file(Path(save_directory) / "growth_report.json")
+
+
+class GrownBertModel(GrownBertPreTrainedModel, BertModel):
+    """`BertModel` built from `GrownBertLayer`s."""
+
+    def __init__(self, config: GrownBertConfig, add_pooling_layer: bool = True):
+        GrownBertPreTrainedModel.__init__(self, config)  # BertModel.__init__ would build plain layers
+        self.config = config
+        self.gradient_checkpointing = False
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = GrownBertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+
+# Each task model below is its BERT counterpart with a GrownBertModel backbone: `__init__` repeats the
+# counterpart's (which would build a plain BertModel), `forward` and everything else are inherited.
+
+
+def _classifier_dropout(config: GrownBertConfig) -> nn.Dropout:
+    dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+    return nn.Dropout(dropout)
+
+
+class GrownBertForPreTraining(GrownBertPreTrainedModel, BertForPreTraining):
+    def __init__(self, config: GrownBertConfig):
+        GrownBertPreTrainedModel.__init__(self, config)
+        self.bert = GrownBertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.post_init()
+
+
+class GrownBertLMHeadModel(GrownBertPreTrainedModel, BertLMHeadModel):
+    def __init__(self, config: GrownBertConfig):
+        GrownBertPreTrainedModel.__init__(self, config)
+        self.bert = GrownBertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.post_init()
+
+
+class GrownBertForMaskedLM(GrownBertPreTrainedModel, BertForMaskedLM):
+    def __init__(self, config: GrownBertConfig):
+        GrownBertPreTrainedModel.__init__(self, config)
+        self.bert = GrownBertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.post_init()
+
+
+class GrownBertForSequenceClassification(GrownBertPreTrainedModel, BertForSequenceClassification):
+    def __init__(self, config: GrownBertConfig):
+        GrownBertPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.config = config
+        self.bert = GrownBertModel(config)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class GrownBertForMultipleChoice(GrownBertPreTrainedModel, BertForMultipleChoice):
+    def __init__(self, config: GrownBertConfig):
+        GrownBertPreTrainedModel.__init__(self, config)
+        self.bert = GrownBertModel(config)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+
+class GrownBertForTokenClassification(GrownBertPreTrainedModel, BertForTokenClassification):
+    def __init__(self, config: GrownBertConfig):
+        GrownBertPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.bert = GrownBertModel(config, add_pooling_layer=False)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class GrownBertForQuestionAnswering(GrownBertPreTrainedModel, BertForQuestionAnswering):
+    def __init__(self, config: GrownBertConfig):
+        GrownBertPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.bert = GrownBertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+__all__ = [
+    "GrownBertSelfAttention",
+    "GrownBertLayer",
+    "GrownBertPreTrainedModel",
+    "GrownBertModel",
+    "GrownBertForPreTraining",
+    "GrownBertLMHeadModel",
+    "GrownBertForMaskedLM",
+    "GrownBertForSequenceClassification",
+    "GrownBertForMultipleChoice",
+    "GrownBertForTokenClassification",
+    "GrownBertForQuestionAnswering",
+]
