@@ -89,8 +89,10 @@ class _GrowthProblem:
         qk_dims_after: list[int],
         truncation: str,
         rtol: float,
+        solver: str,
     ):
         self.truncation = truncation
+        self.solver = solver
         self.layers: list[_LayerProblem] = []
         config = model.config
         with torch.no_grad():
@@ -127,7 +129,8 @@ class _GrowthProblem:
     def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
         problem = self.layers[layer]
         target = problem.bilinear - self.lam(step_size) * problem.direction
-        return linalg.decompose(target, problem.metric if truncation == "whitened" else None)
+        metric = problem.metric if truncation == "whitened" else None
+        return linalg.decompose(target, metric, self.solver)
 
     def weights(self, step_size: float) -> QKWeights:
         """Augmented Q/K weights of the grown width for every layer. Step size 0 is exactly the old function:
@@ -330,6 +333,9 @@ def grow_model(
     rtol: float = 1e-6,
     measure_realized_gains: bool = True,
     compute_dtype: torch.dtype = torch.float32,
+    solver: str = "eigh",
+    statistics_method: str = "chunked",
+    query_block: int | None = None,
     progress: bool = False,
 ) -> PreTrainedModel:
     """Grow the query/key width of every attention head by ``p``, with weights solved from the loss.
@@ -357,6 +363,11 @@ def grow_model(
         rtol: relative eigenvalue tolerance of C for pseudo-inverse and whitening.
         measure_realized_gains: evaluate the held-out loss with each layer's step alone (one pass per layer).
         compute_dtype: precision of the per-batch statistics products (float32 or float64).
+        solver: how truncations are computed, at every line-search step: ``"eigh"`` (eigendecomposition of
+            A A^T, the default) or ``"svd"`` (full SVD, several times slower; see `hf_grow.linalg.decompose`).
+        statistics_method: ``"chunked"`` (sdpa attention, M accumulated block by block in backward) or
+            ``"reference"`` (eager attention with materialized score gradients); see `collect_statistics`.
+        query_block: queries per block of the chunked path (default: sized to the memory of one block).
         progress: show progress bars.
 
     Returns:
@@ -378,6 +389,8 @@ def grow_model(
         )
     if truncation not in linalg.TRUNCATIONS:
         raise ValueError(f"truncation must be one of {linalg.TRUNCATIONS}, got {truncation!r}")
+    if solver not in linalg.SVD_METHODS:
+        raise ValueError(f"solver must be one of {linalg.SVD_METHODS}, got {solver!r}")
     if search not in SEARCHES:
         raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
     if step_size is not None and (not math.isfinite(step_size) or step_size < 0):
@@ -397,7 +410,15 @@ def grow_model(
             raise ValueError("grow_model needs a dataloader, or statistics collected before.")
         statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
         statistics = collect_statistics(
-            model, statistics_batches, adapter, loss_fn, max_batches, compute_dtype=compute_dtype, progress=progress
+            model,
+            statistics_batches,
+            adapter,
+            loss_fn,
+            max_batches,
+            compute_dtype=compute_dtype,
+            progress=progress,
+            method=statistics_method,
+            query_block=query_block,
         )
     else:
         _check_statistics(statistics, model, adapter)
@@ -407,7 +428,7 @@ def grow_model(
     seconds["statistics"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    problem = _GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol)
+    problem = _GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol, solver)
     grown = adapter.build_grown_model(model, qk_after, problem.weights(0.0))
     seconds["solve"] = time.perf_counter() - tick
 
@@ -495,6 +516,7 @@ def grow_model(
         model_type=model.config.model_type,
         truncation=truncation,
         search=search,
+        solver=solver,
         step_size=step_size,
         lam=problem.lam(step_size),
         eval_loss_before=loss_before,

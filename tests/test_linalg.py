@@ -147,3 +147,4 @@ def test_eigh_and_svd_methods_agree(generator, singular):
                 assert error.max() < 1e-6, (rank, error)
     with pytest.raises(ValueError, match="method"):
         linalg.decompose(target, None, "qr")
+

@@ -6,9 +6,9 @@ from transformers import GPT2LMHeadModel
 
 from hf_grow import collect_statistics, get_adapter
 from hf_grow.adapters.base import split_heads
-from hf_grow.statistics import STATISTICS_ATTENTION
+from hf_grow.statistics import _OUTPUT_HOOKS, _SCORE_HOOKS, score_gradient_products
 
-from conftest import lm_batches
+from conftest import lm_batches, tiny_gpt2_config
 
 
 def padded_batch(batch: dict, pad_from: int, rows: int) -> dict:
@@ -112,9 +112,11 @@ def test_restored_on_error(gpt2_copy, stdlib_bytes):
         return m(**batch).loss
 
     with pytest.raises(KeyboardInterrupt):
-        collect_statistics(model, lm_batches(stdlib_bytes["stats"], 3), get_adapter(model), loss_fn=failing_loss)
-    assert model.config._attn_implementation == "sdpa" != STATISTICS_ATTENTION
+        collect_statistics(model, lm_batches(stdlib_bytes["stats"], 3), get_adapter(model), loss_fn=failing_loss, tf32=True)
+    assert model.config._attn_implementation == "sdpa"
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not _OUTPUT_HOOKS and not _SCORE_HOOKS
+    assert torch.get_float32_matmul_precision() == "highest"
     assert not model.training
 
 
@@ -160,3 +162,92 @@ def test_bfloat16_model_gives_float64_statistics(trained_gpt2, stdlib_bytes):
         assert torch.isfinite(statistics.gradients[layer]).all()
         error = (statistics.second_moments[layer] - reference.second_moments[layer]).norm()
         assert error / reference.second_moments[layer].norm() < 0.05
+
+
+def masked_causal_batch(seed: int = 0, batch_size: int = 4, seq_len: int = 20) -> dict:
+    """Random tokens with a right-padded and a left-padded row. The first real token of the left-padded row has
+    no label: its prediction would come from a pad position, whose attention is fully masked (eager and sdpa
+    disagree on what such a row computes, so the comparison would measure transformers, not hf_grow)."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, 256, (batch_size, seq_len), generator=generator)
+    mask = torch.ones_like(input_ids)
+    mask[1, seq_len - 6 :] = 0
+    mask[2, :5] = 0
+    labels = input_ids.masked_fill(mask == 0, -100)
+    labels[2, 5] = -100
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "bert"])
+@pytest.mark.parametrize("query_block", [None, 3, 7])
+def test_chunked_path_equals_the_reference(architecture, query_block):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    if architecture == "gpt2":
+        model = GPT2LMHeadModel(tiny_gpt2_config()).eval()
+    else:
+        config = BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+        model = BertForMaskedLM(config).eval()
+    batches = [masked_causal_batch(seed) for seed in range(2)]
+    adapter = get_adapter(model)
+    reference = collect_statistics(model, batches, adapter, compute_dtype=torch.float64, method="reference")
+    chunked = collect_statistics(model, batches, adapter, compute_dtype=torch.float64, query_block=query_block)
+    assert chunked.num_tokens == reference.num_tokens
+    for layer in range(2):
+        # The model itself runs in float32 (sdpa vs eager rounding, ~1e-7); the statistics in float64.
+        for ours, theirs in ((chunked.gradients, reference.gradients), (chunked.second_moments, reference.second_moments)):
+            assert (ours[layer] - theirs[layer]).norm() <= 1e-5 * theirs[layer].norm()
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "boolean", "additive", "none"])
+def test_block_products_equal_autograd(mask_kind):
+    """score_gradient_products against G = dLoss/dS from autograd of a plain softmax attention (float64)."""
+    generator = torch.Generator().manual_seed(1)
+    batch, heads, length, qk_dim, v_dim, width = 2, 3, 11, 5, 4, 7
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    query, key, value, inputs, weights = randn(batch, heads, length, qk_dim), randn(batch, heads, length, qk_dim), randn(batch, heads, length, v_dim), randn(batch, length, width), randn(batch, heads, length, v_dim)
+    allowed = torch.ones(batch, 1, length, length, dtype=torch.bool)
+    if mask_kind != "none":
+        allowed = torch.ones(length, length).tril().bool().expand(batch, 1, length, length).clone()
+        if mask_kind != "causal":
+            allowed[1, :, :, 8:] = False  # padded keys in the second sequence
+    mask = {"causal": None, "boolean": allowed, "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30), "none": None}[mask_kind]
+    scaling = 0.37
+    scores = (query @ key.mT * scaling).requires_grad_(True)
+    output = torch.softmax(scores.masked_fill(~allowed, torch.finfo(torch.float64).min), dim=-1) @ value
+    (output * weights).sum().backward()  # a loss whose dLoss/dO is `weights`
+    expected = torch.einsum("bqd,bhqk,bke->hde", inputs, scores.grad, inputs)
+    for block in (1, 4, length):
+        products = score_gradient_products(
+            query, key, value, weights, inputs, mask, scaling, mask_kind == "causal", block, torch.float64
+        )
+        torch.testing.assert_close(products, expected, rtol=1e-10, atol=1e-12)
+    # bfloat16 attention tensors, computed in float32: within 1e-3 of the float64 result on the same values.
+    rounded = [t.to(torch.bfloat16) for t in (query, key, value, weights, inputs)]
+    exact = score_gradient_products(*[t.double() for t in rounded[:4]], rounded[4].double(), mask, scaling, mask_kind == "causal", 4, torch.float64)
+    fast = score_gradient_products(*rounded[:4], rounded[4], mask, scaling, mask_kind == "causal", 4, torch.float32)
+    assert (fast.double() - exact).norm() <= 1e-3 * exact.norm()
+
+
+def test_chunked_path_on_a_bfloat16_model_is_finite_and_close(trained_gpt2, stdlib_bytes):
+    """On a bfloat16 model both paths see the model's own bf16 rounding (~1e-2 relative); they agree to it."""
+    model = GPT2LMHeadModel(trained_gpt2.config).to(torch.bfloat16)
+    model.load_state_dict(trained_gpt2.state_dict())
+    batches = lm_batches(stdlib_bytes["stats"], 2)
+    chunked = collect_statistics(model, batches, get_adapter(model))
+    reference = collect_statistics(model, batches, get_adapter(model), method="reference")
+    for layer in range(2):
+        assert torch.isfinite(chunked.gradients[layer]).all()
+        assert (chunked.gradients[layer] - reference.gradients[layer]).norm() <= 3e-2 * reference.gradients[layer].norm()
+
+
+def test_bad_method_and_block_are_clear_errors(gpt2_copy, stdlib_bytes):
+    batches = lm_batches(stdlib_bytes["stats"], 1)
+    with pytest.raises(ValueError, match="method must be one of"):
+        collect_statistics(gpt2_copy, batches, get_adapter(gpt2_copy), method="flash")
+    with pytest.raises(ValueError, match="query_block must be positive"):
+        collect_statistics(gpt2_copy, batches, get_adapter(gpt2_copy), query_block=0)
