@@ -210,6 +210,11 @@ def _merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
 def _check_statistics(statistics: GrowthStatistics, model: PreTrainedModel, adapter: ArchitectureAdapter) -> None:
     """Refuse statistics whose layers, heads or input width do not match ``model``."""
     config = model.config
+    if statistics.model_type is not None and statistics.model_type not in adapter.model_types:
+        raise ValueError(
+            f"the statistics were collected on a {statistics.model_type!r} model, not {config.model_type!r}: "
+            "collect them on the model you grow."
+        )
     layers, heads, width = len(adapter.attention_modules(model)), adapter.num_heads(config), adapter.hidden_size(config) + 1
     expected = (layers, (heads, width, width))
     found = (len(statistics.gradients), tuple(statistics.gradients[0].shape) if statistics.gradients else ())

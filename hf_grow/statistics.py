@@ -19,9 +19,12 @@ Padding tokens are zeroed out of X', so they contribute exactly nothing to C or 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+import safetensors
+import safetensors.torch
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
@@ -35,6 +38,7 @@ from .adapters import ArchitectureAdapter
 STATISTICS_ATTENTION = "hf_grow_statistics"
 CHUNKED_STATISTICS_ATTENTION = "hf_grow_statistics_chunked"
 METHODS: tuple[str, ...] = ("chunked", "reference")
+STATISTICS_FORMAT = "hf_grow.statistics.v1"
 
 LossFn = Callable[[PreTrainedModel, Mapping[str, Tensor]], Tensor]
 
@@ -176,6 +180,8 @@ class GrowthStatistics:
     gradients: list[Tensor]
     num_tokens: int
     num_batches: int
+    #: The `config.model_type` of the model the statistics were collected on.
+    model_type: str | None = None
 
     def mean_second_moment(self, layer: int) -> Tensor:
         """E[x' x'^T] over tokens."""
@@ -184,6 +190,40 @@ class GrowthStatistics:
     def mean_gradient(self, layer: int) -> Tensor:
         """The gradient of the mean batch loss with respect to each head's Z."""
         return self.gradients[layer] / self.num_batches
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the statistics to a safetensors file (no pickle), atomically."""
+        tensors = {f"second_moments.{layer}": tensor.detach().cpu().contiguous() for layer, tensor in enumerate(self.second_moments)}
+        tensors.update({f"gradients.{layer}": tensor.detach().cpu().contiguous() for layer, tensor in enumerate(self.gradients)})
+        metadata = {
+            "format": STATISTICS_FORMAT,
+            "num_tokens": str(self.num_tokens),
+            "num_batches": str(self.num_batches),
+            "model_type": self.model_type or "",
+        }
+        temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
+        safetensors.torch.save_file(tensors, temporary, metadata=metadata)
+        os.replace(temporary, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> GrowthStatistics:
+        """Read statistics written by `save`; a ValueError for any other file."""
+        try:
+            with safetensors.safe_open(os.fspath(path), framework="pt", device=str(device)) as handle:
+                metadata = handle.metadata() or {}
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        except (OSError, safetensors.SafetensorError) as error:
+            raise ValueError(f"cannot read statistics from {path}: {error}") from None
+        if metadata.get("format") != STATISTICS_FORMAT:
+            raise ValueError(f"{path} is not an hf_grow statistics file (format {metadata.get('format')!r})")
+        layers = sum(name.startswith("second_moments.") for name in tensors)
+        return cls(
+            second_moments=[tensors[f"second_moments.{layer}"] for layer in range(layers)],
+            gradients=[tensors[f"gradients.{layer}"] for layer in range(layers)],
+            num_tokens=int(metadata["num_tokens"]),
+            num_batches=int(metadata["num_batches"]),
+            model_type=metadata["model_type"] or None,
+        )
 
 
 def iterate_batches(dataloader: Iterable[Mapping[str, Tensor]], device: torch.device) -> Iterator[dict[str, Tensor]]:
@@ -413,4 +453,6 @@ def collect_statistics(
         raise ValueError("the dataloader yielded no batches: statistics need at least one batch of data.")
     if collector.num_tokens == 0:
         raise ValueError("every token of the data is padding (attention_mask is all zero): nothing to learn from.")
-    return GrowthStatistics(collector.second_moments, collector.gradients, collector.num_tokens, collector.batch_index)
+    return GrowthStatistics(
+        collector.second_moments, collector.gradients, collector.num_tokens, collector.batch_index, model.config.model_type
+    )

@@ -266,3 +266,16 @@ def test_masked_lm_head_grows_and_reloads(minilm, tmp_path):
     assert type(loaded) is hf_grow.GrownBertForMaskedLM
     assert torch.equal(outputs_of(grown, batch)[1], outputs_of(loaded, batch)[1])
     assert (outputs_of(masked_lm, batch)[1] - outputs_of(loaded, batch)[1]).abs().max() <= 1e-4
+
+
+def test_classification_labels_give_the_models_own_loss():
+    """With labels in the batches and no loss_fn, statistics and line search use the classifier's loss."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(tiny_bert_config()).eval()
+    batches = [{**padded_batch(batch_size=8, seed=seed), "labels": torch.arange(8) % 3} for seed in range(6)]
+    grown = grow_model(model, batches[:4], p=8, eval_dataloader=batches[4:])
+    report = grown.growth_report
+    assert report.eval_weight == 16  # one loss term per example
+    expected = hf_grow.evaluate_loss(model, batches[4:])[0]
+    assert report.eval_loss_before == pytest.approx(expected, abs=1e-6)
+    assert report.eval_loss_after <= report.eval_loss_before and report.statistics_tokens == sum(int(b["attention_mask"].sum()) for b in batches[:4])

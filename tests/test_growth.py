@@ -178,3 +178,31 @@ def test_svd_and_eigh_solvers_take_the_same_step(trained_gpt2, data):
     assert evaluate_loss(fast, test)[0] == pytest.approx(evaluate_loss(exact, test)[0], abs=1e-6)
     with pytest.raises(ValueError, match="solver must be one of"):
         grow_model(trained_gpt2, data["stats"], p=8, solver="lanczos")
+
+
+def test_statistics_round_trip_through_safetensors(trained_gpt2, data, tmp_path):
+    """Saved statistics (safetensors, no pickle) reload exactly and grow the same model; foreign files are refused."""
+    from transformers import BertConfig, BertModel
+
+    from hf_grow import GrowthStatistics
+
+    statistics = collect_statistics(trained_gpt2, data["stats"][:3], get_adapter(trained_gpt2))
+    path = tmp_path / "stats.safetensors"
+    statistics.save(path)
+    loaded = GrowthStatistics.load(path)
+    assert (loaded.num_tokens, loaded.num_batches, loaded.model_type) == (statistics.num_tokens, 3, "gpt2")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.gradients + loaded.second_moments, statistics.gradients + statistics.second_moments))
+    direct = grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=statistics)
+    reloaded = grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=loaded)
+    assert all(torch.equal(tensor, reloaded.state_dict()[name]) for name, tensor in direct.state_dict().items())
+    bert = BertModel(BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64))
+    with pytest.raises(ValueError, match="collected on a 'gpt2' model, not 'bert'"):
+        grow_model(bert, None, p=8, step_size=0.0, statistics=loaded)
+    (tmp_path / "weights.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="cannot read statistics"):
+        GrowthStatistics.load(tmp_path / "weights.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="not an hf_grow statistics file"):
+        GrowthStatistics.load(tmp_path / "other.safetensors")

@@ -129,6 +129,12 @@ class ArchitectureAdapter(ABC):
 
     def check_supported(self, model: PreTrainedModel) -> None:
         """Raise a ValueError, before any work, for configurations of the architecture that cannot grow."""
+        if getattr(model.config, "add_cross_attention", False):
+            raise ValueError(
+                f"{type(model).__name__} with add_cross_attention=True cannot be grown: the cross-attention "
+                "queries and keys come from different inputs. Grow a model without cross-attention."
+            )
+        self.grown_class(model)
 
     def loss_weight(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> int:
         """How many loss terms ``batch`` averages over, to weight batch losses exactly.

@@ -46,14 +46,6 @@ class BertAdapter(ArchitectureAdapter):
         BertForQuestionAnswering: GrownBertForQuestionAnswering,
     }
 
-    def check_supported(self, model: PreTrainedModel) -> None:
-        if model.config.add_cross_attention:
-            raise ValueError(
-                "BERT with add_cross_attention=True cannot be grown: the cross-attention queries and keys come "
-                "from different inputs. Grow an encoder (or decoder) without cross-attention."
-            )
-        self.grown_class(model)
-
     def attention_modules(self, model: PreTrainedModel) -> list[nn.Module]:
         return [layer.attention.self for layer in model.base_model.encoder.layer]
 

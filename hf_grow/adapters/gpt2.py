@@ -45,14 +45,6 @@ class GPT2Adapter(ArchitectureAdapter):
         GPT2ForQuestionAnswering: GrownGPT2ForQuestionAnswering,
     }
 
-    def check_supported(self, model: PreTrainedModel) -> None:
-        if model.config.add_cross_attention:
-            raise ValueError(
-                "GPT-2 with add_cross_attention=True cannot be grown: the cross-attention queries and keys come "
-                "from different inputs. Grow a decoder-only GPT-2."
-            )
-        self.grown_class(model)
-
     def attention_modules(self, model: PreTrainedModel) -> list[nn.Module]:
         return [block.attn for block in model.base_model.h]
 
