@@ -54,6 +54,8 @@ def evaluate_loss(
         with torch.no_grad():
             for batch in iterate_batches(batches, next(model.parameters()).device):
                 batch_weight = adapter.loss_weight(model, batch) if loss_fn is None else len(next(iter(batch.values())))
+                if batch_weight == 0:
+                    continue  # no loss term: the model's loss is 0 / 0
                 total += float(compute_loss(model, batch, loss_fn)) * batch_weight
                 weight += batch_weight
     finally:

@@ -19,6 +19,7 @@ Padding tokens are zeroed out of X', so they contribute exactly nothing to C or 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .adapters import ArchitectureAdapter
 
+
+logger = logging.getLogger("hf_grow")
 
 STATISTICS_ATTENTION = "hf_grow_statistics"
 CHUNKED_STATISTICS_ATTENTION = "hf_grow_statistics_chunked"
@@ -444,11 +447,26 @@ def collect_statistics(
         tf32 = parameter.dtype in (torch.bfloat16, torch.float16)
     collector = _Collector(model, adapter, compute_dtype, method, query_block)
     batches = iterate_batches(dataloader, parameter.device)
+    skipped = 0
     with _statistics_mode(model, method, tf32), collector.installed():
         for batch in tqdm(batches, desc="statistics", unit="batch", total=max_batches, disable=not progress):
+            if loss_fn is None and "labels" in batch and adapter.loss_weight(model, batch) == 0:
+                skipped += 1  # no loss term (every label -100): the model's loss would be 0 / 0
+                continue
             collector.step(model, batch, loss_fn)
             if max_batches is not None and collector.batch_index >= max_batches:
                 break
+    if skipped:
+        logger.warning(
+            "skipped %d batch(es) without loss terms (every label -100, e.g. all padding, or one-token sequences "
+            "for a causal LM)",
+            skipped,
+        )
+    if collector.batch_index == 0 and skipped:
+        raise ValueError(
+            f"none of the {skipped} batches has a loss term (every label is -100): nothing to learn from. "
+            "Use longer sequences or fewer masked labels."
+        )
     if collector.batch_index == 0:
         raise ValueError("the dataloader yielded no batches: statistics need at least one batch of data.")
     if collector.num_tokens == 0:

@@ -206,3 +206,28 @@ def test_statistics_round_trip_through_safetensors(trained_gpt2, data, tmp_path)
     save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
     with pytest.raises(ValueError, match="not an hf_grow statistics file"):
         GrowthStatistics.load(tmp_path / "other.safetensors")
+
+
+def test_batches_without_loss_terms_are_skipped_not_nan(trained_gpt2, data, caplog):
+    """An all-padding batch (and one-token sequences for a causal LM) has no loss term: skipped with a warning,
+    never a NaN; data made only of such batches is a clear error."""
+    empty = {key: value.clone() for key, value in data["stats"][0].items()}
+    empty["attention_mask"].zero_()
+    empty["labels"].fill_(-100)
+    with caplog.at_level("WARNING", logger="hf_grow"):
+        grown = grow_model(trained_gpt2, [data["stats"][1], empty, data["stats"][2]], p=8, eval_dataloader=[empty, *data["eval"][:1]])
+    assert "skipped 1 batch" in caplog.text
+    report = grown.growth_report
+    assert report.statistics_batches == 2 and report.statistics_tokens == 2 * 16 * 64
+    assert math.isfinite(report.eval_loss_before) and math.isfinite(report.eval_loss_after)
+    assert all(torch.isfinite(tensor).all() for tensor in grown.state_dict().values() if tensor.is_floating_point())
+    one_token = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids} for ids in torch.randint(0, 256, (3, 4, 1))]
+    with pytest.raises(ValueError, match="none of the 3 batches has a loss term"):
+        grow_model(trained_gpt2, one_token, p=8, step_size=0.0)
+
+
+def test_same_inputs_give_bit_identical_growth(trained_gpt2, data):
+    runs = [grow_model(trained_gpt2, data["stats"][:4], p=8, eval_dataloader=data["eval"][:2], measure_realized_gains=False) for _ in range(2)]
+    first, second = (run.state_dict() for run in runs)
+    assert all(torch.equal(tensor, second[name]) for name, tensor in first.items())
+    assert runs[0].growth_report.step_size == runs[1].growth_report.step_size
