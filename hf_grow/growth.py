@@ -52,7 +52,7 @@ def evaluate_loss(
     total, weight = 0.0, 0
     try:
         with torch.no_grad():
-            for batch in iterate_batches(batches, next(model.parameters()).device):
+            for batch in iterate_batches(batches, model):
                 batch_weight = adapter.loss_weight(model, batch) if loss_fn is None else len(next(iter(batch.values())))
                 if batch_weight == 0:
                     continue  # no loss term: the model's loss is 0 / 0

@@ -229,13 +229,23 @@ class GrowthStatistics:
         )
 
 
-def iterate_batches(dataloader: Iterable[Mapping[str, Tensor]], device: torch.device) -> Iterator[dict[str, Tensor]]:
-    """Batches as dicts on ``device``; a clear error for anything that is not a dict."""
+def iterate_batches(dataloader: Iterable[Mapping[str, Tensor]], model: PreTrainedModel) -> Iterator[dict[str, Tensor]]:
+    """Batches as dicts on the model's device; a clear error for anything that is not a dict or is longer than
+    the model's positions (which would otherwise fail deep inside the embedding lookup)."""
+    device = next(model.parameters()).device
+    positions = getattr(model.config, "max_position_embeddings", None)
     for index, batch in enumerate(dataloader):
         if not isinstance(batch, Mapping):
             raise TypeError(
                 f"batch {index} is a {type(batch).__name__}; hf_grow expects dict batches passed as model(**batch), "
                 "e.g. from a DataLoader with transformers' DataCollatorForLanguageModeling."
+            )
+        inputs = batch.get("input_ids", batch.get("inputs_embeds"))
+        length = inputs.shape[1] if isinstance(inputs, Tensor) and inputs.dim() >= 2 else None
+        if positions is not None and length is not None and length > positions:
+            raise ValueError(
+                f"batch {index} holds sequences of {length} tokens, but the model has {positions} positions "
+                "(config.max_position_embeddings): cut the sequences to at most that many tokens."
             )
         yield {key: value.to(device) if isinstance(value, Tensor) else value for key, value in batch.items()}
 
@@ -446,7 +456,7 @@ def collect_statistics(
     if tf32 is None:
         tf32 = parameter.dtype in (torch.bfloat16, torch.float16)
     collector = _Collector(model, adapter, compute_dtype, method, query_block)
-    batches = iterate_batches(dataloader, parameter.device)
+    batches = iterate_batches(dataloader, model)
     skipped = 0
     with _statistics_mode(model, method, tf32), collector.installed():
         for batch in tqdm(batches, desc="statistics", unit="batch", total=max_batches, disable=not progress):

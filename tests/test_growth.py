@@ -231,3 +231,31 @@ def test_same_inputs_give_bit_identical_growth(trained_gpt2, data):
     first, second = (run.state_dict() for run in runs)
     assert all(torch.equal(tensor, second[name]) for name, tensor in first.items())
     assert runs[0].growth_report.step_size == runs[1].growth_report.step_size
+
+
+def test_a_corpus_of_one_repeated_token_keeps_everything_finite(trained_gpt2):
+    """One repeated byte in 8-token windows: C has rank <= 9 of 65 in every layer. The pseudo-inverses take
+    only the data's span; growth stays finite, exact at step 0, and does not raise the held-out loss."""
+    ids = torch.full((16, 8), ord(" "))
+    batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids} for _ in range(4)]
+    statistics = collect_statistics(trained_gpt2, batches[:3], get_adapter(trained_gpt2))
+    assert all(torch.linalg.matrix_rank(statistics.mean_second_moment(layer), rtol=1e-6) <= 9 for layer in range(2))
+    grown = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=batches[3:])
+    report = grown.growth_report
+    assert report.eval_loss_after <= report.eval_loss_before
+    assert all(torch.isfinite(tensor).all() for tensor in grown.state_dict().values() if tensor.is_floating_point())
+    gains = [value for layer in report.layers for head in layer.heads for value in (head.expected_gain, *head.marginal_gains)]
+    assert all(math.isfinite(gain) for gain in gains)
+    unchanged = grow_model(trained_gpt2, None, p=8, statistics=statistics, step_size=0.0)
+    with torch.no_grad():
+        assert (unchanged(**batches[3]).logits - trained_gpt2(**batches[3]).logits).abs().max() <= 1e-4
+
+
+def test_sequences_beyond_the_models_positions_are_a_clear_error(trained_gpt2, data):
+    positions = trained_gpt2.config.n_positions
+    ids = torch.zeros(2, positions + 1, dtype=torch.long)
+    too_long = {"input_ids": ids, "labels": ids}
+    with pytest.raises(ValueError, match=f"batch 1 holds sequences of {positions + 1} tokens, but the model has {positions} positions"):
+        grow_model(trained_gpt2, [data["stats"][0], too_long, data["stats"][1]], p=8, step_size=0.0)
+    with pytest.raises(ValueError, match=f"batch 0 holds sequences of {positions + 1} tokens"):
+        evaluate_loss(trained_gpt2, [too_long])
