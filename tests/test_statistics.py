@@ -103,6 +103,7 @@ def test_model_is_left_as_it_was(gpt2_copy, stdlib_bytes):
 
 def test_restored_on_error(gpt2_copy, stdlib_bytes):
     model = gpt2_copy
+    before = parameter_snapshot(model)
     calls = []
 
     def failing_loss(m, batch):
@@ -118,6 +119,9 @@ def test_restored_on_error(gpt2_copy, stdlib_bytes):
     assert not _OUTPUT_HOOKS and not _SCORE_HOOKS
     assert torch.get_float32_matmul_precision() == "highest"
     assert not model.training
+    assert all(p.grad is None for p in model.parameters())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
 
 
 def test_non_finite_loss_names_the_batch(gpt2_copy, stdlib_bytes):
