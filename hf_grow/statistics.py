@@ -408,6 +408,13 @@ class _Collector:
         self.inputs.clear()
         self.layers_run.clear()
         self.anchors.clear()
+        embeddings = batch.get("inputs_embeds")
+        if isinstance(embeddings, Tensor):
+            # Inputs given as embeddings skip the embedding layer: backward runs towards them instead.
+            if not embeddings.requires_grad:
+                embeddings = embeddings.detach().requires_grad_(True)
+                batch = {**batch, "inputs_embeds": embeddings}
+            self.anchors.append(embeddings)
         loss = compute_loss(model, batch, loss_fn)
         if loss.dim() != 0:
             raise ValueError(f"the loss must be a scalar, got shape {tuple(loss.shape)}")

@@ -255,3 +255,17 @@ def test_bad_method_and_block_are_clear_errors(gpt2_copy, stdlib_bytes):
         collect_statistics(gpt2_copy, batches, get_adapter(gpt2_copy), method="flash")
     with pytest.raises(ValueError, match="query_block must be positive"):
         collect_statistics(gpt2_copy, batches, get_adapter(gpt2_copy), query_block=0)
+
+
+def test_inputs_given_as_embeddings(gpt2_copy, stdlib_bytes):
+    """Batches of ``inputs_embeds`` (no embedding layer call) give the statistics of the same ids."""
+    model = gpt2_copy
+    batches = lm_batches(stdlib_bytes["stats"], 2)
+    with torch.no_grad():
+        embedded = [{**{k: v for k, v in b.items() if k != "input_ids"}, "inputs_embeds": model.transformer.wte(b["input_ids"])} for b in batches]
+    by_ids = collect_statistics(model, batches, get_adapter(model), compute_dtype=torch.float64)
+    by_embeddings = collect_statistics(model, embedded, get_adapter(model), compute_dtype=torch.float64)
+    assert by_embeddings.num_tokens == by_ids.num_tokens
+    for layer in range(2):
+        torch.testing.assert_close(by_embeddings.second_moments[layer], by_ids.second_moments[layer], rtol=1e-12, atol=0)
+        torch.testing.assert_close(by_embeddings.gradients[layer], by_ids.gradients[layer], rtol=1e-9, atol=1e-12)
