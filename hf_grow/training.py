@@ -160,11 +160,22 @@ def resize_qk_(
                 for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
                     optimizer.state[parameters[name]][state_key] = value
             for name, value in adapter.qk_parameters(attention, query, key).items():
-                parameters[name].data = value
-                parameters[name].grad = None
+                _resize_parameter(parameters[name], value)
             adapter.set_qk_head_dim(attention, config, layer, new_dim)
             dims[layer] = new_dim
     config.qk_head_dims = dims
+
+
+def _resize_parameter(parameter: torch.nn.Parameter, value: Tensor) -> None:
+    """``parameter.data = value`` for a new shape, keeping the Parameter object, its gradient cleared.
+
+    Autograd caches a parameter's gradient accumulator (with its shape) while any graph that used it is alive,
+    e.g. through a ``loss`` variable of the last step, and ``.data =`` drops that cache only on a change of
+    dtype or device: passing through another dtype first makes the next backward accumulate at the new shape.
+    """
+    parameter.data = value.to(torch.float64 if value.dtype != torch.float64 else torch.float32)
+    parameter.data = value
+    parameter.grad = None
 
 
 def _initialized_weights(

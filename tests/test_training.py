@@ -78,6 +78,9 @@ def test_growth_keeps_the_function_parameters_and_moments(trained, stdlib_bytes,
     step_before = float(optimizer.state[model.transformer.h[0].attn.c_attn.weight]["step"])
 
     stats = lm_batches(stdlib_bytes["stats"], 3, seed=6)
+    model.train()
+    live_graph = model(**batch).loss  # a user's loop often keeps the last loss, and so its graph, alive
+    live_graph.backward()
     report = grow_in_training(model, optimizer, stats, 8, mode=mode, step_size=0.0)
     assert (report is None) == (mode == "zero")
 
@@ -113,6 +116,9 @@ def test_growth_keeps_the_function_parameters_and_moments(trained, stdlib_bytes,
         assert torch.equal(new_key[..., :8], old_key)
         torch.testing.assert_close(new_query[..., :8], old_query * fold**-degree, rtol=1e-6, atol=0)
         assert not new_query[..., 8:].any() and not new_key[..., 8:].any()
+    # Gradients were cleared, and the next step trains at the new shapes (with the old graph still alive).
+    assert all(p.grad is None for p in model.transformer.h[0].attn.c_attn.parameters())
+    assert math.isfinite(train(model, optimizer, [batch])[0]) and live_graph.grad_fn is not None
 
 
 def test_training_continues_after_growth_and_the_loss_keeps_decreasing(trained, stdlib_bytes):
