@@ -99,6 +99,8 @@ class CurvePoint:
     flops: float
     eval_loss: float
     metrics: dict[str, float] = field(default_factory=dict)
+    #: False for the extra evaluations just before and right after a growth (left out of the AUC).
+    scheduled: bool = True
 
 
 @dataclass
@@ -134,8 +136,8 @@ class Run:
         return next((point.step for point in self.curve if point.eval_loss <= loss), None)
 
     def area_under_curve(self) -> float:
-        """Mean held-out loss over training (trapezoids over steps)."""
-        points = self.curve
+        """Mean held-out loss over training (trapezoids over the scheduled evaluations)."""
+        points = [point for point in self.curve if point.scheduled]
         area = sum((b.step - a.step) * (a.eval_loss + b.eval_loss) / 2 for a, b in zip(points, points[1:]))
         return area / (points[-1].step - points[0].step)
 
@@ -212,9 +214,9 @@ def train_variant(
     curve, growths = [], []
     started = time.perf_counter()
 
-    def record(step: int) -> float:
+    def record(step: int, scheduled: bool = True) -> float:
         loss, metrics = _evaluate(model, task)
-        curve.append(CurvePoint(step, tokens, flops + overhead, loss, metrics))
+        curve.append(CurvePoint(step, tokens, flops + overhead, loss, metrics, scheduled))
         return loss
 
     record(0)
@@ -232,7 +234,7 @@ def train_variant(
         flops += training_flops(model.config, batch_tokens, seq_len)
         if step in variant.schedule and variant.mode is not None:
             width = variant.schedule[step]
-            before = record(step)
+            before = record(step, scheduled=False)
             added = {layer: width - dim for layer, dim in enumerate(model.config.qk_head_dims) if width > dim}
             drawn = task.growth_batches(step, statistics_batches + search_batches)
             stats, search = drawn[:statistics_batches], drawn[statistics_batches:]
@@ -253,7 +255,7 @@ def train_variant(
                     + solve_flops(model.config, decompositions)
                 )
             overhead += cost
-            after = record(step)  # right after growth: a second point at this step, overhead included
+            after = record(step, scheduled=False)  # right after growth, overhead included
             growths.append(
                 GrowthEvent(
                     step, list(model.config.qk_head_dims), before, after, cost,
@@ -264,8 +266,7 @@ def train_variant(
             )
             log(f"  {variant.name} step {step}: qk {model.config.qk_head_dims}, held-out {before:.4f} -> {after:.4f}")
         if step % eval_every == 0 or step == steps:
-            if not curve or curve[-1].step != step:
-                record(step)
+            record(step)
     return Run(variant.name, curve, growths, flops, overhead, time.perf_counter() - started)
 
 
