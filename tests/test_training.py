@@ -19,7 +19,6 @@ from hf_grow import (
     GrownGPT2Config,
     GrownGPT2LMHeadModel,
     evaluate_loss,
-    get_adapter,
     grow_in_training,
     to_grown_model,
 )
