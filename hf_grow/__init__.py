@@ -25,12 +25,15 @@ from .models import (
 )
 from .report import GrowthReport, load_growth_report
 from .statistics import GrowthStatistics, collect_statistics
+from .training import GROWTH_MODES, GrowthCallback, grow_in_training, resize_qk_, to_grown_model
 
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_TRUNCATION",
+    "GROWTH_MODES",
+    "GrowthCallback",
     "GrowthReport",
     "GrowthStatistics",
     "GrownBertConfig",
@@ -52,8 +55,11 @@ __all__ = [
     "collect_statistics",
     "evaluate_loss",
     "get_adapter",
+    "grow_in_training",
     "grow_model",
     "load_growth_report",
+    "resize_qk_",
     "supported_model_types",
+    "to_grown_model",
     "__version__",
 ]

@@ -33,6 +33,9 @@ logger = logging.getLogger("hf_grow")
 #: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z.
 DEFAULT_TRUNCATION = "whitened"
 SEARCHES = ("exact", "fast")
+#: "refactor": the rank-(d_k + p) truncation of Z - lam P rewrites all Q/K weights. "append": the old Q/K
+#: weights are kept and the p new dimensions hold the best rank-p approximation of the step -lam P.
+MODES = ("refactor", "append")
 QKWeights = dict[int, tuple[Tensor, Tensor]]
 
 
@@ -92,9 +95,12 @@ class _GrowthProblem:
         truncation: str,
         rtol: float,
         solver: str,
+        mode: str = "refactor",
     ):
         self.truncation = truncation
         self.solver = solver
+        self.mode = mode
+        self._unit_updates: dict[int, linalg.Factorization] = {}
         self.layers: list[_LayerProblem] = []
         config = model.config
         with torch.no_grad():
@@ -134,13 +140,29 @@ class _GrowthProblem:
         metric = problem.metric if truncation == "whitened" else None
         return linalg.decompose(target, metric, self.solver)
 
+    def unit_update(self, layer: int) -> linalg.Factorization:
+        """The "append" update at lam = 1: the truncation of -P to the p added dimensions (computed once)."""
+        if layer not in self._unit_updates:
+            problem = self.layers[layer]
+            metric = problem.metric if self.truncation == "whitened" else None
+            added = problem.qk_dim_after - problem.query.shape[-1]
+            self._unit_updates[layer] = linalg.decompose(-problem.direction, metric, self.solver).truncate(added)
+        return self._unit_updates[layer]
+
     def weights(self, step_size: float) -> QKWeights:
         """Augmented Q/K weights of the grown width for every layer. Step size 0 is exactly the old function:
-        the old weights, zero-padded, with the change of scale folded into the queries."""
+        the old weights, zero-padded, with the change of scale folded into the queries. In "append" mode the
+        old weights are kept at every step (layers without added dimensions do not change)."""
         weights = {}
         with torch.no_grad():
             for layer, problem in enumerate(self.layers):
-                if step_size == 0:
+                if self.mode == "append" and problem.qk_dim_after > problem.query.shape[-1]:
+                    update = linalg.rescaled_to_step(self.unit_update(layer), self.lam(step_size))
+                    weights[layer] = linalg.appended_weights(
+                        problem.query, problem.key, problem.scaling_before, problem.scaling_after, update
+                    )
+                    continue
+                if step_size == 0 or self.mode == "append":
                     padding = problem.qk_dim_after - problem.query.shape[-1]
                     fold = problem.scaling_before / problem.scaling_after
                     weights[layer] = (
@@ -168,16 +190,25 @@ class _GrowthProblem:
         lam = self.lam(step_size)
         qk_before = problem.query.shape[-1]
         with torch.no_grad():
-            decomposition = self.decomposition(layer, step_size, self.truncation)
-            grown, kept = decomposition.truncate(problem.qk_dim_after), decomposition.truncate(qk_before)
-            delta, delta_kept = grown.product - problem.bilinear, kept.product - problem.bilinear
+            if self.mode == "append":
+                # The old form stays: the step is the rank-p update alone, and without growth there is none.
+                delta = torch.zeros_like(problem.bilinear)
+                if problem.qk_dim_after > qk_before:
+                    delta = linalg.rescaled_to_step(self.unit_update(layer), lam).product
+                delta_kept = torch.zeros_like(delta)
+                spectrum = linalg.decompose(-lam * problem.direction, problem.metric, self.solver).singular_values
+                marginal = linalg.rank_gains(spectrum, lam)[:, : problem.qk_dim_after - qk_before]
+            else:
+                decomposition = self.decomposition(layer, step_size, self.truncation)
+                grown, kept = decomposition.truncate(problem.qk_dim_after), decomposition.truncate(qk_before)
+                delta, delta_kept = grown.product - problem.bilinear, kept.product - problem.bilinear
+                if self.truncation != "whitened":
+                    decomposition = self.decomposition(layer, step_size, "whitened")
+                spectrum = decomposition.singular_values
+                marginal = linalg.rank_gains(spectrum, lam)[:, qk_before : problem.qk_dim_after]
             expected = linalg.predicted_decrease(problem.gradient, delta, problem.metric, lam)
             expected_kept = linalg.predicted_decrease(problem.gradient, delta_kept, problem.metric, lam)
             first_order = -(problem.gradient * delta).sum(dim=(-2, -1))
-            if self.truncation != "whitened":
-                decomposition = self.decomposition(layer, step_size, "whitened")
-            spectrum = decomposition.singular_values
-            marginal = linalg.rank_gains(spectrum, lam)[:, qk_before : problem.qk_dim_after]
         return [
             HeadReport(
                 layer=layer,
@@ -383,6 +414,81 @@ def grow_model(
     """
     started = time.perf_counter()
     model = _merged_if_peft(model)
+    prepared = _prepare_growth(
+        model,
+        dataloader,
+        p,
+        mode="refactor",
+        eval_dataloader=eval_dataloader,
+        step_size=step_size,
+        truncation=truncation,
+        search=search,
+        loss_fn=loss_fn,
+        max_batches=max_batches,
+        statistics=statistics,
+        eval_fraction=eval_fraction,
+        rtol=rtol,
+        compute_dtype=compute_dtype,
+        solver=solver,
+        statistics_method=statistics_method,
+        query_block=query_block,
+        progress=progress,
+    )
+    tick = time.perf_counter()
+    grown = prepared.adapter.build_grown_model(model, prepared.qk_after, prepared.problem.weights(0.0))
+    prepared.seconds["solve"] += time.perf_counter() - tick
+    grown.growth_report = _search_and_report(
+        prepared,
+        grown,
+        step_size=step_size,
+        search=search,
+        loss_fn=loss_fn,
+        initial_step_size=initial_step_size,
+        measure_realized_gains=measure_realized_gains,
+        progress=progress,
+        started=started,
+    )
+    return grown
+
+
+@dataclass
+class _PreparedGrowth:
+    """A validated growth with its statistics solved: what remains is the target model and the line search."""
+
+    model: PreTrainedModel
+    adapter: ArchitectureAdapter
+    qk_before: list[int]
+    qk_after: list[int]
+    max_rank: int
+    statistics: GrowthStatistics
+    eval_batches: list[dict[str, Tensor]] | None
+    problem: _GrowthProblem
+    parameters_before: int
+    seconds: dict[str, float]
+
+
+def _prepare_growth(
+    model: PreTrainedModel,
+    dataloader: Iterable[Mapping[str, Tensor]] | None,
+    p: int | Mapping[int, int],
+    *,
+    mode: str,
+    eval_dataloader: Iterable[Mapping[str, Tensor]] | None,
+    step_size: float | None,
+    truncation: str,
+    search: str,
+    loss_fn: LossFn | None,
+    max_batches: int | None,
+    statistics: GrowthStatistics | None,
+    eval_fraction: float,
+    rtol: float,
+    compute_dtype: torch.dtype,
+    solver: str,
+    statistics_method: str,
+    query_block: int | None,
+    progress: bool,
+) -> _PreparedGrowth:
+    """Validate the arguments (before any work), collect or check the statistics and solve the problem."""
     adapter = get_adapter(model)
     qk_before = adapter.qk_head_dims(model.config)
     growth = _resolve_growth(p, len(qk_before))
@@ -394,6 +500,8 @@ def grow_model(
             f"query/key widths {too_wide} exceed hidden_size + 1 = {max_rank}, the largest rank a head's scores "
             "can have: choose a smaller p."
         )
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if truncation not in linalg.TRUNCATIONS:
         raise ValueError(f"truncation must be one of {linalg.TRUNCATIONS}, got {truncation!r}")
     if solver not in linalg.SVD_METHODS:
@@ -407,14 +515,14 @@ def grow_model(
         warnings.warn(
             f"query/key widths {unaligned} are not multiples of 8; fused attention kernels are fastest with "
             "multiples of 8.",
-            stacklevel=2,
+            stacklevel=3,
         )
 
     seconds: dict[str, float] = {}
     tick = time.perf_counter()
     if statistics is None:
         if dataloader is None:
-            raise ValueError("grow_model needs a dataloader, or statistics collected before.")
+            raise ValueError("growth needs a dataloader, or statistics collected before.")
         statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
         statistics = collect_statistics(
             model,
@@ -435,16 +543,38 @@ def grow_model(
     seconds["statistics"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    problem = _GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol, solver)
-    grown = adapter.build_grown_model(model, qk_after, problem.weights(0.0))
+    problem = _GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol, solver, mode)
     seconds["solve"] = time.perf_counter() - tick
+    return _PreparedGrowth(
+        model, adapter, qk_before, qk_after, max_rank, statistics, eval_batches, problem, model.num_parameters(), seconds
+    )
+
+
+def _search_and_report(
+    prepared: _PreparedGrowth,
+    target: PreTrainedModel,
+    *,
+    step_size: float | None,
+    search: str,
+    loss_fn: LossFn | None,
+    initial_step_size: float,
+    measure_realized_gains: bool,
+    progress: bool,
+    started: float,
+) -> GrowthReport:
+    """Line-search the step on ``target`` (a model of the grown widths), leave the chosen weights in it, report.
+
+    ``target`` computes the old function on entry (the step-0 weights); on exit it holds the chosen step.
+    """
+    model, adapter, problem, eval_batches = prepared.model, prepared.adapter, prepared.problem, prepared.eval_batches
+    qk_after, seconds = prepared.qk_after, prepared.seconds
 
     def evaluate(candidate: PreTrainedModel) -> float:
         return evaluate_loss(candidate, eval_batches, adapter, loss_fn)[0]
 
     def evaluate_step(step: float) -> float:
-        _write_weights(adapter, grown, problem.weights(step))
-        return evaluate(grown)
+        _write_weights(adapter, target, problem.weights(step))
+        return evaluate(target)
 
     tick = time.perf_counter()
     points: list[LineSearchPoint] = []
@@ -452,7 +582,7 @@ def grow_model(
     eval_weight = 0
     loss_before = loss_after = None
     if eval_batches is not None:
-        loss_before, eval_weight = evaluate_loss(grown, eval_batches, adapter, loss_fn)
+        loss_before, eval_weight = evaluate_loss(target, eval_batches, adapter, loss_fn)
     if step_size is None and problem.lam_unit == 0:
         logger.warning("the loss has zero gradient with respect to every head's scores: nothing to gain, step 0.")
         step_size, loss_after = 0.0, loss_before
@@ -471,9 +601,10 @@ def grow_model(
 
             start = initial_step_size
             if search == "fast":
+                max_rank = prepared.max_rank
                 full_rank = [max_rank] * len(qk_after)
                 scalings = [adapter.scaling(model.config, layer, max_rank) for layer in range(len(qk_after))]
-                reference = adapter.build_grown_model(model, full_rank, problem.unconstrained_weights(0.0, scalings))
+                reference = adapter.build_grown_model(target, full_rank, problem.unconstrained_weights(0.0, scalings))
 
                 def evaluate_unconstrained(step: float) -> float:
                     _write_weights(adapter, reference, problem.unconstrained_weights(step, scalings))
@@ -489,9 +620,9 @@ def grow_model(
                 losses = _line_search(tracked("rank", evaluate_step), start)
         step_size = min(losses, key=losses.get)
         loss_after = losses[step_size]
-    _write_weights(adapter, grown, problem.weights(step_size))
+    _write_weights(adapter, target, problem.weights(step_size))
     if eval_batches is not None and loss_after is None:
-        loss_after = evaluate(grown)
+        loss_after = evaluate(target)
     seconds["line_search"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
@@ -499,16 +630,16 @@ def grow_model(
     if measure_realized_gains and eval_batches is not None and step_size > 0:
         unchanged, stepped = problem.weights(0.0), problem.weights(step_size)
         for layer in tqdm(range(len(qk_after)), desc="realized gains", unit="layer", disable=not progress):
-            _write_weights(adapter, grown, {**unchanged, layer: stepped[layer]})
-            realized[layer] = loss_before - evaluate(grown)
-        _write_weights(adapter, grown, stepped)
+            _write_weights(adapter, target, {**unchanged, layer: stepped[layer]})
+            realized[layer] = loss_before - evaluate(target)
+        _write_weights(adapter, target, stepped)
     layers = []
-    for layer, problem_layer in enumerate(problem.layers):
+    for layer in range(len(problem.layers)):
         heads = problem.head_reports(layer, step_size)
         layers.append(
             LayerReport(
                 layer=layer,
-                qk_dim_before=qk_before[layer],
+                qk_dim_before=prepared.qk_before[layer],
                 qk_dim_after=qk_after[layer],
                 expected_gain=sum(head.expected_gain for head in heads),
                 realized_gain=realized[layer],
@@ -518,25 +649,26 @@ def grow_model(
     seconds["report"] = time.perf_counter() - tick
     seconds["total"] = time.perf_counter() - started
 
-    grown.growth_report = GrowthReport(
+    report = GrowthReport(
         model_class=type(model).__name__,
         model_type=model.config.model_type,
-        truncation=truncation,
+        truncation=problem.truncation,
         search=search,
-        solver=solver,
+        solver=problem.solver,
+        mode=problem.mode,
         step_size=step_size,
         lam=problem.lam(step_size),
         eval_loss_before=loss_before,
         eval_loss_after=loss_after,
         unconstrained_eval_loss=unconstrained_loss,
-        statistics_tokens=statistics.num_tokens,
-        statistics_batches=statistics.num_batches,
+        statistics_tokens=prepared.statistics.num_tokens,
+        statistics_batches=prepared.statistics.num_batches,
         eval_weight=eval_weight,
-        parameters_before=model.num_parameters(),
-        parameters_after=grown.num_parameters(),
+        parameters_before=prepared.parameters_before,
+        parameters_after=target.num_parameters(),
         seconds=seconds,
         line_search=points,
         layers=layers,
     )
-    logger.info("grew %s: %s", type(model).__name__, grown.growth_report.summary())
-    return grown
+    logger.info("grew %s: %s", type(model).__name__, report.summary())
+    return report

@@ -198,3 +198,34 @@ def rank_gains(singular_values: Tensor, lam: float) -> Tensor:
     if lam == 0:
         return torch.zeros_like(singular_values)
     return singular_values.square() / (2 * lam)
+
+
+def rescaled_to_step(factors: Factorization, lam: float) -> Factorization:
+    """The truncation of ``-lam * P`` from the truncation of ``-P``: each factor times sqrt(lam), lam >= 0.
+
+    Rank truncation commutes with a non-negative scale, so the "append" update is decomposed once and the line
+    search only rescales it.
+    """
+    if lam < 0:
+        raise ValueError(f"lam must be >= 0, got {lam}")
+    root = lam**0.5
+    return Factorization(factors.left * root, factors.right * root, factors.singular_values * lam)
+
+
+def appended_weights(
+    query: Tensor, key: Tensor, scaling_before: float, scaling_after: float, update: Factorization
+) -> tuple[Tensor, Tensor]:
+    """Old augmented Q/K weights kept, ``update``'s factors appended as new dimensions: the "append" growth.
+
+    Returns ``(heads, d, d_k + p)`` weights whose bilinear form at ``scaling_after`` is
+    ``scaling_before * query @ key^T + update.left @ update.right^T``: the change of scale is folded into the
+    old queries, the update is split as ``left / sqrt(scaling_after)``, ``right / sqrt(scaling_after)``.
+    With ``update`` the truncation of ``-lam P`` (`rescaled_to_step`), the new dimensions hold the best
+    rank-p approximation of the step in the metric of C, and lam = 0 computes exactly the old function.
+    """
+    root = scaling_after**0.5
+    fold = scaling_before / scaling_after
+    return (
+        torch.cat([query * fold, update.left / root], dim=-1),
+        torch.cat([key, update.right / root], dim=-1),
+    )

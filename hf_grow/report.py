@@ -76,6 +76,8 @@ class GrowthReport:
     layers: list[LayerReport] = field(default_factory=list)
     #: How the truncations were computed (`hf_grow.linalg.SVD_METHODS`).
     solver: str = "eigh"
+    #: "refactor" (all Q/K weights rewritten) or "append" (old weights kept, new dimensions hold the step).
+    mode: str = "refactor"
 
     @property
     def qk_dims_before(self) -> list[int]:
@@ -122,7 +124,8 @@ class GrowthReport:
         lines = [
             f"held-out loss  before {fmt(self.eval_loss_before)}  after {fmt(self.eval_loss_after)}",
             f"perplexity     before {fmt(self.perplexity_before)}  after {fmt(self.perplexity_after)}",
-            f"step size {self.step_size:.4g} (lam {self.lam:.4g}), truncation {self.truncation}, search {self.search}",
+            f"step size {self.step_size:.4g} (lam {self.lam:.4g}), mode {self.mode}, truncation {self.truncation}, "
+            f"search {self.search}",
             f"Q/K dims {self.qk_dims_before} -> {self.qk_dims_after}, parameters added {self.parameters_added:,}",
         ]
         if self.unconstrained_eval_loss is not None:

@@ -148,3 +148,37 @@ def test_eigh_and_svd_methods_agree(generator, singular):
     with pytest.raises(ValueError, match="method"):
         linalg.decompose(target, None, "qr")
 
+
+
+def test_appended_weights_keep_the_old_form_and_add_the_best_rank_p_step(generator):
+    d, qk_dim, p, lam = 10, 3, 2, 0.7
+    metric = linalg.metric_from_second_moment(random_psd(d, 40, generator))
+    query = torch.randn(3, d, qk_dim, generator=generator, dtype=torch.float64)
+    key = torch.randn(3, d, qk_dim, generator=generator, dtype=torch.float64)
+    direction = torch.randn(3, d, d, generator=generator, dtype=torch.float64)
+    scaling_before, scaling_after = qk_dim**-0.5, (qk_dim + p) ** -0.5
+    old = linalg.bilinear_form(query, key, scaling_before)
+    unit = linalg.truncate(-direction, p, metric)
+
+    at_zero = linalg.appended_weights(query, key, scaling_before, scaling_after, linalg.rescaled_to_step(unit, 0.0))
+    assert at_zero[0].shape == at_zero[1].shape == (3, d, qk_dim + p)
+    torch.testing.assert_close(linalg.bilinear_form(*at_zero, scaling_after), old, rtol=1e-12, atol=1e-12)
+    assert torch.equal(at_zero[1][..., :qk_dim], key)  # old keys kept bit for bit
+
+    stepped = linalg.appended_weights(query, key, scaling_before, scaling_after, linalg.rescaled_to_step(unit, lam))
+    added = linalg.bilinear_form(*stepped, scaling_after) - old
+    torch.testing.assert_close(added, linalg.truncate(-lam * direction, p, metric).product, rtol=1e-9, atol=1e-9)
+    # The added rank-p form is the best one in the metric of C: no other rank-p form is closer to -lam P.
+    best = linalg.whitened_norm_sq(added + lam * direction, metric)
+    for _ in range(5):
+        other = added + 0.1 * low_rank(d, 1, generator)
+        other = linalg.truncate(other, p).product
+        assert (linalg.whitened_norm_sq(other + lam * direction, metric) >= best - 1e-9).all()
+    # The new dimensions are balanced in the metric: C^1/2 L and C^1/2 R have equal column norms (sqrt sigma).
+    root = metric.eigenvectors @ torch.diag_embed(metric.root_diag) @ metric.eigenvectors.mT
+    left_norms = (root @ stepped[0][..., qk_dim:]).norm(dim=-2)
+    right_norms = (root @ stepped[1][..., qk_dim:]).norm(dim=-2)
+    torch.testing.assert_close(left_norms, right_norms, rtol=1e-9, atol=1e-12)
+    assert (left_norms > 0).all()
+    with pytest.raises(ValueError, match="lam must be >= 0"):
+        linalg.rescaled_to_step(unit, -1.0)

@@ -54,15 +54,32 @@ class ArchitectureAdapter(ABC):
         """The module whose input is X, the input of the query and key projections of ``attention``."""
 
     @abstractmethod
-    def read_qk(self, attention: nn.Module) -> tuple[Tensor, Tensor]:
-        """Augmented query and key weights ``(heads, d_e + 1, d_k)`` of one layer, as float64 copies."""
+    def read_qk(self, attention: nn.Module, source: Mapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Augmented query and key weights ``(heads, d_e + 1, d_k)`` of one layer, as float64 copies.
+
+        ``source`` maps the `qk_parameter_names` to tensors shaped like those parameters (e.g. optimizer
+        moments) to read instead of the parameters themselves.
+        """
 
     @abstractmethod
-    def qk_parameters(self, attention: nn.Module, query: Tensor, key: Tensor) -> dict[str, Tensor]:
+    def qk_parameters(
+        self, attention: nn.Module, query: Tensor, key: Tensor, source: Mapping[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
         """The parameters of ``attention`` (names relative to it) that hold augmented ``query`` and ``key``.
 
-        New tensors in the dtype of the current parameters; their shapes follow the width of ``query``.
+        New tensors in the dtype of the current parameters (of ``source``'s tensors when given, which then
+        also supply any entries that are not Q/K, e.g. GPT-2's fused values); their shapes follow the width
+        of ``query``.
         """
+
+    @abstractmethod
+    def qk_parameter_names(self, attention: nn.Module) -> list[str]:
+        """The names (relative to ``attention``) of the parameters that hold query or key weights."""
+
+    @abstractmethod
+    def set_qk_head_dim(self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> None:
+        """Make a grown attention module compute with ``qk_head_dim`` query/key dims per head (parameters
+        already resized): its split sizes and scaling. For growth in place, during training."""
 
     def num_heads(self, config: PreTrainedConfig) -> int:
         return config.num_attention_heads

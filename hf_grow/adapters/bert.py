@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 from transformers import (
@@ -13,6 +15,7 @@ from transformers import (
     BertForTokenClassification,
     BertLMHeadModel,
     BertModel,
+    PreTrainedConfig,
     PreTrainedModel,
 )
 
@@ -52,22 +55,33 @@ class BertAdapter(ArchitectureAdapter):
     def qk_input_module(self, attention: nn.Module) -> nn.Module:
         return attention.query
 
-    def read_qk(self, attention: nn.Module) -> tuple[Tensor, Tensor]:
+    def read_qk(self, attention: nn.Module, source: Mapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         heads = attention.num_attention_heads
+        source = source or dict(attention.named_parameters())
         augmented = []
-        for projection in (attention.query, attention.key):
-            weight = projection.weight.detach().to(torch.float64)
-            augmented.append(split_heads(weight.mT, projection.bias.detach().to(torch.float64), heads))
+        for name in ("query", "key"):
+            weight = source[f"{name}.weight"].detach().to(torch.float64)
+            augmented.append(split_heads(weight.mT, source[f"{name}.bias"].detach().to(torch.float64), heads))
         return augmented[0], augmented[1]
 
-    def qk_parameters(self, attention: nn.Module, query: Tensor, key: Tensor) -> dict[str, Tensor]:
+    def qk_parameters(
+        self, attention: nn.Module, query: Tensor, key: Tensor, source: Mapping[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        source = source or dict(attention.named_parameters())
         parameters = {}
         for name, augmented in (("query", query), ("key", key)):
-            old = getattr(attention, name)
             weight, bias = merge_heads(augmented)
-            parameters[f"{name}.weight"] = weight.mT.to(old.weight).contiguous()
-            parameters[f"{name}.bias"] = bias.to(old.bias)
+            parameters[f"{name}.weight"] = weight.mT.to(source[f"{name}.weight"]).contiguous()
+            parameters[f"{name}.bias"] = bias.to(source[f"{name}.bias"])
         return parameters
+
+    def qk_parameter_names(self, attention: nn.Module) -> list[str]:
+        return ["query.weight", "query.bias", "key.weight", "key.bias"]
+
+    def set_qk_head_dim(self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> None:
+        attention.qk_head_dim = qk_head_dim
+        attention.scaling = self.scaling(config, layer, qk_head_dim)
+        attention.query.out_features = attention.key.out_features = attention.num_attention_heads * qk_head_dim
 
     def grown_init_kwargs(self, model: PreTrainedModel) -> dict:
         if isinstance(model, BertModel):

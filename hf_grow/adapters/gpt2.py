@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 from transformers import (
@@ -57,21 +59,34 @@ class GPT2Adapter(ArchitectureAdapter):
             scaling /= float(layer + 1)
         return scaling
 
-    def read_qk(self, attention: nn.Module) -> tuple[Tensor, Tensor]:
+    def read_qk(self, attention: nn.Module, source: Mapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         width = _qk_width(attention)
-        weight = attention.c_attn.weight.detach().to(torch.float64)
-        bias = attention.c_attn.bias.detach().to(torch.float64)
+        source = source or dict(attention.named_parameters())
+        weight = source["c_attn.weight"].detach().to(torch.float64)
+        bias = source["c_attn.bias"].detach().to(torch.float64)
         query = split_heads(weight[:, :width], bias[:width], attention.num_heads)
         key = split_heads(weight[:, width : 2 * width], bias[width : 2 * width], attention.num_heads)
         return query, key
 
-    def qk_parameters(self, attention: nn.Module, query: Tensor, key: Tensor) -> dict[str, Tensor]:
-        old_weight, old_bias = attention.c_attn.weight.detach(), attention.c_attn.bias.detach()
+    def qk_parameters(
+        self, attention: nn.Module, query: Tensor, key: Tensor, source: Mapping[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        source = source or dict(attention.named_parameters())
+        old_weight, old_bias = source["c_attn.weight"].detach(), source["c_attn.bias"].detach()
         values = slice(2 * _qk_width(attention), None)
         (query_weight, query_bias), (key_weight, key_bias) = merge_heads(query), merge_heads(key)
         weight = torch.cat([query_weight.to(old_weight), key_weight.to(old_weight), old_weight[:, values]], dim=1)
         bias = torch.cat([query_bias.to(old_bias), key_bias.to(old_bias), old_bias[values]])
         return {"c_attn.weight": weight, "c_attn.bias": bias}
+
+    def qk_parameter_names(self, attention: nn.Module) -> list[str]:
+        return ["c_attn.weight", "c_attn.bias"]
+
+    def set_qk_head_dim(self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> None:
+        attention.qk_head_dim = qk_head_dim
+        attention.split_size = [attention.num_heads * qk_head_dim] * 2 + [attention.embed_dim]
+        attention.scaling = self.scaling(config, layer, qk_head_dim)
+        attention.c_attn.nf = sum(attention.split_size)
 
     def shifts_labels(self, model: PreTrainedModel) -> bool:
         return isinstance(model, (GPT2LMHeadModel, GPT2DoubleHeadsModel))

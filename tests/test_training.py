@@ -1,0 +1,250 @@
+"""Growth during training: the model and optimizer carry on, the loss does not jump, Trainer checkpoints resume."""
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    BertConfig,
+    Trainer,
+    TrainingArguments,
+)
+
+from hf_grow import (
+    GrowthCallback,
+    GrownBertConfig,
+    GrownBertForMaskedLM,
+    GrownGPT2Config,
+    GrownGPT2LMHeadModel,
+    evaluate_loss,
+    grow_in_training,
+    to_grown_model,
+)
+
+from conftest import lm_batches, tiny_gpt2_config
+
+
+def grown_config(qk: int = 8) -> GrownGPT2Config:
+    return GrownGPT2Config(**tiny_gpt2_config().to_dict() | {"qk_head_dims": [qk, qk]})
+
+
+def train(model, optimizer, batches) -> list[float]:
+    losses = []
+    model.train()
+    for batch in batches:
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def trained(stdlib_bytes):
+    """A grown-type GPT-2 with d_k = 8 trained 40 AdamW steps, with its optimizer (copy before use)."""
+    torch.manual_seed(0)
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    train(model, optimizer, lm_batches(stdlib_bytes["train"], 40, seed=1))
+    return model, optimizer
+
+
+def copied(trained):
+    """Independent copies of the model and its optimizer (the optimizer bound to the copied Parameters)."""
+    model, optimizer = copy.deepcopy(trained)
+    return model, optimizer
+
+
+def c_attn_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer state and weights of layer 0's fused projection, cloned."""
+    weight = model.transformer.h[0].attn.c_attn.weight
+    state = optimizer.state[weight]
+    return {"weight": weight.detach().clone(), **{k: v.clone() for k, v in state.items()}}
+
+
+@pytest.mark.parametrize("mode", ["refactor", "append", "zero"])
+def test_growth_keeps_the_function_parameters_and_moments(trained, stdlib_bytes, mode):
+    model, optimizer = copied(trained)
+    batch = lm_batches(stdlib_bytes["eval"], 1, seed=5)[0]
+    model.eval()
+    with torch.no_grad():
+        loss_before = float(model(**batch).loss)
+    parameters_before = [id(p) for p in model.parameters()]
+    before = c_attn_state(model, optimizer)
+    step_before = float(optimizer.state[model.transformer.h[0].attn.c_attn.weight]["step"])
+
+    stats = lm_batches(stdlib_bytes["stats"], 3, seed=6)
+    model.train()
+    live_graph = model(**batch).loss  # a user's loop often keeps the last loss, and so its graph, alive
+    live_graph.backward()
+    report = grow_in_training(model, optimizer, stats, 8, mode=mode, step_size=0.0)
+    assert (report is None) == (mode == "zero")
+
+    # Same Parameter objects (the optimizer's param_groups stay valid), new widths everywhere.
+    assert [id(p) for p in model.parameters()] == parameters_before
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == parameters_before
+    assert model.config.qk_head_dims == [16, 16]
+    assert model.transformer.h[0].attn.qk_head_dim == 16
+    for parameter in model.parameters():
+        for key, value in optimizer.state[parameter].items():
+            if value.dim() > 0:
+                assert value.shape == parameter.shape, key
+    # At step 0 the grown model computes the old function (the zero baseline has zero new keys).
+    model.eval()
+    with torch.no_grad():
+        assert float(model(**batch).loss) == pytest.approx(loss_before, abs=2e-6)
+
+    after = c_attn_state(model, optimizer)
+    qk_old, qk_new = 4 * 8, 4 * 16
+    assert float(optimizer.state[model.transformer.h[0].attn.c_attn.weight]["step"]) == step_before
+    for key in ("exp_avg", "exp_avg_sq"):
+        # Values' moments are kept bit for bit in every mode.
+        assert torch.equal(after[key][:, 2 * qk_new :], before[key][:, 2 * qk_old :])
+        new_query = after[key][:, :qk_new].reshape(64, 4, 16)
+        new_key = after[key][:, qk_new : 2 * qk_new].reshape(64, 4, 16)
+        old_query = before[key][:, :qk_old].reshape(64, 4, 8)
+        old_key = before[key][:, qk_old : 2 * qk_old].reshape(64, 4, 8)
+        if mode == "refactor":
+            assert not new_query.any() and not new_key.any()
+            continue
+        degree = 1 if key == "exp_avg" else 2
+        fold = math.sqrt(16 / 8)  # scaling 1/sqrt(8) -> 1/sqrt(16) folded into the queries
+        assert torch.equal(new_key[..., :8], old_key)
+        torch.testing.assert_close(new_query[..., :8], old_query * fold**-degree, rtol=1e-6, atol=0)
+        assert not new_query[..., 8:].any() and not new_key[..., 8:].any()
+    # Gradients were cleared, and the next step trains at the new shapes (with the old graph still alive).
+    assert all(p.grad is None for p in model.transformer.h[0].attn.c_attn.parameters())
+    assert math.isfinite(train(model, optimizer, [batch])[0]) and live_graph.grad_fn is not None
+
+
+def test_training_continues_after_growth_and_the_loss_keeps_decreasing(trained, stdlib_bytes):
+    held_out = lm_batches(stdlib_bytes["eval"], 4, seed=7)
+    results = {}
+    for mode in ("append", "refactor"):
+        model, optimizer = copied(trained)
+        stats, search = lm_batches(stdlib_bytes["stats"], 6, seed=8), lm_batches(stdlib_bytes["eval"], 3, seed=9)
+        at_growth = evaluate_loss(model, held_out)[0]
+        report = grow_in_training(model, optimizer, stats, 8, mode=mode, eval_dataloader=search)
+        assert report.mode == mode and report.qk_dims_after == [16, 16]
+        assert report.eval_loss_after <= report.eval_loss_before
+        assert report.eval_loss_before == pytest.approx(evaluate_loss(trained[0], search)[0], abs=1e-5)
+        losses = train(model, optimizer, lm_batches(stdlib_bytes["train"], 30, seed=10))
+        assert all(math.isfinite(loss) for loss in losses)
+        results[mode] = evaluate_loss(model, held_out)[0]
+        assert results[mode] < at_growth - 0.05
+    # The same 30 steps without growth, for scale: growth must not cost training progress.
+    model, optimizer = copied(trained)
+    train(model, optimizer, lm_batches(stdlib_bytes["train"], 30, seed=10))
+    baseline = evaluate_loss(model, held_out)[0]
+    assert min(results.values()) < baseline + 0.05
+
+
+def test_growth_with_trainer_callback_and_resume(stdlib_bytes, tmp_path):
+    torch.manual_seed(0)
+    dataset = [
+        {"input_ids": batch["input_ids"][0], "labels": batch["input_ids"][0]}
+        for batch in lm_batches(stdlib_bytes["train"], 64, batch_size=1, seed=11)
+    ]
+
+    def arguments(max_steps: int) -> TrainingArguments:
+        return TrainingArguments(
+            output_dir=str(tmp_path),
+            max_steps=max_steps,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            learning_rate=3e-3,
+            lr_scheduler_type="linear",
+            save_steps=4,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+        )
+
+    callback = GrowthCallback({3: 8}, mode="append", statistics_batches=3, eval_batches=2)
+    trainer = Trainer(model=GrownGPT2LMHeadModel(grown_config(8)), args=arguments(6), train_dataset=dataset, callbacks=[callback])
+    trainer.train()
+    model = trainer.model
+    assert model.config.qk_head_dims == [16, 16]
+    report = callback.reports[3]
+    assert report is not None and report.eval_loss_after <= report.eval_loss_before
+    assert [entry for entry in trainer.state.log_history if "growth_mode" in entry][0]["step"] == 3
+    optimizer = trainer.optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch optimizer
+    for parameter in model.parameters():
+        state = optimizer.state[parameter]
+        assert state["exp_avg"].shape == parameter.shape and float(state["step"]) == 6
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
+
+    # The checkpoint after growth carries the new widths; a model built from it resumes with Trainer.
+    checkpoint = tmp_path / "checkpoint-4"
+    resumed_model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert isinstance(resumed_model, GrownGPT2LMHeadModel) and resumed_model.config.qk_head_dims == [16, 16]
+    resumed_callback = GrowthCallback({3: 8}, mode="append", statistics_batches=3, eval_batches=2)
+    resumed = Trainer(model=resumed_model, args=arguments(6), train_dataset=dataset, callbacks=[resumed_callback])
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 6 and resumed_callback.reports == {}
+    assert resumed_model.config.qk_head_dims == [16, 16]
+    resumed_optimizer = resumed.optimizer.optimizer
+    for parameter in resumed_model.parameters():
+        assert resumed_optimizer.state[parameter]["exp_avg"].shape == parameter.shape
+
+
+def test_qk_dims_schedule_grows_to_the_total_width(trained, stdlib_bytes):
+    model, optimizer = copied(trained)
+    callback = GrowthCallback(qk_dims_at={2: [16, 8]}, mode="zero")
+    args = type("Args", (), {"per_device_train_batch_size": 4})()
+    state = type("State", (), {"global_step": 2, "log_history": []})()
+    callback.on_step_end(args, state, None, model=model, optimizer=optimizer, train_dataloader=None)
+    assert model.config.qk_head_dims == [16, 8] and callback.reports == {2: None}
+
+
+def test_to_grown_model_computes_the_same_function(trained_gpt2, stdlib_bytes):
+    grown = to_grown_model(trained_gpt2)
+    assert isinstance(grown, GrownGPT2LMHeadModel) and to_grown_model(grown) is grown
+    batch = lm_batches(stdlib_bytes["eval"], 1, seed=12)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(grown(**batch).logits, trained_gpt2(**batch).logits, rtol=0, atol=0)
+
+
+def test_bert_grows_in_place(stdlib_bytes):
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64,
+    )
+    model = GrownBertForMaskedLM(GrownBertConfig(**config.to_dict() | {"qk_head_dims": [4, 4]}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = lm_batches(stdlib_bytes["train"], 4, batch_size=4, seed=13)
+    for batch in batches:  # a masked-LM style loss: predict the inputs (enough to exercise the path)
+        batch["labels"] = torch.where(torch.rand(batch["labels"].shape) < 0.3, batch["labels"], -100)
+    train(model, optimizer, batches[:2])
+    before = evaluate_loss(model, batches[2:])[0]
+    grow_in_training(model, optimizer, batches[:2], 4, mode="append", step_size=0.0)
+    assert model.config.qk_head_dims == [8, 8]
+    assert evaluate_loss(model, batches[2:])[0] == pytest.approx(before, abs=2e-6)
+    query = model.bert.encoder.layer[0].attention.self.query
+    assert query.weight.shape == optimizer.state[query.weight]["exp_avg"].shape == (32, 32)
+    train(model, optimizer, batches[:2])
+
+
+def test_clear_errors(trained_gpt2, trained):
+    optimizer = torch.optim.AdamW(trained_gpt2.parameters())
+    with pytest.raises(ValueError, match="to_grown_model"):
+        grow_in_training(trained_gpt2, optimizer, None, 8, mode="zero")
+    model, _ = copied(trained)
+    adagrad_like = torch.optim.Adamax(model.parameters())
+    model(**{"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4, dtype=torch.long)}).loss.backward()
+    adagrad_like.step()
+    with pytest.raises(ValueError, match="cannot remap the Adamax state"):
+        grow_in_training(model, adagrad_like, None, 8, mode="zero")
+    assert model.config.qk_head_dims == [8, 8]  # refused before any change
+    with pytest.raises(ValueError, match="mode must be one of"):
+        grow_in_training(model, None, None, 8, mode="widest")
+    with pytest.raises(ValueError, match="exactly one of"):
+        GrowthCallback({10: 8}, qk_dims_at={10: 16})
+    with pytest.raises(ValueError, match="positive global steps"):
+        GrowthCallback({0: 8})
