@@ -273,7 +273,8 @@ def _statistics_mode(model: PreTrainedModel, method: str, tf32: bool) -> Iterato
 
     Layers with gradient checkpointing enabled keep it: transformers checkpoints only layers in training mode,
     so those layers (not their submodules: dropout stays off) are switched to training, with a non-reentrant
-    checkpoint (the only kind that supports `torch.autograd.grad`).
+    checkpoint (the only kind that supports `torch.autograd.grad`). No KV cache (``config.use_cache``): the
+    statistics need none, and a recomputed layer would append to it twice.
     """
     was_training = model.training
     original_attention = model.config._attn_implementation
@@ -284,7 +285,9 @@ def _statistics_mode(model: PreTrainedModel, method: str, tf32: bool) -> Iterato
         if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing
     ]
     checkpoint_functions = {module: module.__dict__.get("_gradient_checkpointing_func") for module in checkpointed}
+    use_cache = getattr(model.config, "use_cache", None)
     model.eval()
+    model.config.use_cache = False
     model.set_attn_implementation(CHUNKED_STATISTICS_ATTENTION if method == "chunked" else STATISTICS_ATTENTION)
     for module in checkpointed:
         module.training = True
@@ -301,6 +304,10 @@ def _statistics_mode(model: PreTrainedModel, method: str, tf32: bool) -> Iterato
             else:
                 module._gradient_checkpointing_func = function
         model.set_attn_implementation(original_attention)
+        if use_cache is None:
+            del model.config.use_cache
+        else:
+            model.config.use_cache = use_cache
         model.train(was_training)
 
 
