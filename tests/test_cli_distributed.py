@@ -21,7 +21,11 @@ def test_two_processes_grow_what_one_process_grows(model_folder, tmp_path):  # n
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_grow"]
     result = subprocess.run(
-        [*torchrun, *arguments, "--output-dir", str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=300
+        [*torchrun, *arguments, "--output-dir", str(tmp_path / "two")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("on 2 processes; grown model written to") == 1  # the main process alone writes
@@ -32,8 +36,10 @@ def test_two_processes_grow_what_one_process_grows(model_folder, tmp_path):  # n
         one.eval_weight,
     )
     assert two.step_size == pytest.approx(one.step_size, rel=1e-9)
-    assert two.eval_loss_after == pytest.approx(one.eval_loss_after, rel=1e-9) and two.eval_loss_after < two.eval_loss_before
-    weights_one, weights_two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert two.eval_loss_after == pytest.approx(one.eval_loss_after, rel=1e-9)
+    assert two.eval_loss_after < two.eval_loss_before
+    weights_one = load_file(tmp_path / "one" / "model.safetensors")
+    weights_two = load_file(tmp_path / "two" / "model.safetensors")
     assert weights_one.keys() == weights_two.keys()
     for name, tensor in weights_one.items():
         torch.testing.assert_close(weights_two[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

@@ -51,7 +51,8 @@ def test_several_passes_equal_one_pass_exactly(three_layers, stdlib_bytes, layer
     passes = collect_statistics(model, batches, adapter, compute_dtype=torch.float64, memory_budget=budget)
     assert_same_statistics(passes, one_pass)  # bit for bit: every pass computes the same products
     dataloader = torch.utils.data.DataLoader(batches, batch_size=None)
-    assert_same_statistics(collect_statistics(model, dataloader, adapter, compute_dtype=torch.float64, memory_budget=budget), one_pass)
+    from_dataloader = collect_statistics(model, dataloader, adapter, compute_dtype=torch.float64, memory_budget=budget)
+    assert_same_statistics(from_dataloader, one_pass)
 
 
 def test_several_passes_need_the_same_data_each_time(three_layers, stdlib_bytes):
@@ -78,7 +79,8 @@ def test_several_passes_need_the_same_data_each_time(three_layers, stdlib_bytes)
 def test_grow_model_with_a_memory_budget_equals_one_pass(trained_gpt2, stdlib_bytes):
     batches = lm_batches(stdlib_bytes["stats"], 3, batch_size=4, seed=43)
     eval_batches = lm_batches(stdlib_bytes["eval"], 2, batch_size=4, seed=44)
-    kwargs = dict(p=8, eval_dataloader=eval_batches, step_size=0.05, compute_dtype=torch.float64, measure_realized_gains=False)
+    kwargs = dict(p=8, eval_dataloader=eval_batches, step_size=0.05, compute_dtype=torch.float64)
+    kwargs.update(measure_realized_gains=False)
     one_pass = grow_model(trained_gpt2, batches, **kwargs)
     # C of 2 layers: 68 kB, M: 135 kB per layer; 340 kB hold C and M of one layer and of the batch: 2 passes.
     passes = grow_model(trained_gpt2, batches, memory_budget="340kB", **kwargs)
@@ -125,7 +127,8 @@ def test_wrapped_models_are_unwrapped(trained_gpt2, stdlib_bytes):
     batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=4, seed=46)
     plain = collect_statistics(trained_gpt2, batches, get_adapter(trained_gpt2), compute_dtype=torch.float64)
     wrapped = torch.nn.DataParallel(trained_gpt2)  # `.module`, like DistributedDataParallel (tested with 2 processes)
-    assert_same_statistics(collect_statistics(wrapped, batches, get_adapter(trained_gpt2), compute_dtype=torch.float64), plain)
+    unwrapped = collect_statistics(wrapped, batches, get_adapter(trained_gpt2), compute_dtype=torch.float64)
+    assert_same_statistics(unwrapped, plain)
     grown = grow_model(wrapped, batches, p=8, step_size=0.0)
     assert grown.config.qk_head_dims == [24, 24]
 
