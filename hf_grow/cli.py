@@ -2,6 +2,10 @@
 
 Causal LMs (GPT-2) grow on next-token loss; masked LMs (BERT) on masked-LM loss with transformers' standard
 collator. Any other objective goes through the Python API's ``loss_fn``.
+
+Launched with several processes (``torchrun --nproc_per_node N -m hf_grow ...`` or ``accelerate launch``;
+``WORLD_SIZE`` > 1), every process reads the same text, takes every N-th batch, and the statistics and
+held-out losses are summed across processes; only the main process writes.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from transformers.utils import logging as transformers_logging
 from . import __version__
 from .adapters import supported_model_types
 from .data import causal_lm_batches, masked_lm_batches, read_dataset, read_text_files, token_windows
+from .distributed import OtherProcessFailed, Processes
 from .growth import DEFAULT_TRUNCATION, SEARCHES, grow_model
 from .linalg import TRUNCATIONS
 from .report import GrowthReport
+from .statistics import parse_bytes
 
 
 EXAMPLES = """examples:
@@ -72,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     growth.add_argument("--step-size", type=float, help="skip the line search and take this (relative) step")
     growth.add_argument("--truncation", choices=TRUNCATIONS, default=DEFAULT_TRUNCATION)
     growth.add_argument("--search", choices=SEARCHES, default="exact")
+    growth.add_argument(
+        "--memory-budget",
+        help="bytes for the statistics' accumulators, e.g. 2GB: M is collected for groups of layers in several passes",
+    )
     run = parser.add_argument_group("run")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (statistics are float32+)")
@@ -97,6 +107,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise CommandError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
     if args.data and args.dataset:
         raise CommandError("give either --data or --dataset, not both")
+    if args.memory_budget is not None:
+        try:
+            parse_bytes(args.memory_budget)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
     output = Path(args.output_dir)
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
         raise CommandError(f"{output} exists and is not empty: choose another --output-dir or pass --overwrite")
@@ -285,17 +300,55 @@ def _write_atomically(output: Path, write) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
+def _accelerator(args: argparse.Namespace):
+    """An `accelerate.Accelerator` when launched with several processes (``WORLD_SIZE`` > 1), else None.
+
+    The model then goes to the accelerator's device (one GPU per process, or the CPU with ``--device cpu``).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=torch.device(args.device).type == "cpu")
+    args.device = str(accelerator.device)
+    return accelerator
+
+
+def _shard(batches: list, accelerator, what: str) -> list:
+    """Every N-th batch, from this process's index: the processes' shards add up to all the batches."""
+    if accelerator is None:
+        return batches
+    if len(batches) < accelerator.num_processes:
+        raise CommandError(
+            f"{len(batches)} {what} batches cannot be shared by {accelerator.num_processes} processes: pass more text "
+            "or a smaller --batch-size"
+        )
+    return batches[accelerator.process_index :: accelerator.num_processes]
+
+
 def run(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     _check_arguments(args)
+    accelerator = _accelerator(args)
+    try:
+        _grow_and_write(args, accelerator, started)
+    finally:
+        if accelerator is not None:
+            accelerator.end_training()  # destroys the process group: a clean exit on every process
+
+
+def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> None:
+    is_main = accelerator is None or accelerator.is_main_process
     torch.manual_seed(args.seed)
-    show_progress = _progress(args)
+    show_progress = _progress(args) and is_main
     transformers_logging.set_verbosity_error()
     if not show_progress:
         transformers_logging.disable_progress_bar()
     objective = _objective(args)
     tokenizer = _load_tokenizer(args)
     statistics_batches, held_out_batches = _batches(args, tokenizer, objective)  # data before the model
+    statistics_batches = _shard(statistics_batches, accelerator, "statistics")
+    held_out_batches = _shard(held_out_batches, accelerator, "held-out")
     model = _load_model(args, objective)
     try:
         grown = grow_model(
@@ -306,10 +359,22 @@ def run(args: argparse.Namespace) -> None:
             step_size=args.step_size,
             truncation=args.truncation,
             search=args.search,
+            memory_budget=args.memory_budget,
+            accelerator=accelerator,
             progress=show_progress,
         )
-    except ValueError as error:
+    except (ValueError, OtherProcessFailed) as error:
         raise CommandError(str(error)) from None
+    try:
+        # Only the main process writes; the others wait for it, and learn if it failed.
+        with Processes(accelerator).failing_together():
+            if is_main:
+                _write_outputs(args, grown, tokenizer, objective, started, accelerator)
+    except OtherProcessFailed as error:
+        raise CommandError(f"{error}: nothing was written") from None
+
+
+def _write_outputs(args: argparse.Namespace, grown, tokenizer, objective: str, started: float, accelerator) -> None:
     report = grown.growth_report
     output = Path(args.output_dir)
 
@@ -323,7 +388,8 @@ def run(args: argparse.Namespace) -> None:
         report.to_json_file(args.report)
     elapsed = time.perf_counter() - started
     print(report.summary())
-    print(f"wall time {elapsed:.1f} s; grown model written to {output}")
+    processes = f" on {accelerator.num_processes} processes" if accelerator is not None else ""
+    print(f"wall time {elapsed:.1f} s{processes}; grown model written to {output}")
 
 
 def main(argv: list[str] | None = None) -> int:

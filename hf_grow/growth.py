@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -24,8 +25,13 @@ from transformers import PreTrainedModel
 
 from . import linalg
 from .adapters import ArchitectureAdapter, get_adapter
+from .distributed import Processes, unwrap_model
 from .report import GrowthReport, HeadReport, LayerReport, LineSearchPoint
 from .statistics import GrowthStatistics, LossFn, collect_statistics, compute_loss, iterate_batches
+
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 logger = logging.getLogger("hf_grow")
@@ -44,17 +50,22 @@ def evaluate_loss(
     batches: Iterable[Mapping[str, Tensor]],
     adapter: ArchitectureAdapter | None = None,
     loss_fn: LossFn | None = None,
+    accelerator: Accelerator | None = None,
 ) -> tuple[float, int]:
     """Mean loss over ``batches``, each batch weighted by the number of loss terms it averages over.
 
     Returns ``(loss, total_weight)``; the model runs in eval mode without gradients and keeps its mode.
+    With an ``accelerator``, every process passes its own batches and gets the loss over all of them.
     """
+    model = unwrap_model(model, accelerator)
     adapter = adapter or get_adapter(model)
+    processes = Processes(accelerator)
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     total, weight = 0.0, 0
     try:
-        with torch.no_grad():
+        with processes.failing_together(), torch.no_grad():
             for batch in iterate_batches(batches, model):
                 batch_weight = adapter.loss_weight(model, batch) if loss_fn is None else len(next(iter(batch.values())))
                 if batch_weight == 0:
@@ -63,6 +74,9 @@ def evaluate_loss(
                 weight += batch_weight
     finally:
         model.train(was_training)
+    if processes.world_size > 1:
+        total, weight = processes.sum_(torch.tensor([total, weight], dtype=torch.float64, device=device)).tolist()
+        weight = int(weight)
     if weight == 0:
         raise ValueError("the evaluation data holds no loss terms (no batches, or every label is -100).")
     return total / weight, weight
@@ -374,6 +388,8 @@ def grow_model(
     solver: str = "eigh",
     statistics_method: str = "chunked",
     query_block: int | None = None,
+    memory_budget: int | str | None = None,
+    accelerator: Accelerator | None = None,
     progress: bool = False,
 ) -> PreTrainedModel:
     """Grow the query/key width of every attention head by ``p``, with weights solved from the loss.
@@ -406,14 +422,21 @@ def grow_model(
         statistics_method: ``"chunked"`` (sdpa attention, M accumulated block by block in backward) or
             ``"reference"`` (eager attention with materialized score gradients); see `collect_statistics`.
         query_block: queries per block of the chunked path (default: sized to the memory of one block).
-        progress: show progress bars.
+        memory_budget: bytes (or a string such as ``"2GB"``) for the statistics' accumulators: M is collected
+            for groups of layers in several passes over ``dataloader`` (see `collect_statistics`).
+        accelerator: an `accelerate.Accelerator` to grow with several processes: call grow_model on every
+            process with its own shard of the data (statistics and held-out batches); statistics and held-out
+            losses are summed over the processes, and every process returns the same grown model. ``model``
+            may be wrapped by the accelerator or by DistributedDataParallel.
+        progress: show progress bars (on the main process).
 
     Returns:
         The grown model (a new object of the grown model type, same device and dtype) with the
         `GrowthReport` as ``grown.growth_report``; `save_pretrained` writes it as ``growth_report.json``.
     """
     started = time.perf_counter()
-    model = _merged_if_peft(model)
+    model = _merged_if_peft(unwrap_model(model, accelerator))
+    progress = progress and Processes(accelerator).is_main
     prepared = _prepare_growth(
         model,
         dataloader,
@@ -432,6 +455,8 @@ def grow_model(
         solver=solver,
         statistics_method=statistics_method,
         query_block=query_block,
+        memory_budget=memory_budget,
+        accelerator=accelerator,
         progress=progress,
     )
     tick = time.perf_counter()
@@ -465,6 +490,7 @@ class _PreparedGrowth:
     problem: _GrowthProblem
     parameters_before: int
     seconds: dict[str, float]
+    accelerator: Accelerator | None
 
 
 def _prepare_growth(
@@ -486,9 +512,12 @@ def _prepare_growth(
     solver: str,
     statistics_method: str,
     query_block: int | None,
+    memory_budget: int | str | None,
+    accelerator: Accelerator | None,
     progress: bool,
 ) -> _PreparedGrowth:
     """Validate the arguments (before any work), collect or check the statistics and solve the problem."""
+    processes = Processes(accelerator)
     adapter = get_adapter(model)
     qk_before = adapter.qk_head_dims(model.config)
     growth = _resolve_growth(p, len(qk_before))
@@ -523,7 +552,9 @@ def _prepare_growth(
     if statistics is None:
         if dataloader is None:
             raise ValueError("growth needs a dataloader, or statistics collected before.")
-        statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
+        with processes.failing_together():  # a process without data must not leave the others waiting
+            needs_eval = step_size is None
+            statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, needs_eval)
         statistics = collect_statistics(
             model,
             statistics_batches,
@@ -534,19 +565,23 @@ def _prepare_growth(
             progress=progress,
             method=statistics_method,
             query_block=query_block,
+            memory_budget=memory_budget,
+            accelerator=accelerator,
         )
     else:
         _check_statistics(statistics, model, adapter)
         if eval_dataloader is None and step_size is None:
             raise ValueError("with precomputed statistics, pass an eval_dataloader for the line search (or a step_size).")
-        _, eval_batches = _split_batches(None, eval_dataloader, eval_fraction, False)
+        with processes.failing_together():
+            _, eval_batches = _split_batches(None, eval_dataloader, eval_fraction, False)
     seconds["statistics"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
     problem = _GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol, solver, mode)
     seconds["solve"] = time.perf_counter() - tick
     return _PreparedGrowth(
-        model, adapter, qk_before, qk_after, max_rank, statistics, eval_batches, problem, model.num_parameters(), seconds
+        model, adapter, qk_before, qk_after, max_rank, statistics, eval_batches, problem, model.num_parameters(), seconds,
+        accelerator,
     )
 
 
@@ -567,10 +602,10 @@ def _search_and_report(
     ``target`` computes the old function on entry (the step-0 weights); on exit it holds the chosen step.
     """
     model, adapter, problem, eval_batches = prepared.model, prepared.adapter, prepared.problem, prepared.eval_batches
-    qk_after, seconds = prepared.qk_after, prepared.seconds
+    qk_after, seconds, accelerator = prepared.qk_after, prepared.seconds, prepared.accelerator
 
     def evaluate(candidate: PreTrainedModel) -> float:
-        return evaluate_loss(candidate, eval_batches, adapter, loss_fn)[0]
+        return evaluate_loss(candidate, eval_batches, adapter, loss_fn, accelerator)[0]
 
     def evaluate_step(step: float) -> float:
         _write_weights(adapter, target, problem.weights(step))
@@ -582,7 +617,7 @@ def _search_and_report(
     eval_weight = 0
     loss_before = loss_after = None
     if eval_batches is not None:
-        loss_before, eval_weight = evaluate_loss(target, eval_batches, adapter, loss_fn)
+        loss_before, eval_weight = evaluate_loss(target, eval_batches, adapter, loss_fn, accelerator)
     if step_size is None and problem.lam_unit == 0:
         logger.warning("the loss has zero gradient with respect to every head's scores: nothing to gain, step 0.")
         step_size, loss_after = 0.0, loss_before

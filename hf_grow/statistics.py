@@ -14,26 +14,40 @@ Two methods, with the same result:
 
 Padding tokens are zeroed out of X', so they contribute exactly nothing to C or M. Backward runs with
 `torch.autograd.grad` towards the input embeddings only, so no parameter `.grad` is touched.
+
+The sums add up across processes (`hf_grow.distributed`) and across passes over the data: with a
+``memory_budget``, each pass accumulates M for one group of layers only (C for all layers in the first).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import safetensors
 import safetensors.torch
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .adapters import ArchitectureAdapter
+from .distributed import Processes, unwrap_model
+
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 logger = logging.getLogger("hf_grow")
@@ -265,24 +279,50 @@ def compute_loss(model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: L
 
 @contextlib.contextmanager
 def _statistics_mode(model: PreTrainedModel, method: str, tf32: bool) -> Iterator[None]:
-    """Eval mode, the statistics attention and the float32 matmul precision; restored on exit, also on error."""
+    """Eval mode, the statistics attention and the float32 matmul precision; restored on exit, also on error.
+
+    Layers with gradient checkpointing enabled keep it: transformers checkpoints only layers in training mode,
+    so those layers (not their submodules: dropout stays off) are switched to training, with a non-reentrant
+    checkpoint (the only kind that supports `torch.autograd.grad`). No KV cache (``config.use_cache``): the
+    statistics need none, and a recomputed layer would append to it twice.
+    """
     was_training = model.training
     original_attention = model.config._attn_implementation
     original_precision = torch.get_float32_matmul_precision()
+    checkpointed = [
+        module
+        for module in model.modules()
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing
+    ]
+    checkpoint_functions = {module: module.__dict__.get("_gradient_checkpointing_func") for module in checkpointed}
+    use_cache = getattr(model.config, "use_cache", None)
     model.eval()
+    model.config.use_cache = False
     model.set_attn_implementation(CHUNKED_STATISTICS_ATTENTION if method == "chunked" else STATISTICS_ATTENTION)
+    for module in checkpointed:
+        module.training = True
+        module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
     if tf32:
         torch.set_float32_matmul_precision("high")
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(original_precision)
+        for module, function in checkpoint_functions.items():
+            if function is None:
+                del module._gradient_checkpointing_func
+            else:
+                module._gradient_checkpointing_func = function
         model.set_attn_implementation(original_attention)
+        if use_cache is None:
+            del model.config.use_cache
+        else:
+            model.config.use_cache = use_cache
         model.train(was_training)
 
 
 class _Collector:
-    """Hooks that accumulate C and M for every layer of one model."""
+    """Hooks that accumulate C for every layer (``with_second_moments``) and M for the layers of ``group``."""
 
     def __init__(
         self,
@@ -291,6 +331,8 @@ class _Collector:
         compute_dtype: torch.dtype,
         method: str,
         query_block: int | None,
+        group: Sequence[int],
+        with_second_moments: bool,
     ):
         self.attentions = adapter.attention_modules(model)
         self.compute_dtype = compute_dtype
@@ -299,26 +341,35 @@ class _Collector:
         self.embeddings = model.get_input_embeddings()
         device = next(model.parameters()).device
         num_heads, width = adapter.num_heads(model.config), adapter.hidden_size(model.config) + 1
-        self.second_moments = [torch.zeros(width, width, dtype=torch.float64, device=device) for _ in self.attentions]
-        self.gradients = [
-            torch.zeros(num_heads, width, width, dtype=torch.float64, device=device) for _ in self.attentions
-        ]
+        self.second_moments = (
+            [torch.zeros(width, width, dtype=torch.float64, device=device) for _ in self.attentions]
+            if with_second_moments
+            else None
+        )
+        self.gradients = {
+            layer: torch.zeros(num_heads, width, width, dtype=torch.float64, device=device) for layer in group
+        }
+        self.hooked_layers = range(len(self.attentions)) if with_second_moments else sorted(group)
         self.qk_inputs = [adapter.qk_input_module(attention) for attention in self.attentions]
         self.num_tokens = 0
+        self.loss_sum = 0.0
         self.token_mask: Tensor | None = None
         self.batch_index = 0
         self.inputs: dict[int, Tensor] = {}
         self.layers_run: set[int] = set()
         self.anchors: list[Tensor] = []
+        # True while backward runs: checkpointed layers then run their forward again, which adds nothing.
+        self.in_backward = False
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         handles = [self.embeddings.register_forward_hook(self._keep_anchor)]
-        for layer, module in enumerate(self.qk_inputs):
-            handles.append(module.register_forward_pre_hook(self._input_hook(layer)))
+        for layer in self.hooked_layers:
+            handles.append(self.qk_inputs[layer].register_forward_pre_hook(self._input_hook(layer)))
         hooks = _OUTPUT_HOOKS if self.method == "chunked" else _SCORE_HOOKS
-        for layer, attention in enumerate(self.attentions):
-            hooks[attention] = self._output_hook(layer) if self.method == "chunked" else self._score_hook(layer)
+        for layer in self.gradients:
+            hook = self._output_hook(layer) if self.method == "chunked" else self._score_hook(layer)
+            hooks[self.attentions[layer]] = hook
         try:
             yield
         finally:
@@ -338,6 +389,8 @@ class _Collector:
 
     def _input_hook(self, layer: int) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
+            if self.in_backward:
+                return  # gradient checkpointing recomputes the layer: its inputs were taken in the forward pass
             if layer in self.layers_run:
                 raise ValueError(
                     f"layer {layer} ran twice on batch {self.batch_index}: loss_fn must call the model once per "
@@ -353,10 +406,18 @@ class _Collector:
                         f"{tuple(augmented.shape[:-1])} tokens reaching layer {layer}"
                     )
                 augmented = augmented * self.token_mask[..., None].to(augmented.dtype)
-            self.inputs[layer] = augmented
             self.layers_run.add(layer)
-            flat = augmented.reshape(-1, augmented.shape[-1]).to(torch.float64)
-            self.second_moments[layer] += flat.mT @ flat
+            if layer in self.gradients:
+                self.inputs[layer] = augmented
+            if self.second_moments is not None:
+                flat = augmented.reshape(-1, augmented.shape[-1]).to(torch.float64)
+                product = flat.mT @ flat
+                if not torch.isfinite(product).all():
+                    raise FloatingPointError(
+                        f"non-finite inputs to the attention of layer {layer} at batch {self.batch_index}: "
+                        "check the data of that batch and the model's weights."
+                    )
+                self.second_moments[layer] += product
 
         return hook
 
@@ -366,13 +427,16 @@ class _Collector:
             if grad.shape[-1] != augmented.shape[-2] or grad.shape[-2] != augmented.shape[-2]:
                 raise ValueError("statistics need full self-attention scores: run the model without a KV cache")
             # M_i = X'^T G_i X' summed over the batch: (b, s, d)^T (b, h, s, s) (b, s, d) -> (h, d, d)
-            projected = torch.matmul(grad.to(self.compute_dtype), augmented[:, None])
-            self._accumulate(layer, torch.einsum("bqd,bhqe->hde", augmented, projected))
+            with _without_autocast(grad.device):
+                projected = torch.matmul(grad.to(self.compute_dtype), augmented[:, None])
+                self._accumulate(layer, torch.einsum("bqd,bhqe->hde", augmented, projected))
 
         return hook
 
     def _output_hook(self, layer: int) -> Callable[..., None]:
         def on_forward(output, query, key, value, mask, scaling, is_causal) -> None:
+            if self.in_backward:
+                return  # a checkpointed layer's recomputation: the hook of its first forward pass receives dLoss/dO
             augmented = self.inputs.pop(layer)
             if query.shape[-2] != key.shape[-2] or query.shape[-2] != augmented.shape[-2]:
                 raise ValueError("statistics need full self-attention scores: run the model without a KV cache")
@@ -381,10 +445,12 @@ class _Collector:
             block = self.query_block or max(1, min(length, _BLOCK_ELEMENTS // (batch * heads * length)))
 
             def on_backward(grad_output: Tensor) -> None:
-                products = score_gradient_products(
-                    *saved, grad_output.transpose(1, 2), augmented, mask, scaling, is_causal, block, self.compute_dtype
-                )
-                self._accumulate(layer, products)
+                with _without_autocast(grad_output.device):
+                    products = score_gradient_products(
+                        *saved, grad_output.transpose(1, 2), augmented, mask, scaling, is_causal, block,
+                        self.compute_dtype,
+                    )
+                    self._accumulate(layer, products)
 
             output.register_hook(on_backward)
 
@@ -421,14 +487,74 @@ class _Collector:
         if not torch.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss.item()} at batch {self.batch_index}")
         anchors = [anchor for anchor in self.anchors if anchor.requires_grad]
-        torch.autograd.grad(loss, anchors, allow_unused=True)
+        self.in_backward = True
+        try:
+            torch.autograd.grad(loss, anchors, allow_unused=True)
+        finally:
+            self.in_backward = False
         tokens = self.token_mask.sum() if self.token_mask is not None else None
         first_input = batch.get("input_ids", batch.get("inputs_embeds"))
         self.num_tokens += int(tokens) if tokens is not None else int(first_input.shape[:2].numel())
         self.inputs.clear()
         self.anchors.clear()
         self.batch_index += 1
+        self.loss_sum += float(loss.detach())
         return float(loss.detach())
+
+
+def _without_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Statistics products in their own dtype even when the caller runs the model under autocast."""
+    return torch.autocast(device.type, enabled=False)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(size: int | str) -> int:
+    """A number of bytes from an int or a string such as ``"2GB"``, ``"1.5 GiB"`` or ``"500MB"``."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise TypeError(f"memory_budget must be a number of bytes or a string like '2GB', got {type(size).__name__}")
+    if isinstance(size, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"memory_budget {size!r} is not a size: write e.g. '2GB', '1.5GiB', '500MB' or bytes")
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory_budget must be positive, got {size}")
+    return size
+
+
+def statistics_bytes(num_layers: int, num_heads: int, hidden_size: int, layers_of_m: int | None = None) -> int:
+    """Bytes of the float64 accumulators: C for every layer, M for ``layers_of_m`` layers (default all).
+
+    ``layers * (d_e + 1)^2 * 8 + layers_of_m * heads * (d_e + 1)^2 * 8``.
+    """
+    width = hidden_size + 1
+    layers_of_m = num_layers if layers_of_m is None else layers_of_m
+    return 8 * width * width * (num_layers + layers_of_m * num_heads)
+
+
+def layer_groups(num_layers: int, num_heads: int, hidden_size: int, memory_budget: int | str | None) -> list[list[int]]:
+    """Layers whose M is collected together, one group per pass over the data, within ``memory_budget``.
+
+    The budget covers C for all layers, M for the layers of a pass, and one more layer's M for the product
+    of the batch being added (the model's own memory comes on top).
+    """
+    if memory_budget is None:
+        return [list(range(num_layers))]
+    budget = parse_bytes(memory_budget)
+    per_layer = statistics_bytes(1, num_heads, hidden_size, 1) - statistics_bytes(1, num_heads, hidden_size, 0)
+    fitting = (budget - statistics_bytes(num_layers, num_heads, hidden_size, 1)) // per_layer
+    if fitting < 1:
+        needed = statistics_bytes(num_layers, num_heads, hidden_size, 2)
+        raise ValueError(
+            f"memory_budget {budget:,} bytes is below the {needed:,} bytes the statistics need for one layer at a "
+            f"time (C of {num_layers} layers and M of 2 layers of {num_heads} heads, in float64): raise the budget."
+        )
+    passes = math.ceil(num_layers / fitting)
+    size = math.ceil(num_layers / passes)  # as even as possible: the same number of passes, less memory
+    return [list(range(start, min(start + size, num_layers))) for start in range(0, num_layers, size)]
 
 
 def collect_statistics(
@@ -442,16 +568,25 @@ def collect_statistics(
     method: str = "chunked",
     query_block: int | None = None,
     tf32: bool | None = None,
+    memory_budget: int | str | None = None,
+    accelerator: Accelerator | None = None,
 ) -> GrowthStatistics:
     """Accumulate C and M over ``dataloader`` (at most ``max_batches``), leaving the model as it was.
 
     ``compute_dtype`` is the precision of the per-batch products (float32 or float64, whatever the model
-    dtype); sums are always float64. ``method`` is ``"chunked"`` (sdpa attention, M block by block in
-    backward; ``query_block`` queries per block, by default sized to ~256 MiB per float32 block tensor) or
+    dtype or autocast); sums are always float64. ``method`` is ``"chunked"`` (sdpa attention, M block by block
+    in backward; ``query_block`` queries per block, by default sized to ~256 MiB per float32 block tensor) or
     ``"reference"`` (eager attention, full score gradients). ``tf32`` runs the float32 products on TF32 tensor
     cores (CUDA; ~5e-4 relative error, several times faster); by default on for bfloat16/float16 models.
-    Raises ValueError on an empty dataloader, FloatingPointError on non-finite losses or statistics (naming
-    the layer and batch).
+
+    ``memory_budget`` (bytes, or a string such as ``"2GB"``) bounds the float64 accumulators: M is collected
+    for as many layers as fit, in several passes over ``dataloader`` (which must then be re-iterable and
+    yield the same batches each time), and finished layers move to the CPU. The result equals one pass.
+
+    ``accelerator``: an `accelerate.Accelerator`; every process passes its own shard of the data (e.g. a
+    DataLoader prepared by it) and gets the sums over all processes. ``model`` may be wrapped by it or by
+    DistributedDataParallel. Raises ValueError on empty data, FloatingPointError on non-finite losses or
+    statistics (naming the layer and batch).
     """
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
@@ -459,35 +594,82 @@ def collect_statistics(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if query_block is not None and query_block <= 0:
         raise ValueError(f"query_block must be positive, got {query_block}")
+    model = unwrap_model(model, accelerator)
+    processes = Processes(accelerator)
+    config = model.config
+    num_layers = len(adapter.attention_modules(model))
+    groups = layer_groups(num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget)
+    if len(groups) > 1 and iter(dataloader) is dataloader:
+        raise ValueError(
+            f"memory_budget needs {len(groups)} passes over the data, but the dataloader is a one-shot iterator: "
+            "pass a list of batches or a DataLoader, or a larger memory_budget."
+        )
     parameter = next(model.parameters())
     if tf32 is None:
         tf32 = parameter.dtype in (torch.bfloat16, torch.float16)
-    collector = _Collector(model, adapter, compute_dtype, method, query_block)
-    batches = iterate_batches(dataloader, model)
-    skipped = 0
-    with _statistics_mode(model, method, tf32), collector.installed():
-        for batch in tqdm(batches, desc="statistics", unit="batch", total=max_batches, disable=not progress):
-            if loss_fn is None and "labels" in batch and adapter.loss_weight(model, batch) == 0:
-                skipped += 1  # no loss term (every label -100): the model's loss would be 0 / 0
-                continue
-            collector.step(model, batch, loss_fn)
-            if max_batches is not None and collector.batch_index >= max_batches:
-                break
+    offload = len(groups) > 1
+    second_moments: list[Tensor] = []
+    gradients: list[Tensor | None] = [None] * num_layers
+    first_pass: tuple[int, int, int, float] | None = None
+    with _statistics_mode(model, method, tf32):
+        for index, group in enumerate(groups):
+            with processes.failing_together():
+                collector = _Collector(model, adapter, compute_dtype, method, query_block, group, index == 0)
+                description = f"statistics {index + 1}/{len(groups)}" if offload else "statistics"
+                show = progress and processes.is_main
+                skipped = _collect_pass(collector, model, dataloader, adapter, loss_fn, max_batches, show, description)
+                counts = (collector.num_tokens, collector.batch_index, skipped, collector.loss_sum)
+                first_pass = first_pass or counts
+                if counts[:3] != first_pass[:3] or not math.isclose(counts[3], first_pass[3], rel_tol=1e-6):
+                    raise ValueError(
+                        f"the data changed between passes over it (tokens, batches, skipped, loss sum: {first_pass} in "
+                        f"pass 1, {counts} in pass {index + 1}): memory_budget needs the same batches on every pass "
+                        "(no random masking or cropping in the collator), or a larger budget for a single pass."
+                    )
+            for layer, gradient in collector.gradients.items():
+                gradients[layer] = processes.sum_(gradient).cpu() if offload else processes.sum_(gradient)
+            if collector.second_moments is not None:
+                second_moments = [processes.sum_(moment) for moment in collector.second_moments]
+                second_moments = [moment.cpu() for moment in second_moments] if offload else second_moments
+    totals = processes.sum_(torch.tensor(first_pass[:3], dtype=torch.float64, device=parameter.device))
+    num_tokens, num_batches, skipped = (int(total) for total in totals)
     if skipped:
         logger.warning(
             "skipped %d batch(es) without loss terms (every label -100, e.g. all padding, or one-token sequences "
             "for a causal LM)",
             skipped,
         )
-    if collector.batch_index == 0 and skipped:
+    if num_batches == 0 and skipped:
         raise ValueError(
             f"none of the {skipped} batches has a loss term (every label is -100): nothing to learn from. "
             "Use longer sequences or fewer masked labels."
         )
-    if collector.batch_index == 0:
+    if num_batches == 0:
         raise ValueError("the dataloader yielded no batches: statistics need at least one batch of data.")
-    if collector.num_tokens == 0:
+    if num_tokens == 0:
         raise ValueError("every token of the data is padding (attention_mask is all zero): nothing to learn from.")
-    return GrowthStatistics(
-        collector.second_moments, collector.gradients, collector.num_tokens, collector.batch_index, model.config.model_type
-    )
+    return GrowthStatistics(second_moments, gradients, num_tokens, num_batches, config.model_type)
+
+
+def _collect_pass(
+    collector: _Collector,
+    model: PreTrainedModel,
+    dataloader: Iterable[Mapping[str, Tensor]],
+    adapter: ArchitectureAdapter,
+    loss_fn: LossFn | None,
+    max_batches: int | None,
+    progress: bool,
+    description: str,
+) -> int:
+    """One pass over the data with ``collector`` installed; returns the number of batches skipped."""
+    skipped = 0
+    batches = iterate_batches(dataloader, model)
+    with collector.installed():
+        for batch in tqdm(batches, desc=description, unit="batch", total=max_batches, disable=not progress):
+            if loss_fn is None and "labels" in batch and adapter.loss_weight(model, batch) == 0:
+                skipped += 1  # no loss term (every label -100): the model's loss would be 0 / 0
+                continue
+            collector.step(model, batch, loss_fn)
+            if max_batches is not None and collector.batch_index >= max_batches:
+                break
+    return skipped

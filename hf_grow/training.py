@@ -278,6 +278,8 @@ def grow_in_training(
         solver=solver,
         statistics_method="chunked",
         query_block=None,
+        memory_budget=None,
+        accelerator=None,
         progress=progress,
     )
     at_zero = prepared.problem.weights(0.0)

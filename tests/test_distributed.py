@@ -1,0 +1,94 @@
+"""Two real CPU processes (gloo) growing together equal one process reading all the data."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as multiprocessing
+from torch import distributed as dist
+from transformers import GPT2LMHeadModel
+
+from hf_grow import collect_statistics, get_adapter, grow_model
+from hf_grow.distributed import OtherProcessFailed
+
+from conftest import lm_batches
+
+
+WORLD_SIZE = 2
+
+
+def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batches: list, folder: str) -> None:
+    """One process: its shard of the batches, the model wrapped by accelerate (DDP), growth, a failure drill."""
+    os.environ.update(WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD_SIZE)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = GPT2LMHeadModel(config)
+    model.load_state_dict(state_dict)
+    wrapped = accelerator.prepare(model)
+    shard, eval_shard = batches[rank::WORLD_SIZE], eval_batches[rank::WORLD_SIZE]
+    grown = grow_model(wrapped, shard, p=8, eval_dataloader=eval_shard, accelerator=accelerator)
+    # Without an accelerator, nothing is summed: the statistics of this process's shard alone.
+    local = collect_statistics(model, shard, get_adapter(model))
+    # A process that fails takes the others with it instead of leaving them waiting.
+    def nan_on_rank_one(m, batch):
+        return m(**batch).loss * (float("nan") if rank == 1 else 1.0)
+
+    try:
+        collect_statistics(model, shard, get_adapter(model), loss_fn=nan_on_rank_one, accelerator=accelerator)
+        failure = None
+    except (FloatingPointError, OtherProcessFailed) as error:
+        failure = type(error).__name__
+    accelerator.wait_for_everyone()
+    result = {
+        "num_processes": accelerator.num_processes,
+        "process_index": accelerator.process_index,
+        "state_dict": grown.state_dict(),
+        "report": grown.growth_report.to_dict(),
+        "local_batches": local.num_batches,
+        "failure": failure,
+    }
+    torch.save(result, f"{folder}/rank{rank}.pt")
+    accelerator.end_training()
+
+
+def run_processes(function, args: tuple, timeout: float = 120.0) -> None:
+    """Spawn ``WORLD_SIZE`` processes running ``function(rank, *args)``; fail on any error or after ``timeout``."""
+    context = multiprocessing.start_processes(function, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD_SIZE} processes did not finish within {timeout} s")
+    assert all(process.exitcode == 0 for process in context.processes)
+
+
+def test_two_processes_equal_one(trained_gpt2, stdlib_bytes, tmp_path):
+    batches = lm_batches(stdlib_bytes["stats"], 6, batch_size=4, seed=31)
+    eval_batches = lm_batches(stdlib_bytes["eval"], 4, batch_size=4, seed=32)
+    state_dict = {name: tensor.clone() for name, tensor in trained_gpt2.state_dict().items()}
+    run_processes(grow_on_shard, (trained_gpt2.config, state_dict, batches, eval_batches, str(tmp_path)))
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+    assert [result["num_processes"] for result in results] == [2, 2]
+    assert [result["process_index"] for result in results] == [0, 1]
+    assert [result["local_batches"] for result in results] == [3, 3]
+    assert sorted(result["failure"] for result in results) == ["FloatingPointError", "OtherProcessFailed"]
+
+    alone = grow_model(trained_gpt2, batches, p=8, eval_dataloader=eval_batches)
+    expected = alone.growth_report
+    for result in results:
+        report = result["report"]
+        assert report["statistics_tokens"] == expected.statistics_tokens == 6 * 4 * 64
+        assert report["statistics_batches"] == 6 and report["eval_weight"] == expected.eval_weight
+        assert report["step_size"] == pytest.approx(expected.step_size, rel=1e-9)
+        assert report["eval_loss_after"] == pytest.approx(expected.eval_loss_after, rel=1e-9)
+        assert report["eval_loss_after"] < report["eval_loss_before"]
+        for name, tensor in alone.state_dict().items():
+            torch.testing.assert_close(result["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    # Every process returns the same model, bit for bit.
+    for name, tensor in results[0]["state_dict"].items():
+        assert torch.equal(tensor, results[1]["state_dict"][name]), name

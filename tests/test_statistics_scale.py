@@ -1,0 +1,186 @@
+"""Statistics at scale on one process: several passes within a memory budget, gradient checkpointing, wrapped
+models, half precision and autocast, non-finite values named by layer and batch."""
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from hf_grow import collect_statistics, get_adapter, grow_model
+from hf_grow import statistics as statistics_module
+from hf_grow.statistics import checkpoint, layer_groups, parse_bytes, statistics_bytes
+
+from conftest import lm_batches, tiny_gpt2_config
+
+
+@pytest.fixture(scope="module")
+def three_layers() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(tiny_gpt2_config(n_layer=3)).eval()
+
+
+def assert_same_statistics(first, second, rtol: float = 0.0) -> None:
+    assert (first.num_tokens, first.num_batches) == (second.num_tokens, second.num_batches)
+    for ours, theirs in zip(first.second_moments + first.gradients, second.second_moments + second.gradients):
+        torch.testing.assert_close(ours, theirs, rtol=rtol, atol=0.0)
+
+
+def test_memory_plan():
+    width = 65
+    assert statistics_bytes(3, 4, 64) == 8 * width**2 * (3 + 3 * 4)
+    assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("1.5 GiB") == 3 * 2**29 and parse_bytes(4096) == 4096
+    one_layer = statistics_bytes(3, 4, 64, 2)  # C of all layers, M of one layer and of the batch's product
+    assert layer_groups(3, 4, 64, None) == [[0, 1, 2]]
+    assert layer_groups(3, 4, 64, one_layer) == [[0], [1], [2]]
+    assert layer_groups(3, 4, 64, statistics_bytes(3, 4, 64, 3)) == [[0, 1], [2]]
+    assert layer_groups(3, 4, 64, statistics_bytes(3, 4, 64, 4)) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="raise the budget"):
+        layer_groups(3, 4, 64, one_layer - 1)
+    for bad in ("2 parsecs", "GB", "-1GB"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="positive"):
+        parse_bytes(0)
+
+
+@pytest.mark.parametrize("layers_per_pass", [1, 2])
+def test_several_passes_equal_one_pass_exactly(three_layers, stdlib_bytes, layers_per_pass):
+    model, adapter = three_layers, get_adapter(three_layers)
+    batches = lm_batches(stdlib_bytes["stats"], 3, batch_size=4, seed=41)
+    one_pass = collect_statistics(model, batches, adapter, compute_dtype=torch.float64)
+    budget = statistics_bytes(3, 4, 64, layers_per_pass + 1)
+    passes = collect_statistics(model, batches, adapter, compute_dtype=torch.float64, memory_budget=budget)
+    assert_same_statistics(passes, one_pass)  # bit for bit: every pass computes the same products
+    dataloader = torch.utils.data.DataLoader(batches, batch_size=None)
+    from_dataloader = collect_statistics(model, dataloader, adapter, compute_dtype=torch.float64, memory_budget=budget)
+    assert_same_statistics(from_dataloader, one_pass)
+
+
+def test_several_passes_need_the_same_data_each_time(three_layers, stdlib_bytes):
+    model, adapter = three_layers, get_adapter(three_layers)
+    budget = statistics_bytes(3, 4, 64, 2)
+    batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=4, seed=42)
+    with pytest.raises(ValueError, match="one-shot iterator"):
+        collect_statistics(model, iter(batches), adapter, memory_budget=budget)
+
+    class FreshDraws:
+        """Re-iterable, but with new random windows on every pass (like random masking in a collator)."""
+
+        def __init__(self):
+            self.seed = 0
+
+        def __iter__(self):
+            self.seed += 1
+            return iter(lm_batches(stdlib_bytes["stats"], 2, batch_size=4, seed=self.seed))
+
+    with pytest.raises(ValueError, match="the data changed between passes"):
+        collect_statistics(model, FreshDraws(), adapter, memory_budget=budget)
+
+
+def test_grow_model_with_a_memory_budget_equals_one_pass(trained_gpt2, stdlib_bytes):
+    batches = lm_batches(stdlib_bytes["stats"], 3, batch_size=4, seed=43)
+    eval_batches = lm_batches(stdlib_bytes["eval"], 2, batch_size=4, seed=44)
+    kwargs = dict(p=8, eval_dataloader=eval_batches, step_size=0.05, compute_dtype=torch.float64)
+    kwargs.update(measure_realized_gains=False)
+    one_pass = grow_model(trained_gpt2, batches, **kwargs)
+    # C of 2 layers: 68 kB, M: 135 kB per layer; 340 kB hold C and M of one layer and of the batch: 2 passes.
+    passes = grow_model(trained_gpt2, batches, memory_budget="340kB", **kwargs)
+    assert passes.growth_report.eval_loss_after == one_pass.growth_report.eval_loss_after
+    for name, tensor in one_pass.state_dict().items():
+        assert torch.equal(passes.state_dict()[name], tensor), name
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_same_statistics(trained_gpt2, stdlib_bytes, monkeypatch, use_reentrant):
+    batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=4, seed=45)
+    adapter = get_adapter(trained_gpt2)
+    plain = {
+        method: collect_statistics(trained_gpt2, batches, adapter, compute_dtype=torch.float64, method=method)
+        for method in ("chunked", "reference")
+    }
+    model = GPT2LMHeadModel(trained_gpt2.config)
+    model.load_state_dict(trained_gpt2.state_dict())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.eval()  # checkpointing is for training; the statistics use it in eval mode too
+    block = model.transformer.h[0]
+    original_function = block._gradient_checkpointing_func
+    runs = []
+
+    def counting_checkpoint(function, *args, **kwargs):
+        def run(*inner_args, **inner_kwargs):
+            runs.append(1)
+            return function(*inner_args, **inner_kwargs)
+
+        return checkpoint(run, *args, **kwargs)
+
+    monkeypatch.setattr(statistics_module, "checkpoint", counting_checkpoint)
+    for method in ("chunked", "reference"):
+        runs.clear()
+        checkpointed = collect_statistics(model, batches, adapter, compute_dtype=torch.float64, method=method)
+        assert len(runs) == 2 * 2 * len(batches)  # 2 layers, each run in forward and again in backward
+        assert_same_statistics(checkpointed, plain[method])
+    assert block._gradient_checkpointing_func is original_function and block.gradient_checkpointing
+    assert not model.training and not block.training and model.config.use_cache
+
+
+def test_wrapped_models_are_unwrapped(trained_gpt2, stdlib_bytes):
+    batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=4, seed=46)
+    plain = collect_statistics(trained_gpt2, batches, get_adapter(trained_gpt2), compute_dtype=torch.float64)
+    wrapped = torch.nn.DataParallel(trained_gpt2)  # `.module`, like DistributedDataParallel (tested with 2 processes)
+    unwrapped = collect_statistics(wrapped, batches, get_adapter(trained_gpt2), compute_dtype=torch.float64)
+    assert_same_statistics(unwrapped, plain)
+    grown = grow_model(wrapped, batches, p=8, step_size=0.0)
+    assert grown.config.qk_head_dims == [24, 24]
+
+
+def test_non_finite_inputs_name_the_layer_and_batch(gpt2_copy, stdlib_bytes):
+    model = gpt2_copy
+    calls = []
+
+    def nan_after_layer_zero_on_second_batch(module, args, output):
+        calls.append(1)
+        if len(calls) == 2:
+            return output * float("nan")  # a GPT2Block returns its hidden states
+
+    handle = model.transformer.h[0].register_forward_hook(nan_after_layer_zero_on_second_batch)
+    with pytest.raises(FloatingPointError, match="inputs to the attention of layer 1 at batch 1"):
+        collect_statistics(model, lm_batches(stdlib_bytes["stats"], 3, batch_size=2), get_adapter(model))
+    handle.remove()
+
+
+def test_non_finite_gradients_with_a_finite_loss_name_the_layer_and_batch(gpt2_copy, stdlib_bytes):
+    model = gpt2_copy
+    calls = []
+
+    def nan_gradient_on_second_batch(module, args, output):
+        calls.append(1)
+        if len(calls) == 2:
+            output.register_hook(lambda grad: grad * float("nan"))
+
+    handle = model.transformer.h[1].register_forward_hook(nan_gradient_on_second_batch)
+    with pytest.raises(FloatingPointError, match="score gradients in layer 1 at batch 1"):
+        collect_statistics(model, lm_batches(stdlib_bytes["stats"], 3, batch_size=2), get_adapter(model))
+    handle.remove()
+
+
+def test_autocast_does_not_lower_the_statistics_precision(trained_gpt2, stdlib_bytes):
+    """Under the caller's bfloat16 autocast the model runs in bf16, but the products stay in compute_dtype."""
+    batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=4, seed=47)
+    adapter = get_adapter(trained_gpt2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        single = collect_statistics(trained_gpt2, batches, adapter, compute_dtype=torch.float32)
+        double = collect_statistics(trained_gpt2, batches, adapter, compute_dtype=torch.float64)
+    for layer in range(2):
+        error = (single.gradients[layer] - double.gradients[layer]).norm() / double.gradients[layer].norm()
+        assert error < 1e-5  # bf16 products would be ~1e-2 away
+
+
+def test_bfloat16_model_grows(trained_gpt2, stdlib_bytes):
+    model = GPT2LMHeadModel(trained_gpt2.config).to(torch.bfloat16)
+    model.load_state_dict(trained_gpt2.state_dict())
+    batches = lm_batches(stdlib_bytes["stats"], 6, seed=48)
+    eval_batches = lm_batches(stdlib_bytes["eval"], 3, seed=49)
+    grown = grow_model(model, batches, p=8, eval_dataloader=eval_batches, measure_realized_gains=False)
+    report = grown.growth_report
+    assert grown.dtype == torch.bfloat16 and grown.config.qk_head_dims == [24, 24]
+    assert report.step_size > 0 and report.eval_loss_after < report.eval_loss_before - 1e-3
