@@ -85,7 +85,8 @@ def test_two_processes_equal_one(trained_gpt2, stdlib_bytes, tmp_path):
         assert report["statistics_tokens"] == expected.statistics_tokens == 6 * 4 * 64
         assert report["statistics_batches"] == 6 and report["eval_weight"] == expected.eval_weight
         assert report["step_size"] == pytest.approx(expected.step_size, rel=1e-9)
-        assert report["eval_loss_after"] == pytest.approx(expected.eval_loss_after, rel=1e-9)
+        # The float32 weights come from float64 sums taken in another order: equal to float32 rounding.
+        assert report["eval_loss_after"] == pytest.approx(expected.eval_loss_after, rel=1e-6)
         assert report["eval_loss_after"] < report["eval_loss_before"]
         for name, tensor in alone.state_dict().items():
             torch.testing.assert_close(result["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
