@@ -5,6 +5,7 @@ Importing hf_grow registers the grown model types with the transformers Auto cla
 
 from .adapters import get_adapter, supported_model_types
 from .growth import DEFAULT_TRUNCATION, evaluate_loss, grow_model
+from .inspection import GrowthInspection, inspect_growth
 from .models import (
     GrownBertConfig,
     GrownBertForMaskedLM,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_TRUNCATION",
+    "GrowthInspection",
     "GrowthReport",
     "GrowthStatistics",
     "GrownBertConfig",
@@ -53,6 +55,7 @@ __all__ = [
     "evaluate_loss",
     "get_adapter",
     "grow_model",
+    "inspect_growth",
     "load_growth_report",
     "supported_model_types",
     "__version__",

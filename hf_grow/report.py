@@ -76,6 +76,8 @@ class GrowthReport:
     layers: list[LayerReport] = field(default_factory=list)
     #: How the truncations were computed (`hf_grow.linalg.SVD_METHODS`).
     solver: str = "eigh"
+    #: Total added dimensions per head that were allocated to the layers by expected gain (None: ``p`` given).
+    budget: int | None = None
 
     @property
     def qk_dims_before(self) -> list[int]:
@@ -125,6 +127,8 @@ class GrowthReport:
             f"step size {self.step_size:.4g} (lam {self.lam:.4g}), truncation {self.truncation}, search {self.search}",
             f"Q/K dims {self.qk_dims_before} -> {self.qk_dims_after}, parameters added {self.parameters_added:,}",
         ]
+        if self.budget is not None:
+            lines.append(f"budget of {self.budget} added dims per head allocated to layers by expected gain")
         if self.unconstrained_eval_loss is not None:
             lines.append(f"full-rank update (reference) held-out loss {fmt(self.unconstrained_eval_loss)}")
         lines.append("layer  qk  expected gain  realized gain")
