@@ -5,6 +5,7 @@ Importing hf_grow registers the grown model types with the transformers Auto cla
 
 from .adapters import get_adapter, supported_model_types
 from .growth import DEFAULT_TRUNCATION, evaluate_loss, grow_model
+from .hub import model_card, push_to_hub
 from .inspection import GrowthInspection, inspect_growth
 from .models import (
     GrownBertConfig,
@@ -57,6 +58,8 @@ __all__ = [
     "grow_model",
     "inspect_growth",
     "load_growth_report",
+    "model_card",
+    "push_to_hub",
     "supported_model_types",
     "__version__",
 ]
