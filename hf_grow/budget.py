@@ -23,7 +23,9 @@ def check_budget(budget: int, multiple_of: int, max_added: Sequence[int]) -> Non
         raise ValueError(f"budget must be a positive number of query/key dimensions per head, got {budget!r}")
     capacities = [most // multiple_of * multiple_of for most in max_added]
     if budget % multiple_of:
-        raise ValueError(f"budget {budget} is not a multiple of multiple_of={multiple_of}: allocation is in whole chunks")
+        raise ValueError(
+            f"budget {budget} is not a multiple of multiple_of={multiple_of}: allocation is in whole chunks"
+        )
     if budget > sum(capacities):
         raise ValueError(
             f"budget {budget} exceeds the {sum(capacities)} dimensions the layers can take (per layer at most "

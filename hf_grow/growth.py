@@ -142,7 +142,8 @@ class _GrowthProblem:
         """First-order expected gains of ``layer`` per unit step size (see `linalg.growth_gain_rates`)."""
         problem = self.layers[layer]
         with torch.no_grad():
-            rates = linalg.growth_gain_rates(problem.bilinear, problem.direction, problem.metric, problem.query.shape[-1])
+            width = problem.query.shape[-1]
+            rates = linalg.growth_gain_rates(problem.bilinear, problem.direction, problem.metric, width)
         return linalg.GainRates(rates.without_growth * self.lam_unit, rates.marginal * self.lam_unit)
 
     def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:

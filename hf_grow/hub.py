@@ -83,7 +83,8 @@ def model_card(
         datasets=list(datasets) or None,
     )
     name = repo_id or folder.name
-    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{_card_body(report, architecture, auto_class, name, base_model, data)}")
+    body = _card_body(report, architecture, auto_class, name, base_model, data)
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}")
 
 
 def _card_body(
@@ -93,6 +94,7 @@ def _card_body(
         return "-" if value is None else f"{value:.4f}"
 
     grown_from = f"`{base_model}`" if base_model else f"A `{report.model_class}`"
+    perplexity = f"{loss(report.perplexity_before)} -> {loss(report.perplexity_after)}"
     widths = "\n".join(
         f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} | {layer.expected_gain:.3g} | "
         f"{'-' if layer.realized_gain is None else f'{layer.realized_gain:.3g}'} |"
@@ -104,10 +106,13 @@ def _card_body(
         else ""
     )
     if auto_class:
-        remote = f'from transformers import {auto_class}\n\nmodel = {auto_class}.from_pretrained("{name}", trust_remote_code=True)'
-        installed = f'import hf_grow  # registers the grown model types\nfrom transformers import {auto_class}\n\nmodel = {auto_class}.from_pretrained("{name}")'
+        remote = f'from transformers import {auto_class}\n\n'
+        remote += f'model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)'
+        installed = f"import hf_grow  # registers the grown model types\nfrom transformers import {auto_class}\n\n"
+        installed += f'model = {auto_class}.from_pretrained("{name}")'
     else:  # a head class no Auto class loads: its class, from hf_grow
-        remote = f'from transformers import AutoModel\n\nmodel = AutoModel.from_pretrained("{name}", trust_remote_code=True)  # the base model, without the {architecture} head'
+        remote = f"from transformers import AutoModel\n\n# the base model, without the {architecture} head\n"
+        remote += f'model = AutoModel.from_pretrained("{name}", trust_remote_code=True)'
         installed = f'from hf_grow import {architecture}\n\nmodel = {architecture}.from_pretrained("{name}")'
     return f"""# {name.split("/")[-1]}
 
@@ -119,7 +124,7 @@ old one was and takes one step downhill. At step 0 it computes exactly the old f
 
 - Parameters: {report.parameters_before:,} -> {report.parameters_after:,} ({report.parameters_added:,} added).
 - Statistics: {report.statistics_tokens:,} tokens in {report.statistics_batches} batches{f" of {data}" if data else ""}.
-- Held-out loss: {loss(report.eval_loss_before)} -> {loss(report.eval_loss_after)} (perplexity {loss(report.perplexity_before)} -> {loss(report.perplexity_after)}).
+- Held-out loss: {loss(report.eval_loss_before)} -> {loss(report.eval_loss_after)} (perplexity {perplexity}).
 - Step: size {report.step_size:.4g} in relative units, λ = {report.lam:.4g}; truncation `{report.truncation}`.{budget}
 
 | layer | Q/K dims before | Q/K dims after | expected gain | realized gain |
@@ -156,7 +161,9 @@ def check_push(repo_id: str, api: HfApi | None = None) -> None:
     if os.path.exists(repo_id):
         raise ValueError(f"{repo_id!r} is a local path, not a Hub repository id (user/name)")
     if is_offline_mode():
-        raise ValueError("cannot push to the Hub: HF_HUB_OFFLINE is set; unset it or push later with hf_grow.push_to_hub")
+        raise ValueError(
+            "cannot push to the Hub: HF_HUB_OFFLINE is set; unset it or push later with hf_grow.push_to_hub"
+        )
     if api is None and get_token() is None:
         raise ValueError("cannot push to the Hub: not logged in; run `hf auth login` or set HF_TOKEN")
 

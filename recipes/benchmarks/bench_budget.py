@@ -90,7 +90,8 @@ def table(results: list[dict]) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {r['label']} | {r['added']} | {r['parameters_added']:,} | {r['heldout_before'] - r['heldout_after']:.4f} "
+            f"| {r['label']} | {r['added']} | {r['parameters_added']:,} "
+            f"| {r['heldout_before'] - r['heldout_after']:.4f} "
             f"| {r['test_before'] - r['test_after']:.4f} | {r['step_size']:.3g} |"
         )
     return "\n".join(lines)
@@ -108,7 +109,7 @@ def gpt2(quick: bool) -> list[dict]:
         for split, count, offset in zip(("stats", "eval", "test"), counts, (1, 2, 3))
     )
     model = make_model(n_embd, n_layer, n_head, seq_len, seed)
-    print(f"## GPT-2 n_embd {n_embd}, {n_layer} layers, {n_head} heads, d_k {n_embd // n_head}, {steps} steps", flush=True)
+    print(f"## GPT-2 n_embd {n_embd}, {n_layer} layers, {n_head} heads, d_k {n_embd // n_head}, {steps} steps")
     train(model, data["train"], steps, batch_size, seq_len, seed)
     statistics = hf_grow.collect_statistics(model, statistics_batches, hf_grow.get_adapter(model))
     rows = settings(n_layer, [4] if quick else [4, 8], aligned=not quick)
@@ -146,7 +147,8 @@ def main() -> None:
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message="query/key widths .* are not multiples of 8")
     torch.set_num_threads(args.threads)
-    print(f"# bench_budget {datetime.date.today()} {platform.processor() or platform.machine()} torch {torch.__version__}")
+    machine = platform.processor() or platform.machine()
+    print(f"# bench_budget {datetime.date.today()} {machine} torch {torch.__version__}", flush=True)
     results = {}
     started = time.perf_counter()
     if args.only in (None, "gpt2"):
