@@ -5,6 +5,8 @@ Importing hf_grow registers the grown model types with the transformers Auto cla
 
 from .adapters import get_adapter, supported_model_types
 from .growth import DEFAULT_TRUNCATION, evaluate_loss, grow_model
+from .hub import model_card, push_to_hub
+from .inspection import GrowthInspection, inspect_growth
 from .models import (
     GrownBertConfig,
     GrownBertForMaskedLM,
@@ -34,6 +36,7 @@ __all__ = [
     "DEFAULT_TRUNCATION",
     "GROWTH_MODES",
     "GrowthCallback",
+    "GrowthInspection",
     "GrowthReport",
     "GrowthStatistics",
     "GrownBertConfig",
@@ -57,7 +60,10 @@ __all__ = [
     "get_adapter",
     "grow_in_training",
     "grow_model",
+    "inspect_growth",
     "load_growth_report",
+    "model_card",
+    "push_to_hub",
     "resize_qk_",
     "supported_model_types",
     "to_grown_model",

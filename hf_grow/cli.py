@@ -1,16 +1,18 @@
 """The ``hf-grow`` command: load a language model, read text, grow it, write the grown model atomically.
 
-Causal LMs (GPT-2) grow on next-token loss; masked LMs (BERT) on masked-LM loss with transformers' standard
-collator. Any other objective goes through the Python API's ``loss_fn``.
+``hf-grow MODEL ...`` grows (and optionally pushes to the Hub); ``hf-grow inspect MODEL ...`` reports what growth
+would gain per layer and head, without growing. Causal LMs (GPT-2) grow on next-token loss; masked LMs (BERT) on
+masked-LM loss with transformers' standard collator. Any other objective goes through the Python API's ``loss_fn``.
 
 Launched with several processes (``torchrun --nproc_per_node N -m hf_grow ...`` or ``accelerate launch``;
 ``WORLD_SIZE`` > 1), every process reads the same text, takes every N-th batch, and the statistics and
-held-out losses are summed across processes; only the main process writes.
+held-out losses are summed across processes; only the main process writes and pushes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -20,14 +22,14 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as transformers_logging
 
-from . import __version__
-from .adapters import supported_model_types
+from . import __version__, hub
+from .adapters import get_adapter, supported_model_types
 from .data import causal_lm_batches, masked_lm_batches, read_dataset, read_text_files, token_windows
 from .distributed import OtherProcessFailed, Processes
 from .growth import DEFAULT_TRUNCATION, SEARCHES, grow_model
+from .inspection import PLOT_EXTRA, inspect_growth
 from .linalg import TRUNCATIONS
-from .report import GrowthReport
-from .statistics import parse_bytes
+from .statistics import GrowthStatistics, collect_statistics, parse_bytes
 
 
 EXAMPLES = """examples:
@@ -39,6 +41,17 @@ EXAMPLES = """examples:
       a masked LM: masked-LM loss with 15% of tokens masked
   hf-grow gpt2 --p 16 --dataset wikitext --dataset-config wikitext-103-raw-v1 --max-tokens 2000000 \\
       --output-dir gpt2-grown --report growth.json
+  hf-grow gpt2 --budget 96 --multiple-of 8 --output-dir gpt2-grown --push-to-hub me/gpt2-grown
+      96 added dims per head in all, allocated to the layers by expected gain; pushed to the Hub
+
+  hf-grow inspect MODEL --help: the expected gain of adding 1..k dims per layer and head, without growing
+"""
+
+INSPECT_EXAMPLES = """examples:
+  hf-grow inspect gpt2 --plot spectra.png --save-stats gpt2-stats.safetensors
+      the table of expected gains, a PNG of the spectra, and the statistics for a later run:
+  hf-grow gpt2 --stats gpt2-stats.safetensors --budget 96 --output-dir gpt2-grown
+      grows from those statistics (same data options: the held-out text is read again, not the rest)
 """
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,19 +61,12 @@ class CommandError(Exception):
     """A problem the user can fix: printed as one line, exit status 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hf-grow",
-        description="Grow the query/key dimension of every attention head of a language model (causal LMs "
-        "such as GPT-2 on next-token loss, masked LMs such as BERT on masked-LM loss), with weights solved from "
-        "first-order loss statistics.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="Hub id (e.g. gpt2) or local folder of a causal or masked LM and its tokenizer")
-    parser.add_argument("--p", type=int, default=8, help="query/key dimensions to add per head (default 8)")
-    parser.add_argument("--output-dir", required=True, help="folder for the grown model (must be empty)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data options of both subcommands: the same options give the same statistics and held-out text."""
     data = parser.add_argument_group("data (default: --dataset wikitext --dataset-config wikitext-2-raw-v1)")
     data.add_argument("--data", nargs="+", metavar="FILE", help="plain text files or globs")
     data.add_argument("--dataset", help="a datasets name (Hub or local script/folder)")
@@ -74,7 +80,38 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max-tokens", type=int, default=500_000, help="tokens for the statistics")
     data.add_argument("--eval-tokens", type=int, default=50_000, help="held-out tokens for the line search")
     data.add_argument("--mlm-probability", type=float, default=0.15, help="masked LMs: share of tokens masked")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    run = parser.add_argument_group("run")
+    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (statistics are float32+)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-grow",
+        description="Grow the query/key dimension of every attention head of a language model (causal LMs "
+        "such as GPT-2 on next-token loss, masked LMs such as BERT on masked-LM loss), with weights solved from "
+        "first-order loss statistics. `hf-grow inspect MODEL` reports the expected gains without growing.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_argument(parser)
+    parser.add_argument("--p", type=int, help="query/key dimensions to add per head (default 8)")
+    parser.add_argument("--output-dir", required=True, help="folder for the grown model (must be empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    _add_data_arguments(parser)
     growth = parser.add_argument_group("growth")
+    growth.add_argument("--budget", type=int, help="instead of --p: added dims per head summed over layers, "
+                        "allocated to the layers by expected gain")
+    growth.add_argument("--multiple-of", type=int, default=1, help="with --budget: allocate in chunks of this many "
+                        "dims (8 suits fused kernels)")
+    growth.add_argument("--stats", metavar="FILE", help="statistics saved by `hf-grow inspect --save-stats` for this "
+                        "model: the statistics text is not read again")
     growth.add_argument("--step-size", type=float, help="skip the line search and take this (relative) step")
     growth.add_argument("--truncation", choices=TRUNCATIONS, default=DEFAULT_TRUNCATION)
     growth.add_argument("--search", choices=SEARCHES, default="exact")
@@ -82,13 +119,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-budget",
         help="bytes for the statistics' accumulators, e.g. 2GB: M is collected for groups of layers in several passes",
     )
-    run = parser.add_argument_group("run")
-    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (statistics are float32+)")
-    run.add_argument("--seed", type=int, default=0)
+    run = _add_run_arguments(parser)
     run.add_argument("--report", help="also write the JSON growth report to this file")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    push = parser.add_argument_group("Hugging Face Hub")
+    push.add_argument("--push-to-hub", metavar="REPO_ID", help="also push the grown model and its card to this repo")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--revision", help="branch to push to (created if needed; default main)")
+    push.add_argument("--commit-message", help="message of the commit")
     parser.add_argument("--version", action="version", version=f"hf-grow {__version__}")
+    return parser
+
+
+def build_inspect_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-grow inspect",
+        description="Collect the statistics once and report, per layer and head, the expected first-order loss "
+        "decrease of adding 1..k query/key dimensions, without changing the model: a table, optionally a PNG of "
+        "the spectra and the statistics for a later `hf-grow MODEL --stats FILE`.",
+        epilog=INSPECT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_argument(parser)
+    _add_data_arguments(parser)
+    output = parser.add_argument_group("output")
+    output.add_argument("--max-dims", type=int, default=16, help="report adding 1..this many dims (default 16)")
+    output.add_argument("--layers-only", action="store_true", help="one table row per layer, no per-head rows")
+    output.add_argument("--plot", metavar="PNG", help="write the spectra per layer to this PNG (needs matplotlib)")
+    output.add_argument("--json", metavar="FILE", help="write the full inspection as JSON")
+    output.add_argument("--save-stats", metavar="FILE", help="save the statistics (safetensors) for `hf-grow --stats`")
+    _add_run_arguments(parser)
     return parser
 
 
@@ -97,9 +156,7 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
-def _check_arguments(args: argparse.Namespace) -> None:
-    if args.p <= 0:
-        raise CommandError(f"--p must be a positive number of dimensions to add, got {args.p}")
+def _check_data_arguments(args: argparse.Namespace) -> None:
     for name in ("seq_len", "batch_size", "max_tokens", "eval_tokens"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise CommandError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -107,9 +164,31 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise CommandError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
     if args.data and args.dataset:
         raise CommandError("give either --data or --dataset, not both")
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    if args.budget is not None and args.p is not None:
+        raise CommandError("give either --p or --budget, not both")
+    if args.budget is None:
+        args.p = 8 if args.p is None else args.p
+        if args.p <= 0:
+            raise CommandError(f"--p must be a positive number of dimensions to add, got {args.p}")
+        if args.multiple_of != 1:
+            raise CommandError("--multiple-of applies to --budget")
+    elif args.multiple_of <= 0 or args.budget <= 0 or args.budget % args.multiple_of:
+        raise CommandError(
+            f"--budget must be a positive multiple of --multiple-of, got --budget {args.budget} --multiple-of "
+            f"{args.multiple_of}"
+        )
+    _check_data_arguments(args)
     if args.memory_budget is not None:
         try:
             parse_bytes(args.memory_budget)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+    if args.push_to_hub:
+        try:
+            hub.check_push(args.push_to_hub)
         except ValueError as error:
             raise CommandError(str(error)) from None
     output = Path(args.output_dir)
@@ -238,45 +317,21 @@ def _batches(args: argparse.Namespace, tokenizer, objective: str) -> tuple[list,
     )
 
 
-CARD_TASKS = {"causal": ("text-generation", "AutoModelForCausalLM"), "masked": ("fill-mask", "AutoModelForMaskedLM")}
+def _data_description(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """What the statistics were collected on, in words, and the Hub datasets among it (for the model card)."""
+    if args.data:
+        shown = ", ".join(f"`{pattern}`" for pattern in args.data[:3])
+        return f"local text ({shown}{', ...' if len(args.data) > 3 else ''})", []
+    name = args.dataset or "wikitext"
+    config = args.dataset_config or (None if args.dataset else "wikitext-2-raw-v1")
+    return f"`{name}`{f' ({config})' if config else ''}, split `{args.split}` (held out: `{args.eval_split}`)", [name]
 
 
-def model_card(model_name: str, report: GrowthReport, output_name: str, objective: str = "causal") -> str:
-    """A model card for the grown model: metadata, the growth summary and how to load it."""
-    pipeline_tag, auto_class = CARD_TASKS[objective]
-    return f"""---
-base_model: {model_name}
-library_name: transformers
-pipeline_tag: {pipeline_tag}
-tags:
-- hf_grow
-- grown-attention
----
-
-# {output_name}
-
-`{model_name}` with the query/key width of every attention head grown by
-[hf_grow](https://pypi.org/project/hf_grow/): Q/K dims {report.qk_dims_before} -> {report.qk_dims_after},
-{report.parameters_added:,} parameters added, new weights solved from first-order loss statistics over
-{report.statistics_tokens:,} tokens.
-
-| | before | after |
-|---|---|---|
-| held-out loss | {report.eval_loss_before} | {report.eval_loss_after} |
-| held-out perplexity | {report.perplexity_before} | {report.perplexity_after} |
-
-Step size {report.step_size:.4g} (λ = {report.lam:.4g}), truncation `{report.truncation}`. The full report is in
-`growth_report.json`.
-
-## Load
-
-```python
-from transformers import {auto_class}
-model = {auto_class}.from_pretrained("{output_name}", trust_remote_code=True)
-```
-
-or, with hf_grow installed, `import hf_grow` first and drop `trust_remote_code`.
-"""
+def _load_statistics(path: str) -> GrowthStatistics:
+    try:
+        return GrowthStatistics.load(path)
+    except ValueError as error:
+        raise CommandError(f"{error}: pass a file written by `hf-grow inspect --save-stats`") from None
 
 
 def _write_atomically(output: Path, write) -> None:
@@ -326,6 +381,16 @@ def _shard(batches: list, accelerator, what: str) -> list:
     return batches[accelerator.process_index :: accelerator.num_processes]
 
 
+def _start(args: argparse.Namespace, is_main: bool = True) -> bool:
+    """Seed and logging; whether progress bars show (on the main process only)."""
+    torch.manual_seed(args.seed)
+    show_progress = _progress(args) and is_main
+    transformers_logging.set_verbosity_error()
+    if not show_progress:
+        transformers_logging.disable_progress_bar()
+    return show_progress
+
+
 def run(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     _check_arguments(args)
@@ -339,12 +404,11 @@ def run(args: argparse.Namespace) -> None:
 
 def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> None:
     is_main = accelerator is None or accelerator.is_main_process
-    torch.manual_seed(args.seed)
-    show_progress = _progress(args) and is_main
-    transformers_logging.set_verbosity_error()
-    if not show_progress:
-        transformers_logging.disable_progress_bar()
+    show_progress = _start(args, is_main)
     objective = _objective(args)
+    statistics = _load_statistics(args.stats) if args.stats else None
+    if statistics is not None and accelerator is not None:
+        raise CommandError("--stats holds the statistics of all the data: run it in one process")
     tokenizer = _load_tokenizer(args)
     statistics_batches, held_out_batches = _batches(args, tokenizer, objective)  # data before the model
     statistics_batches = _shard(statistics_batches, accelerator, "statistics")
@@ -353,8 +417,11 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     try:
         grown = grow_model(
             model,
-            statistics_batches,
+            None if statistics else statistics_batches,
             p=args.p,
+            budget=args.budget,
+            multiple_of=args.multiple_of,
+            statistics=statistics,
             eval_dataloader=held_out_batches,
             step_size=args.step_size,
             truncation=args.truncation,
@@ -366,22 +433,25 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     except (ValueError, OtherProcessFailed) as error:
         raise CommandError(str(error)) from None
     try:
-        # Only the main process writes; the others wait for it, and learn if it failed.
+        # Only the main process writes and pushes; the others wait for it, and learn if it failed.
         with Processes(accelerator).failing_together():
             if is_main:
-                _write_outputs(args, grown, tokenizer, objective, started, accelerator)
+                _write_outputs(args, grown, tokenizer, started, accelerator)
     except OtherProcessFailed as error:
         raise CommandError(f"{error}: nothing was written") from None
 
 
-def _write_outputs(args: argparse.Namespace, grown, tokenizer, objective: str, started: float, accelerator) -> None:
+def _write_outputs(args: argparse.Namespace, grown, tokenizer, started: float, accelerator) -> None:
     report = grown.growth_report
     output = Path(args.output_dir)
+    data, datasets = _data_description(args)
 
     def write(folder: Path) -> None:
         grown.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        (folder / "README.md").write_text(model_card(args.model, report, output.name, objective))
+        card = hub.model_card(folder, base_model=args.model, repo_id=args.push_to_hub or output.name, data=data,
+                              datasets=datasets)
+        card.save(folder / hub.CARD_FILENAME)
 
     _write_atomically(output, write)
     if args.report:
@@ -390,12 +460,61 @@ def _write_outputs(args: argparse.Namespace, grown, tokenizer, objective: str, s
     print(report.summary())
     processes = f" on {accelerator.num_processes} processes" if accelerator is not None else ""
     print(f"wall time {elapsed:.1f} s{processes}; grown model written to {output}")
+    if args.push_to_hub:
+        try:
+            commit = hub.push_to_hub(output, args.push_to_hub, private=args.private or None, revision=args.revision,
+                                     commit_message=args.commit_message)
+        except Exception as error:  # network and Hub errors come in many types; the model is safe on disk
+            reason = (str(error).splitlines() or [""])[0]
+            raise CommandError(
+                f"pushing to {args.push_to_hub} failed ({type(error).__name__}: {reason}); the grown model is in "
+                f"{output}: push it later with hf_grow.push_to_hub"
+            ) from None
+        if commit is not None:
+            print(f"pushed to {getattr(commit, 'commit_url', None) or args.push_to_hub}")
+
+
+def run_inspect(args: argparse.Namespace) -> None:
+    _check_data_arguments(args)
+    if args.max_dims <= 0:
+        raise CommandError(f"--max-dims must be positive, got {args.max_dims}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise CommandError(f"--plot: {PLOT_EXTRA}")
+    for option, path in (("--plot", args.plot), ("--json", args.json), ("--save-stats", args.save_stats)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise CommandError(f"{option}: the folder of {path} does not exist")
+    show_progress = _start(args)
+    objective = _objective(args)
+    tokenizer = _load_tokenizer(args)
+    statistics_batches, _ = _batches(args, tokenizer, objective)  # the same split as the main command
+    model = _load_model(args, objective)
+    try:
+        statistics = collect_statistics(model, statistics_batches, get_adapter(model), progress=show_progress)
+        if args.save_stats:
+            statistics.save(args.save_stats)
+        inspection = inspect_growth(model, statistics=statistics, max_dims=args.max_dims)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    print(inspection.table(heads=not args.layers_only))
+    if args.json:
+        inspection.to_json_file(args.json)
+    if args.plot:
+        inspection.plot(args.plot)
+    written = [f"{kind} {path}" for kind, path in (("spectra", args.plot), ("inspection", args.json),
+                                                   ("statistics", args.save_stats)) if path]
+    if written:
+        print("wrote " + ", ".join(written))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    inspecting = argv[:1] == ["inspect"]
+    args = build_inspect_parser().parse_args(argv[1:]) if inspecting else build_parser().parse_args(argv)
     try:
-        run(args)
+        if inspecting:
+            run_inspect(args)
+        else:
+            run(args)
     except CommandError as error:
         print(f"hf-grow: error: {error}", file=sys.stderr)
         return 2

@@ -25,9 +25,10 @@ from transformers import PreTrainedModel
 
 from . import linalg
 from .adapters import ArchitectureAdapter, get_adapter
+from .budget import allocate_budget, check_budget
 from .distributed import Processes, unwrap_model
 from .report import GrowthReport, HeadReport, LayerReport, LineSearchPoint
-from .statistics import GrowthStatistics, LossFn, collect_statistics, compute_loss, iterate_batches
+from .statistics import GrowthStatistics, LossFn, collect_statistics, compute_loss, iterate_batches, weight_sample
 
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ SEARCHES = ("exact", "fast")
 #: weights are kept and the p new dimensions hold the best rank-p approximation of the step -lam P.
 MODES = ("refactor", "append")
 QKWeights = dict[int, tuple[Tensor, Tensor]]
+#: Statistics whose weight sample differs from the model's by more than this (relative norm) are refused;
+#: loading the same checkpoint in bfloat16 changes it by at most 2^-8.
+WEIGHTS_RTOL = 1e-2
 
 
 def evaluate_loss(
@@ -147,6 +151,20 @@ class _GrowthProblem:
 
     def lam(self, step_size: float) -> float:
         return step_size * self.lam_unit
+
+    def widen(self, qk_dims_after: list[int], adapter: ArchitectureAdapter, config) -> None:
+        """Set the grown widths (decided after the statistics, e.g. by a budget)."""
+        for layer, problem in enumerate(self.layers):
+            problem.qk_dim_after = qk_dims_after[layer]
+            problem.scaling_after = adapter.scaling(config, layer, qk_dims_after[layer])
+
+    def gain_rates(self, layer: int) -> linalg.GainRates:
+        """First-order expected gains of ``layer`` per unit step size (see `linalg.growth_gain_rates`)."""
+        problem = self.layers[layer]
+        with torch.no_grad():
+            width = problem.query.shape[-1]
+            rates = linalg.growth_gain_rates(problem.bilinear, problem.direction, problem.metric, width)
+        return linalg.GainRates(rates.without_growth * self.lam_unit, rates.marginal * self.lam_unit)
 
     def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
         problem = self.layers[layer]
@@ -270,6 +288,15 @@ def _check_statistics(statistics: GrowthStatistics, model: PreTrainedModel, adap
             f"the statistics were collected for another model: {found[0]} layers of M with shape {found[1]}, but "
             f"{type(model).__name__} has {layers} layers of {heads} heads over inputs of width {width - 1} (+1)."
         )
+    if statistics.weights is not None:
+        weights = weight_sample(model)
+        if weights.shape != statistics.weights.shape or float(
+            (weights - statistics.weights).norm()
+        ) > WEIGHTS_RTOL * float(statistics.weights.norm()):
+            raise ValueError(
+                "the statistics were collected on a model with other weights (another checkpoint of the same "
+                "architecture): collect them on the model you grow."
+            )
 
 
 def _resolve_growth(p: int | Mapping[int, int], num_layers: int) -> list[int]:
@@ -290,6 +317,16 @@ def _resolve_growth(p: int | Mapping[int, int], num_layers: int) -> list[int]:
     if negative:
         raise ValueError(f"p must map layers to non-negative ints, got {negative}")
     return [p.get(layer, 0) for layer in range(num_layers)]
+
+
+def _warn_unaligned(qk_after: list[int], growth: list[int]) -> None:
+    unaligned = sorted({dim for dim, extra in zip(qk_after, growth) if extra and dim % 8})
+    if unaligned:
+        warnings.warn(
+            f"query/key widths {unaligned} are not multiples of 8; fused attention kernels are fastest with "
+            "multiples of 8.",
+            stacklevel=3,
+        )
 
 
 def _split_batches(
@@ -371,8 +408,10 @@ def _write_weights(adapter: ArchitectureAdapter, model: PreTrainedModel, weights
 def grow_model(
     model: PreTrainedModel,
     dataloader: Iterable[Mapping[str, Tensor]] | None,
-    p: int | Mapping[int, int] = 8,
+    p: int | Mapping[int, int] | None = None,
     *,
+    budget: int | None = None,
+    multiple_of: int = 1,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
     step_size: float | None = None,
     truncation: str = DEFAULT_TRUNCATION,
@@ -399,7 +438,13 @@ def grow_model(
             PeftModel around one (its adapters are merged into a copy first). Left unchanged.
         dataloader: dict batches passed as ``model(**batch)``; the loss is ``outputs.loss`` (or ``loss_fn``).
         p: dimensions added per head, in every layer, or a mapping ``{layer: p}`` (missing layers get 0;
-            layers with 0 keep their width but still take the step).
+            layers with 0 keep their width but still take the step). Default 8; not with ``budget``.
+        budget: instead of ``p``, a total of dimensions added per head, summed over layers, allocated from the
+            statistics before the line search: greedily, ``multiple_of`` dimensions at a time, to the layer whose
+            next dimensions have the largest expected gain summed over its heads. The gains are first-order in
+            the step lam (`hf_grow.linalg.growth_gain_rates`); all scale with the same lam, so the allocation
+            does not depend on it. ``growth_report.budget`` records it.
+        multiple_of: the chunk of a budget allocation (e.g. 8 keeps widths multiples of 8 for fused kernels).
         eval_dataloader: held-out batches for the line search and the before/after losses. Without it, the
             last ``eval_fraction`` of the dataloader's batches are held out (when a line search runs).
         step_size: skip the line search and take this step (relative units, see the module docstring);
@@ -442,6 +487,8 @@ def grow_model(
         dataloader,
         p,
         mode="refactor",
+        budget=budget,
+        multiple_of=multiple_of,
         eval_dataloader=eval_dataloader,
         step_size=step_size,
         truncation=truncation,
@@ -491,14 +538,17 @@ class _PreparedGrowth:
     parameters_before: int
     seconds: dict[str, float]
     accelerator: Accelerator | None
+    budget: int | None
 
 
 def _prepare_growth(
     model: PreTrainedModel,
     dataloader: Iterable[Mapping[str, Tensor]] | None,
-    p: int | Mapping[int, int],
+    p: int | Mapping[int, int] | None,
     *,
     mode: str,
+    budget: int | None,
+    multiple_of: int,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None,
     step_size: float | None,
     truncation: str,
@@ -520,17 +570,25 @@ def _prepare_growth(
     processes = Processes(accelerator)
     adapter = get_adapter(model)
     qk_before = adapter.qk_head_dims(model.config)
-    growth = _resolve_growth(p, len(qk_before))
-    qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
     max_rank = adapter.hidden_size(model.config) + 1
-    too_wide = {layer: dim for layer, dim in enumerate(qk_after) if dim > max_rank}
-    if too_wide:
-        raise ValueError(
-            f"query/key widths {too_wide} exceed hidden_size + 1 = {max_rank}, the largest rank a head's scores "
-            "can have: choose a smaller p."
-        )
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    growth: list[int] | None = None
+    if budget is not None:
+        if p is not None:
+            raise ValueError("give either p or budget, not both: a budget decides the dimensions added per layer.")
+        check_budget(budget, multiple_of, [max_rank - dim for dim in qk_before])
+    elif multiple_of != 1:
+        raise ValueError("multiple_of applies to a budget allocation: pass budget=N with it, or leave it at 1.")
+    else:
+        growth = _resolve_growth(8 if p is None else p, len(qk_before))
+        qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
+        too_wide = {layer: dim for layer, dim in enumerate(qk_after) if dim > max_rank}
+        if too_wide:
+            raise ValueError(
+                f"query/key widths {too_wide} exceed hidden_size + 1 = {max_rank}, the largest rank a head's scores "
+                "can have: choose a smaller p."
+            )
     if truncation not in linalg.TRUNCATIONS:
         raise ValueError(f"truncation must be one of {linalg.TRUNCATIONS}, got {truncation!r}")
     if solver not in linalg.SVD_METHODS:
@@ -539,13 +597,8 @@ def _prepare_growth(
         raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
     if step_size is not None and (not math.isfinite(step_size) or step_size < 0):
         raise ValueError(f"step_size must be a finite number >= 0, got {step_size}")
-    unaligned = sorted({dim for dim, extra in zip(qk_after, growth) if extra and dim % 8})
-    if unaligned:
-        warnings.warn(
-            f"query/key widths {unaligned} are not multiples of 8; fused attention kernels are fastest with "
-            "multiples of 8.",
-            stacklevel=3,
-        )
+    if growth is not None:
+        _warn_unaligned(qk_after, growth)
 
     seconds: dict[str, float] = {}
     tick = time.perf_counter()
@@ -577,11 +630,19 @@ def _prepare_growth(
     seconds["statistics"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    problem = _GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol, solver, mode)
+    if growth is None:
+        problem = _GrowthProblem(model, adapter, statistics, qk_before, truncation, rtol, solver, mode)
+        gains = [problem.gain_rates(layer).marginal.sum(dim=0) for layer in range(len(qk_before))]
+        growth = allocate_budget(gains, budget, multiple_of)
+        qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
+        problem.widen(qk_after, adapter, model.config)
+        _warn_unaligned(qk_after, growth)
+    else:
+        problem = _GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol, solver, mode)
     seconds["solve"] = time.perf_counter() - tick
     return _PreparedGrowth(
         model, adapter, qk_before, qk_after, max_rank, statistics, eval_batches, problem, model.num_parameters(), seconds,
-        accelerator,
+        accelerator, budget,
     )
 
 
@@ -704,6 +765,7 @@ def _search_and_report(
         seconds=seconds,
         line_search=points,
         layers=layers,
+        budget=prepared.budget,
     )
     logger.info("grew %s: %s", type(model).__name__, report.summary())
     return report

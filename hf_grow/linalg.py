@@ -229,3 +229,50 @@ def appended_weights(
         torch.cat([query * fold, update.left / root], dim=-1),
         torch.cat([key, update.right / root], dim=-1),
     )
+
+@dataclass(frozen=True)
+class GainRates:
+    """First-order expected loss decreases per unit step lam, of one or more heads (see `growth_gain_rates`).
+
+    ``without_growth`` (heads,): of the solve truncated to the current width. ``marginal`` (heads, d - width):
+    of each added dimension, largest first; adding k dimensions gains ``lam * marginal[..., :k].sum(-1)``.
+    """
+
+    without_growth: Tensor
+    marginal: Tensor
+
+
+def growth_gain_rates(bilinear: Tensor, direction: Tensor, metric: Metric, width: int) -> GainRates:
+    """What growth gains per unit lam, to first order in lam, independent of the step the line search picks.
+
+    In the metric of C (whitened, ``W = C^1/2 Z C^1/2``, ``Q = C^1/2 P C^1/2``), the rank-(width + k)
+    truncation of ``W - lam Q`` keeps singular values whose squares gain ``sigma^2 / (2 lam)`` each
+    (`rank_gains`). W has rank rho <= width, so for small lam the singular values beyond rho are
+    ``lam * s_j`` with ``s_j`` those of ``Q_perp``, Q with W's row and column spaces projected out; each gains
+    ``lam * s_j^2 / 2``. The first ``width - rho`` of them fit in the current width; dimension ``width + r``
+    gains ``lam * s_{width - rho + r}^2 / 2``. Without growth the truncation keeps ``Q - Q_perp`` plus those
+    spare dimensions: ``lam * (||Q||^2 - ||Q_perp||^2) / 2`` plus theirs. All gains scale with the same lam,
+    so the ranking of heads and layers holds at any step small enough for first order (errors
+    ``O(lam^2 ||Q||^3 / sigma_rho(W))``).
+    """
+    root = metric.root_diag
+    scores = metric.to_basis(bilinear) * root[..., :, None] * root[..., None, :]
+    step = metric.to_basis(direction) * root[..., :, None] * root[..., None, :]
+    size = scores.shape[-1]
+    decomposition = decompose(scores)
+    sigma = decomposition.singular_values[..., :width]
+    kept = sigma > SINGULAR_VALUE_RTOL * decomposition.singular_values[..., :1].clamp_min(torch.finfo(sigma.dtype).tiny)
+    left = decomposition.left_vectors[..., :width] * kept[..., None, :]
+    right = decomposition.projected[..., :width] / torch.where(kept, sigma, torch.ones_like(sigma))[..., None, :]
+    right = right * kept[..., None, :]
+    left_removed = step - left @ (left.mT @ step)
+    perpendicular = left_removed - (left_removed @ right) @ right.mT
+    spectrum = torch.linalg.eigvalsh(perpendicular @ perpendicular.mT).flip(-1).clamp_min(0)  # s_j^2, largest first
+    spare = (width - kept.sum(dim=-1, keepdim=True)).clamp_min(0)  # current dimensions W leaves unused
+    positions = torch.arange(size, device=spectrum.device)
+    used = positions < spare
+    without_growth = (step.square().sum(dim=(-2, -1)) - perpendicular.square().sum(dim=(-2, -1))) / 2
+    without_growth = without_growth + (spectrum * used).sum(dim=-1) / 2
+    added = spare + positions[: size - width]
+    marginal = torch.gather(spectrum, -1, added.expand(*spectrum.shape[:-1], size - width)) / 2
+    return GainRates(without_growth=without_growth, marginal=marginal)

@@ -78,6 +78,8 @@ class GrowthReport:
     solver: str = "eigh"
     #: "refactor" (all Q/K weights rewritten) or "append" (old weights kept, new dimensions hold the step).
     mode: str = "refactor"
+    #: Total added dimensions per head that were allocated to the layers by expected gain (None: ``p`` given).
+    budget: int | None = None
 
     @property
     def qk_dims_before(self) -> list[int]:
@@ -128,6 +130,8 @@ class GrowthReport:
             f"search {self.search}",
             f"Q/K dims {self.qk_dims_before} -> {self.qk_dims_after}, parameters added {self.parameters_added:,}",
         ]
+        if self.budget is not None:
+            lines.append(f"budget of {self.budget} added dims per head allocated to layers by expected gain")
         if self.unconstrained_eval_loss is not None:
             lines.append(f"full-rank update (reference) held-out loss {fmt(self.unconstrained_eval_loss)}")
         lines.append("layer  qk  expected gain  realized gain")

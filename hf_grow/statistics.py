@@ -199,6 +199,8 @@ class GrowthStatistics:
     num_batches: int
     #: The `config.model_type` of the model the statistics were collected on.
     model_type: str | None = None
+    #: `weight_sample` of that model, so that statistics of other weights can be refused.
+    weights: Tensor | None = None
 
     def mean_second_moment(self, layer: int) -> Tensor:
         """E[x' x'^T] over tokens."""
@@ -212,6 +214,8 @@ class GrowthStatistics:
         """Write the statistics to a safetensors file (no pickle), atomically."""
         tensors = {f"second_moments.{layer}": tensor.detach().cpu().contiguous() for layer, tensor in enumerate(self.second_moments)}
         tensors.update({f"gradients.{layer}": tensor.detach().cpu().contiguous() for layer, tensor in enumerate(self.gradients)})
+        if self.weights is not None:
+            tensors["weights"] = self.weights.detach().cpu().contiguous()
         metadata = {
             "format": STATISTICS_FORMAT,
             "num_tokens": str(self.num_tokens),
@@ -240,7 +244,22 @@ class GrowthStatistics:
             num_tokens=int(metadata["num_tokens"]),
             num_batches=int(metadata["num_batches"]),
             model_type=metadata["model_type"] or None,
+            weights=tensors.get("weights"),
         )
+
+
+def weight_sample(model: PreTrainedModel, per_parameter: int = 8) -> Tensor:
+    """A few evenly spaced entries of every parameter, in float64: a fingerprint of the weights.
+
+    Compared with a tolerance (not hashed), so that the same checkpoint loaded in another dtype still matches.
+    """
+    samples = []
+    with torch.no_grad():
+        for parameter in model.parameters():
+            flat = parameter.detach().reshape(-1)
+            positions = torch.linspace(0, flat.numel() - 1, min(per_parameter, flat.numel()), device=flat.device)
+            samples.append(flat[positions.round().long()].to(torch.float64).cpu())
+    return torch.cat(samples)
 
 
 def iterate_batches(dataloader: Iterable[Mapping[str, Tensor]], model: PreTrainedModel) -> Iterator[dict[str, Tensor]]:
@@ -648,7 +667,7 @@ def collect_statistics(
         raise ValueError("the dataloader yielded no batches: statistics need at least one batch of data.")
     if num_tokens == 0:
         raise ValueError("every token of the data is padding (attention_mask is all zero): nothing to learn from.")
-    return GrowthStatistics(second_moments, gradients, num_tokens, num_batches, config.model_type)
+    return GrowthStatistics(second_moments, gradients, num_tokens, num_batches, config.model_type, weight_sample(model))
 
 
 def _collect_pass(

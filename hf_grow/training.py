@@ -265,6 +265,8 @@ def grow_in_training(
         dataloader,
         p,
         mode=mode,
+        budget=None,
+        multiple_of=1,
         eval_dataloader=eval_dataloader,
         step_size=step_size,
         truncation=truncation,

@@ -1,0 +1,264 @@
+"""Model cards for grown models, and pushing a grown model to the Hugging Face Hub.
+
+What is pushed is a saved grown checkpoint: safetensors weights, the config with ``auto_map``, the self-contained
+configuration and modeling files, the tokenizer, ``growth_report.json`` and a model card ``README.md`` built with
+huggingface_hub's `ModelCard` / `ModelCardData`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token
+from huggingface_hub.constants import is_offline_mode
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .report import REPORT_FILENAME, GrowthReport, load_growth_report
+
+
+logger = logging.getLogger("hf_grow")
+
+CARD_FILENAME = "README.md"
+#: The Hub pipeline tag of each Auto class a grown checkpoint declares (None: no pipeline fits).
+PIPELINE_TAGS: dict[str, str | None] = {
+    "AutoModelForCausalLM": "text-generation",
+    "AutoModelForMaskedLM": "fill-mask",
+    "AutoModelForSequenceClassification": "text-classification",
+    "AutoModelForTokenClassification": "token-classification",
+    "AutoModelForQuestionAnswering": "question-answering",
+    "AutoModel": "feature-extraction",
+    "AutoModelForPreTraining": None,
+    "AutoModelForMultipleChoice": None,
+}
+
+
+def _auto_class(architecture: str, auto_map: Mapping[str, str]) -> str | None:
+    """The Auto class whose ``auto_map`` entry is ``architecture`` (None for a head class no Auto class loads)."""
+    return next((auto for auto, reference in auto_map.items() if reference.split(".")[-1] == architecture), None)
+
+
+def _is_hub_id(name: str | None) -> bool:
+    """A name the Hub can resolve (not a local folder): the Hub rejects commits whose card names local paths."""
+    if not name or os.path.exists(name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def model_card(
+    folder: str | os.PathLike,
+    *,
+    base_model: str | None,
+    repo_id: str | None = None,
+    data: str | None = None,
+    datasets: Sequence[str] = (),
+) -> ModelCard:
+    """The model card of a saved grown model: metadata, the growth summary and how to load it.
+
+    ``base_model`` names the model that was grown; ``repo_id`` is where the card will live (the loading snippets
+    use it; default: the folder's name); ``data`` says in words what the statistics were collected on, ``datasets``
+    names the datasets among it. Local paths stay in the metadata of a local card (where the model came from);
+    `push_to_hub` drops them from the card it commits, since the Hub refuses them.
+    """
+    folder = Path(folder)
+    report = load_growth_report(folder)
+    config = json.loads((folder / "config.json").read_text())
+    architecture = (config.get("architectures") or [f"Grown{report.model_class}"])[0]
+    auto_class = _auto_class(architecture, config.get("auto_map", {}))
+    card_data = ModelCardData(
+        base_model=base_model or None,
+        library_name="transformers",
+        pipeline_tag=PIPELINE_TAGS.get(auto_class) if auto_class else None,
+        tags=["hf_grow", "grown-attention", config["model_type"]],
+        datasets=list(datasets) or None,
+    )
+    name = repo_id or folder.name
+    body = _card_body(report, architecture, auto_class, name, base_model, data)
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}")
+
+
+def _card_body(
+    report: GrowthReport, architecture: str, auto_class: str | None, name: str, base_model: str | None, data: str | None
+) -> str:
+    def loss(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
+    grown_from = f"`{base_model}`" if base_model else f"A `{report.model_class}`"
+    perplexity = f"{loss(report.perplexity_before)} -> {loss(report.perplexity_after)}"
+    widths = "\n".join(
+        f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} | {layer.expected_gain:.3g} | "
+        f"{'-' if layer.realized_gain is None else f'{layer.realized_gain:.3g}'} |"
+        for layer in report.layers
+    )
+    budget = (
+        f" The {report.budget} added dimensions per head were allocated to the layers by expected gain (`budget`)."
+        if report.budget is not None
+        else ""
+    )
+    if auto_class:
+        remote = f'from transformers import {auto_class}\n\n'
+        remote += f'model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)'
+        installed = f"import hf_grow  # registers the grown model types\nfrom transformers import {auto_class}\n\n"
+        installed += f'model = {auto_class}.from_pretrained("{name}")'
+    else:  # a head class no Auto class loads: its class, from hf_grow
+        remote = f"from transformers import AutoModel\n\n# the base model, without the {architecture} head\n"
+        remote += f'model = AutoModel.from_pretrained("{name}", trust_remote_code=True)'
+        installed = f'from hf_grow import {architecture}\n\nmodel = {architecture}.from_pretrained("{name}")'
+    return f"""# {name.split("/")[-1]}
+
+{grown_from} with the query/key width of its attention heads grown by [hf_grow](https://pypi.org/project/hf_grow/):
+the new query/key weights are solved from first-order loss statistics, so that the grown model starts where the
+old one was and takes one step downhill. At step 0 it computes exactly the old function.
+
+## Growth
+
+- Parameters: {report.parameters_before:,} -> {report.parameters_after:,} ({report.parameters_added:,} added).
+- Statistics: {report.statistics_tokens:,} tokens in {report.statistics_batches} batches{f" of {data}" if data else ""}.
+- Held-out loss: {loss(report.eval_loss_before)} -> {loss(report.eval_loss_after)} (perplexity {perplexity}).
+- Step: size {report.step_size:.4g} in relative units, λ = {report.lam:.4g}; truncation `{report.truncation}`.{budget}
+
+| layer | Q/K dims before | Q/K dims after | expected gain | realized gain |
+|---|---|---|---|---|
+{widths}
+
+The full report (line search, per-head expected gains, timings) is in `{REPORT_FILENAME}`.
+
+## Load
+
+Without hf_grow, the repository carries its own modeling code:
+
+```python
+{remote}
+```
+
+With hf_grow installed (`pip install hf_grow`):
+
+```python
+{installed}
+```
+"""
+
+
+def check_push(repo_id: str, api: HfApi | None = None) -> None:
+    """Refuse a push that cannot work, before any growth: an invalid repo id, offline mode, no token.
+
+    Raises ValueError with one line that says what to do.
+    """
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"invalid Hub repository id {repo_id!r}: {str(error).splitlines()[0]}") from None
+    if os.path.exists(repo_id):
+        raise ValueError(f"{repo_id!r} is a local path, not a Hub repository id (user/name)")
+    if is_offline_mode():
+        raise ValueError(
+            "cannot push to the Hub: HF_HUB_OFFLINE is set; unset it or push later with hf_grow.push_to_hub"
+        )
+    if api is None and get_token() is None:
+        raise ValueError("cannot push to the Hub: not logged in; run `hf auth login` or set HF_TOKEN")
+
+
+def _is_main_process() -> bool:
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
+def _pushable(card: ModelCard) -> ModelCard:
+    """The card without metadata the Hub would refuse the commit for: local paths as base model or datasets."""
+    data = card.data
+    base_models = [data.base_model] if isinstance(data.base_model, str) else data.base_model or []
+    if not all(map(_is_hub_id, base_models)):
+        data.base_model = None
+    if data.datasets:
+        data.datasets = [name for name in data.datasets if _is_hub_id(name)] or None
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{card.text}")
+
+
+def _files_to_push(folder: Path) -> list[Path]:
+    """Every file of a saved grown model, after checking the ones another person needs are there."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{folder} holds no config.json: save the grown model there first (save_pretrained)")
+    auto_map = json.loads(config_path.read_text()).get("auto_map")
+    if not auto_map:
+        raise ValueError(f"the config in {folder} has no auto_map: is it a model grown by hf_grow?")
+    needed = {f"{reference.split('.')[0]}.py" for reference in auto_map.values()} | {REPORT_FILENAME}
+    missing = sorted(name for name in needed if not (folder / name).is_file())
+    if missing:
+        raise ValueError(f"{folder} lacks {', '.join(missing)}: save the grown model with its save_pretrained")
+    files = sorted(path for path in folder.iterdir() if path.is_file() and not path.name.startswith("."))
+    if not any(path.suffix == ".safetensors" for path in files):
+        raise ValueError(f"{folder} holds no safetensors weights: save with save_pretrained(safe_serialization=True)")
+    return files
+
+
+def push_to_hub(
+    folder_or_model: str | os.PathLike | PreTrainedModel,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    api: HfApi | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    base_model: str | None = None,
+) -> CommitInfo | None:
+    """Push a grown model to the Hub in one commit: weights, config, modeling files, tokenizer, report, card.
+
+    ``folder_or_model``: a folder written by the grown model's `save_pretrained` (and the tokenizer's), or a
+    grown model (saved to a temporary folder first, with ``tokenizer`` when given). The folder's ``README.md`` is
+    the card, else one is made (`model_card`, with ``base_model``); metadata the Hub refuses (local paths as base
+    model or datasets) is left out of the committed card. The repository is created if needed (``private``), and
+    ``revision`` names a branch, created if needed. ``api``: the
+    `HfApi` to use (default: a new one with the saved token). Only the main process of a multi-process run
+    pushes; the others return None.
+    """
+    check_push(repo_id, api)
+    if not _is_main_process():
+        return None
+    api = api or HfApi()
+    with tempfile.TemporaryDirectory(prefix="hf-grow-push-") as staging:
+        if isinstance(folder_or_model, PreTrainedModel):
+            if getattr(folder_or_model, "growth_report", None) is None:
+                raise ValueError("the model has no growth_report: push a model returned by hf_grow.grow_model")
+            folder = Path(staging) / "model"
+            folder_or_model.save_pretrained(folder)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(folder)
+            else:
+                logger.warning("pushing %s without a tokenizer: pass tokenizer= so that others can use it", repo_id)
+            base_model = base_model or folder_or_model.config.name_or_path or None
+        else:
+            folder = Path(folder_or_model)
+            if not folder.is_dir():
+                raise ValueError(f"{folder} is not a folder: pass a saved grown model's folder or the model itself")
+        files = _files_to_push(folder)
+        existing = folder / CARD_FILENAME
+        if existing.is_file():
+            card = ModelCard.load(existing)
+        else:
+            card = model_card(folder, base_model=base_model, repo_id=repo_id)
+        card_path = Path(staging) / CARD_FILENAME
+        _pushable(card).save(card_path)
+        files = [path for path in files if path.name != CARD_FILENAME] + [card_path]
+        operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files]
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision is not None and revision != "main":
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        return api.create_commit(
+            repo_id,
+            operations=operations,
+            commit_message=commit_message or "Upload a model grown by hf_grow",
+            revision=revision,
+        )

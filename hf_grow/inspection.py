@@ -1,0 +1,222 @@
+"""`inspect_growth`: what growing each head would gain, from the statistics alone, without changing the model.
+
+The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`), in loss per unit step size (the
+relative units of `grow_model`): at step size t, adding k dimensions to a head is expected to lower the loss by
+about t times the sum of its first k marginal gains. The line search picks t later, on held-out data, and one t
+serves every head, so the ranking of heads and layers (what a budget allocation uses) does not depend on it.
+`grow_model`'s report lists the same quantities at the chosen step (``HeadReport.marginal_gains``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from .adapters import get_adapter
+from .growth import _check_statistics, _GrowthProblem, _merged_if_peft
+from .statistics import GrowthStatistics, LossFn, collect_statistics
+
+
+PLOT_EXTRA = "matplotlib is needed for plots: pip install 'hf_grow[plot]'"
+
+
+@dataclass
+class HeadInspection:
+    """Expected gains of one head per unit step size: of the solve at its current width (``gain_without_growth``)
+    and of each added dimension, largest first (``marginal_gains``)."""
+
+    layer: int
+    head: int
+    gain_without_growth: float
+    marginal_gains: list[float]
+
+
+@dataclass
+class LayerInspection:
+    """One layer: its query/key width, the gains summed over its heads, and each head's."""
+
+    layer: int
+    qk_dim: int
+    gain_without_growth: float
+    marginal_gains: list[float]
+    heads: list[HeadInspection]
+
+    def gain(self, added: int) -> float:
+        """Expected gain of adding ``added`` dimensions to every head of the layer (beyond the solve without growth)."""
+        return sum(self.marginal_gains[:added])
+
+
+@dataclass
+class GrowthInspection:
+    """Per layer and head, the expected gain of adding 1..``max_dims`` query/key dimensions (see the module doc)."""
+
+    model_class: str
+    model_type: str
+    statistics_tokens: int
+    statistics_batches: int
+    #: lam per unit step size: multiply a gain per unit step size by lam / lam_unit for an absolute step lam.
+    lam_unit: float
+    max_dims: int
+    layers: list[LayerInspection] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GrowthInspection:
+        data = {key: value for key, value in data.items() if key in {f.name for f in fields(cls)}}
+        data["layers"] = [
+            LayerInspection(**{**layer, "heads": [HeadInspection(**head) for head in layer["heads"]]})
+            for layer in data.get("layers", [])
+        ]
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def to_json_file(self, path: str | os.PathLike) -> None:
+        _write_atomically(Path(path), self.to_json().encode())
+
+    def columns(self) -> list[int]:
+        """The numbers of added dimensions the table shows: powers of two up to ``max_dims``, and ``max_dims``."""
+        shown = [2**i for i in range(self.max_dims.bit_length()) if 2**i <= self.max_dims]
+        return shown if shown[-1] == self.max_dims else [*shown, self.max_dims]
+
+    def table(self, heads: bool = True) -> str:
+        """Cumulative expected gains per layer (``all``) and head: at p = 0 and of adding k dimensions."""
+        columns = self.columns()
+        lines = [
+            "expected loss decrease per unit step size, first order (at step size t, expect about t x these); "
+            "p=0: the solve at the current width, +k: adding k dims per head on top of it",
+            f"{'layer':>5} {'head':>4} {'qk':>4} {'p=0':>9} " + " ".join(f"{'+' + str(k):>9}" for k in columns),
+        ]
+
+        def row(layer: int, head: str, qk_dim: int, without: float, marginal: list[float]) -> str:
+            cumulative = " ".join(f"{sum(marginal[:k]):9.3g}" for k in columns)
+            return f"{layer:5d} {head:>4} {qk_dim:4d} {without:9.3g} {cumulative}"
+
+        for layer in self.layers:
+            lines.append(row(layer.layer, "all", layer.qk_dim, layer.gain_without_growth, layer.marginal_gains))
+            if heads:
+                for head in layer.heads:
+                    lines.append(
+                        row(layer.layer, str(head.head), layer.qk_dim, head.gain_without_growth, head.marginal_gains)
+                    )
+        return "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike) -> None:
+        """A PNG of the spectra: per layer, the marginal gain of each added dimension, per head and summed."""
+        try:
+            from matplotlib.figure import Figure
+        except ImportError:
+            raise ImportError(PLOT_EXTRA) from None
+        columns = min(4, len(self.layers))
+        rows = -(-len(self.layers) // columns)
+        figure = Figure(figsize=(3.2 * columns, 2.6 * rows), layout="constrained")
+        axes = figure.subplots(rows, columns, squeeze=False, sharey=True)
+        dims = range(1, self.max_dims + 1)
+        for axis, layer in zip(axes.flat, self.layers):
+            for head in layer.heads:
+                axis.plot(dims, _positive(head.marginal_gains), color="tab:blue", alpha=0.35, linewidth=0.8)
+            axis.plot(dims, _positive(layer.marginal_gains), color="black", linewidth=1.6, label="sum of heads")
+            axis.set_yscale("log")
+            axis.set_title(f"layer {layer.layer} (d_k {layer.qk_dim})", fontsize=9)
+            axis.set_xlabel("added dimension", fontsize=8)
+        for axis in axes.flat[len(self.layers) :]:
+            axis.set_visible(False)
+        axes[0, 0].set_ylabel("expected gain / step size", fontsize=8)
+        axes[0, 0].legend(fontsize=7)
+        figure.suptitle(f"{self.model_class}: first-order gain of each added query/key dimension", fontsize=10)
+        path = Path(path)
+        staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        figure.savefig(staging, format="png", dpi=110)
+        os.replace(staging, path)
+
+
+def _positive(values: list[float]) -> list[float]:
+    """Log axes cannot show zeros (dimensions beyond the data's rank): NaN leaves a gap instead."""
+    return [value if value > 0 else float("nan") for value in values]
+
+
+def _write_atomically(path: Path, content: bytes) -> None:
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staging.write_bytes(content)
+    os.replace(staging, path)
+
+
+def inspect_growth(
+    model: PreTrainedModel,
+    dataloader: Iterable[Mapping[str, Tensor]] | None = None,
+    *,
+    statistics: GrowthStatistics | None = None,
+    loss_fn: LossFn | None = None,
+    max_batches: int | None = None,
+    max_dims: int = 16,
+    rtol: float = 1e-6,
+    compute_dtype: torch.dtype = torch.float32,
+    statistics_method: str = "chunked",
+    query_block: int | None = None,
+    progress: bool = False,
+) -> GrowthInspection:
+    """Expected gains of growing every head by 1..``max_dims`` dimensions, from one pass of statistics.
+
+    Collects the statistics over ``dataloader`` (or takes ``statistics`` collected on this model, e.g. loaded
+    with `GrowthStatistics.load`), solves the step direction of every head and reports the first-order gains
+    (see the module docstring). Needs no held-out data and leaves the model unchanged.
+    """
+    if isinstance(max_dims, bool) or not isinstance(max_dims, int) or max_dims <= 0:
+        raise ValueError(f"max_dims must be a positive int, got {max_dims!r}")
+    model = _merged_if_peft(model)
+    adapter = get_adapter(model)
+    qk_dims = adapter.qk_head_dims(model.config)
+    if statistics is None:
+        if dataloader is None:
+            raise ValueError("inspect_growth needs a dataloader, or statistics collected before.")
+        statistics = collect_statistics(
+            model,
+            dataloader,
+            adapter,
+            loss_fn,
+            max_batches,
+            compute_dtype=compute_dtype,
+            progress=progress,
+            method=statistics_method,
+            query_block=query_block,
+        )
+    else:
+        _check_statistics(statistics, model, adapter)
+    problem = _GrowthProblem(model, adapter, statistics, qk_dims, "whitened", rtol, "eigh")
+    layers = []
+    for layer, qk_dim in enumerate(qk_dims):
+        rates = problem.gain_rates(layer)
+        marginal = torch.nn.functional.pad(rates.marginal, (0, max(0, max_dims - rates.marginal.shape[-1])))
+        marginal = marginal[:, :max_dims]
+        heads = [
+            HeadInspection(layer, head, float(rates.without_growth[head]), [float(g) for g in marginal[head]])
+            for head in range(marginal.shape[0])
+        ]
+        layers.append(
+            LayerInspection(
+                layer=layer,
+                qk_dim=qk_dim,
+                gain_without_growth=float(rates.without_growth.sum()),
+                marginal_gains=[float(g) for g in marginal.sum(dim=0)],
+                heads=heads,
+            )
+        )
+    return GrowthInspection(
+        model_class=type(model).__name__,
+        model_type=model.config.model_type,
+        statistics_tokens=statistics.num_tokens,
+        statistics_batches=statistics.num_batches,
+        lam_unit=problem.lam_unit,
+        max_dims=max_dims,
+        layers=layers,
+    )

@@ -1,0 +1,94 @@
+"""`hf-grow inspect`, statistics reused by `hf-grow --stats`, and `--budget` on the command line."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from hf_grow import GrowthInspection, GrowthStatistics, cli, load_growth_report
+from hf_grow.budget import allocate_budget
+from quickstart import train_small_gpt2
+from test_cli import SMALL, TEXT_GLOB, TRAIN_FILES
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    train_small_gpt2(folder, TRAIN_FILES, steps=30, vocab_size=400)
+    return folder
+
+
+def test_inspect_then_grow_from_the_saved_statistics(model_folder, tmp_path, capsys):
+    files_before = sorted(path.name for path in model_folder.iterdir())
+    stats, table_json, png = tmp_path / "stats.safetensors", tmp_path / "inspection.json", tmp_path / "spectra.png"
+    arguments = ["inspect", str(model_folder), "--data", TEXT_GLOB, "--max-dims", "16", "--save-stats", str(stats),
+                 "--json", str(table_json), *SMALL]
+    if importlib.util.find_spec("matplotlib"):
+        arguments += ["--plot", str(png)]
+    assert cli.main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "p=0" in printed and "+16" in printed and "wrote" in printed
+    inspection = GrowthInspection.from_dict(json.loads(table_json.read_text()))
+    assert [layer.qk_dim for layer in inspection.layers] == [16, 16] and inspection.max_dims == 16
+    assert len(printed.splitlines()) == 2 + 2 * (1 + 4) + 1
+    assert sorted(path.name for path in model_folder.iterdir()) == files_before  # the model is left alone
+    if importlib.util.find_spec("matplotlib"):
+        assert png.read_bytes()[:4] == b"\x89PNG"
+    statistics = GrowthStatistics.load(stats)
+    assert statistics.num_tokens == inspection.statistics_tokens
+
+    output = tmp_path / "grown"
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--stats", str(stats), "--budget", "16",
+                     "--multiple-of", "8", "--output-dir", str(output), *SMALL]) == 0
+    report = load_growth_report(output)
+    assert report.budget == 16 and report.statistics_tokens == statistics.num_tokens
+    added = [after - before for before, after in zip(report.qk_dims_before, report.qk_dims_after)]
+    assert sum(added) == 16 and all(a % 8 == 0 for a in added)
+    # The budget went where the inspection's gains said.
+    assert added == allocate_budget([torch.tensor(layer.marginal_gains) for layer in inspection.layers], 16, 8)
+    assert report.eval_loss_after <= report.eval_loss_before
+
+
+def test_statistics_of_another_model_are_refused(model_folder, tmp_path, capsys):
+    stats = tmp_path / "stats.safetensors"
+    assert cli.main(["inspect", str(model_folder), "--data", TEXT_GLOB, "--save-stats", str(stats), "--layers-only",
+                     *SMALL]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2 + 2 + 1
+    other = tmp_path / "other"
+    GPT2LMHeadModel(GPT2LMHeadModel.from_pretrained(model_folder).config).save_pretrained(other)  # new random weights
+    PreTrainedTokenizerFast.from_pretrained(model_folder).save_pretrained(other)
+    assert cli.main([str(other), "--data", TEXT_GLOB, "--stats", str(stats), "--output-dir", str(tmp_path / "out"),
+                     *SMALL]) == 2
+    error = capsys.readouterr().err
+    assert "other weights" in error and len(error.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    (tmp_path / "junk").write_text("junk")
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--stats", str(tmp_path / "junk"),
+                     "--output-dir", str(tmp_path / "out"), *SMALL]) == 2
+    assert "cannot read statistics" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--p", "8", "--budget", "16"], "either --p or --budget"),
+        (["--multiple-of", "8"], "--multiple-of applies to --budget"),
+        (["--budget", "12", "--multiple-of", "8"], "positive multiple of --multiple-of"),
+        (["--budget", "0"], "positive multiple"),
+    ],
+)
+def test_bad_budget_options_are_one_line(model_folder, tmp_path, capsys, arguments, message):
+    assert cli.main([str(model_folder), "--data", "/nonexistent/never-read.txt", "--output-dir", str(tmp_path / "out"),
+                     *arguments]) == 2
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1
+
+
+def test_plot_without_matplotlib_is_refused_before_reading_data(model_folder, tmp_path, capsys, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    assert cli.main(["inspect", str(model_folder), "--data", "/nonexistent/never-read.txt", "--plot",
+                     str(tmp_path / "x.png")]) == 2
+    error = capsys.readouterr().err
+    assert "pip install 'hf_grow[plot]'" in error and len(error.strip().splitlines()) == 1

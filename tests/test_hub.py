@@ -1,0 +1,159 @@
+"""Pushing grown models to the Hub (offline, with a fake HfApi) and their model cards."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
+
+from hf_grow import cli, grow_model, hub, load_growth_report, push_to_hub
+from quickstart import train_small_gpt2
+from conftest import tiny_gpt2_config
+from test_cli import SMALL, TEXT_GLOB, TRAIN_FILES, run_cli
+
+
+class FakeApi:
+    """Records what would reach the Hub; the committed files are read at commit time, as HfApi does."""
+
+    def __init__(self):
+        self.calls = []
+        self.files: dict[str, bytes] = {}
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+
+    def create_branch(self, repo_id, **kwargs):
+        self.calls.append(("create_branch", repo_id, kwargs))
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        self.calls.append(("create_commit", repo_id, kwargs))
+        self.files = {op.path_in_repo: Path(op.path_or_fileobj).read_bytes() for op in operations}
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0")
+
+
+GROWN_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "configuration_grown_gpt2.py",
+    "modeling_grown_gpt2.py",
+    "growth_report.json",
+    "README.md",
+}
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    train_small_gpt2(folder, TRAIN_FILES, steps=30, vocab_size=400)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def grown(model_folder):
+    model = GPT2LMHeadModel.from_pretrained(model_folder)
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    ids = torch.tensor(tokenizer(open(TRAIN_FILES[0]).read())["input_ids"][: 8 * 32 * 5]).reshape(5, 8, 32)
+    batches = [{"input_ids": batch, "labels": batch} for batch in ids]
+    return grow_model(model, batches[:4], budget=16, multiple_of=8, eval_dataloader=batches[4:]), tokenizer
+
+
+def test_push_a_model_commits_everything_once(grown, model_folder, tmp_path):
+    model, tokenizer = grown
+    api = FakeApi()
+    commit = push_to_hub(model, "me/grown-gpt2", private=True, api=api, tokenizer=tokenizer, base_model="openai-community/gpt2")
+    assert commit.commit_url.startswith("https://huggingface.co/me/grown-gpt2")
+    assert [call[0] for call in api.calls] == ["create_repo", "create_commit"]
+    assert api.calls[0] == ("create_repo", "me/grown-gpt2", {"private": True, "exist_ok": True})
+    assert api.calls[1][2]["commit_message"] == "Upload a model grown by hf_grow" and api.calls[1][2]["revision"] is None
+    assert set(api.files) == GROWN_FILES | TOKENIZER_FILES
+    config = json.loads(api.files["config.json"])
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_grown_gpt2.GrownGPT2LMHeadModel"
+    card = ModelCard(api.files["README.md"].decode())
+    assert card.data.base_model == "openai-community/gpt2" and card.data.library_name == "transformers"
+    assert card.data.pipeline_tag == "text-generation" and "hf_grow" in card.data.tags
+    report = model.growth_report
+    for fact in (f"{report.parameters_added:,} added", f"λ = {report.lam:.4g}", f"{report.eval_loss_after:.4f}",
+                 "trust_remote_code=True", 'from_pretrained("me/grown-gpt2")', "allocated to the layers"):
+        assert fact in card.text, fact
+    for layer in report.layers:
+        assert f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} |" in card.text
+    # What was committed is a complete checkpoint.
+    for name, content in api.files.items():
+        (tmp_path / name).write_bytes(content)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.qk_head_dims == model.config.qk_head_dims
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    assert load_growth_report(tmp_path).to_dict() == report.to_dict()
+
+
+def test_push_a_folder_to_a_branch(grown, tmp_path):
+    model, _ = grown
+    model.save_pretrained(tmp_path / "saved")
+    api = FakeApi()
+    push_to_hub(tmp_path / "saved", "me/grown", revision="experiment", commit_message="grown", api=api)
+    assert api.calls[1] == ("create_branch", "me/grown", {"branch": "experiment", "exist_ok": True})
+    assert api.calls[2][2] == {"commit_message": "grown", "revision": "experiment"}
+    assert set(api.files) == GROWN_FILES  # a card was made for the folder, which is left as it was
+    assert not (tmp_path / "saved" / "README.md").exists()
+    assert ModelCard(api.files["README.md"].decode()).data.base_model is None  # unknown: no metadata
+
+
+def test_bad_pushes_are_refused_before_anything(grown, tmp_path, monkeypatch):
+    model, _ = grown
+    api = FakeApi()
+    with pytest.raises(ValueError, match="invalid Hub repository id"):
+        push_to_hub(model, "not a repo id", api=api)
+    (tmp_path / "plain").mkdir()
+    plain = GPT2LMHeadModel(tiny_gpt2_config())
+    plain.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="no auto_map"):
+        push_to_hub(tmp_path / "plain", "me/plain", api=api)
+    with pytest.raises(ValueError, match="no growth_report"):
+        push_to_hub(plain, "me/plain", api=api)
+    monkeypatch.setattr(hub, "is_offline_mode", lambda: True)
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
+        push_to_hub(model, "me/grown", api=api)
+    assert api.calls == []
+
+
+def test_only_the_main_process_pushes(grown, monkeypatch):
+    monkeypatch.setattr(hub, "_is_main_process", lambda: False)
+    api = FakeApi()
+    assert push_to_hub(grown[0], "me/grown", api=api) is None and api.calls == []
+
+
+def test_cli_pushes_the_output_folder(model_folder, tmp_path, monkeypatch):
+    api = FakeApi()
+    monkeypatch.setattr(hub, "HfApi", lambda: api)
+    monkeypatch.setattr(hub, "is_offline_mode", lambda: False)
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    output = tmp_path / "grown"
+    code = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--p", "8",
+                     "--push-to-hub", "me/cli-grown", "--private", "--revision", "v1", "--commit-message", "first", *SMALL])
+    assert code == 0
+    assert api.calls[0] == ("create_repo", "me/cli-grown", {"private": True, "exist_ok": True})
+    assert api.calls[2][2] == {"commit_message": "first", "revision": "v1"}
+    assert set(api.files) == {path.name for path in output.iterdir()} and GROWN_FILES | TOKENIZER_FILES <= set(api.files)
+    local, pushed = ModelCard.load(output / "README.md"), ModelCard(api.files["README.md"].decode())
+    assert local.text == pushed.text and pushed.data.pipeline_tag == "text-generation"
+    # The local card records the local base model; the Hub refuses local paths as metadata, so the pushed one has none.
+    assert local.data.base_model == str(model_folder) and pushed.data.base_model is None
+    assert str(model_folder) in pushed.text and "local text" in pushed.text and 'from_pretrained("me/cli-grown"' in pushed.text
+
+
+def test_cli_push_fails_offline_in_one_line_before_any_work(model_folder, tmp_path, monkeypatch, capsys):
+    never_read = [str(model_folder), "--data", "/nonexistent/never-read.txt", "--output-dir", str(tmp_path / "out")]
+    result = run_cli(*never_read, "--push-to-hub", "me/grown")  # run_cli sets HF_HUB_OFFLINE=1
+    assert result.returncode == 2 and "HF_HUB_OFFLINE" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    monkeypatch.setattr(hub, "is_offline_mode", lambda: False)
+    monkeypatch.setattr(hub, "get_token", lambda: None)
+    for repo_id, message in (("me/grown", "not logged in"), ("me/bad name", "invalid Hub repository id")):
+        assert cli.main([*never_read, "--push-to-hub", repo_id]) == 2
+        error = capsys.readouterr().err
+        assert message in error and len(error.strip().splitlines()) == 1
