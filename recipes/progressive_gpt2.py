@@ -176,6 +176,11 @@ def solve_flops(config: GrownGPT2Config, decompositions: int) -> float:
     return config.n_layer * (10 * d_aug**3 + config.n_head * (8 * d_aug**3 + decompositions * 20 * d_aug**3))
 
 
+def _tokens(batch: dict) -> int:
+    """Positions the model runs over (ids or embeddings): what the FLOP counts scale with."""
+    return batch["labels"].numel()
+
+
 def _evaluate(model: GrownGPT2LMHeadModel, task: Task) -> tuple[float, dict[str, float]]:
     loss = evaluate_loss(model, task.eval_batches)[0]
     return loss, (task.metrics(model) if task.metrics else {})
@@ -208,7 +213,7 @@ def train_variant(
     config = GrownGPT2Config(**{**task.config.to_dict(), "qk_head_dims": [variant.qk_start] * task.config.n_layer})
     model = GrownGPT2LMHeadModel(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    seq_len = task.eval_batches[0]["input_ids"].shape[1]
+    seq_len = task.eval_batches[0]["labels"].shape[1]
     flops = overhead = 0.0
     tokens = 0
     curve, growths = [], []
@@ -229,7 +234,7 @@ def train_variant(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        batch_tokens = batch["input_ids"].numel()
+        batch_tokens = _tokens(batch)
         tokens += batch_tokens
         flops += training_flops(model.config, batch_tokens, seq_len)
         if step in variant.schedule and variant.mode is not None:
@@ -245,8 +250,8 @@ def train_variant(
             )
             cost = 0.0
             if report is not None:
-                stat_tokens = sum(b["input_ids"].numel() for b in stats)
-                search_tokens = sum(b["input_ids"].numel() for b in search)
+                stat_tokens = sum(_tokens(b) for b in stats)
+                search_tokens = sum(_tokens(b) for b in search)
                 evaluations = 1 + sum(point.step_size != 0 for point in report.line_search)
                 decompositions = 1 if variant.mode == "append" else len(report.line_search) + 1
                 cost = (
