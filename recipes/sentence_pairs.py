@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import glob
 import os
+import random
 import sysconfig
 from collections.abc import Mapping, Sequence
 
@@ -55,6 +56,18 @@ def pair_batches(
         encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
         batches.append({"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]})
     return batches
+
+
+def pair_splits(tokenizer, counts: Mapping[str, int], batch_size: int = 16, max_length: int = 64) -> dict[str, list]:
+    """``{name: pair batches}`` from disjoint thirds of the standard library's files (by position in ``counts``),
+    each shuffled with a fixed seed, ``counts[name]`` batches each."""
+    files = stdlib_files()
+    splits = {}
+    for offset, (name, count) in enumerate(counts.items()):
+        pairs = docstring_code_pairs(files[offset::3])
+        random.Random(0).shuffle(pairs)
+        splits[name] = pair_batches(pairs[: batch_size * count], tokenizer, batch_size=batch_size, max_length=max_length)
+    return splits
 
 
 def mean_pooled(hidden: Tensor, attention_mask: Tensor) -> Tensor:

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-from pathlib import Path
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 real pretrained model (all-MiniLM-L6-v2, from PyPI) grows, improves a real held-out loss and round-trips."""
 
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -29,7 +28,7 @@ from transformers import (
 import hf_grow
 from hf_grow import collect_statistics, get_adapter, grow_model
 from hf_grow.adapters.base import split_heads
-from sentence_pairs import contrastive_loss, docstring_code_pairs, mean_pooled, pair_batches, stdlib_files
+from sentence_pairs import contrastive_loss, mean_pooled, pair_splits
 
 from conftest import outputs_of, sum_of_outputs
 
@@ -168,13 +167,7 @@ def minilm():
 def minilm_pairs(minilm):
     """Docstring -> code pair batches from three disjoint sets of standard-library files."""
     _, tokenizer = minilm
-    files = stdlib_files()
-    splits = {}
-    for offset, (name, count) in enumerate({"stats": 10, "eval": 3, "test": 6}.items()):
-        pairs = docstring_code_pairs(files[offset::3])
-        random.Random(0).shuffle(pairs)
-        splits[name] = pair_batches(pairs[: 16 * count], tokenizer, batch_size=16, max_length=64)
-    return splits
+    return pair_splits(tokenizer, {"stats": 10, "eval": 3, "test": 6})
 
 
 @pytest.fixture(scope="session")

