@@ -28,7 +28,8 @@ from .data import causal_lm_batches, masked_lm_batches, read_dataset, read_text_
 from .distributed import OtherProcessFailed, Processes
 from .growth import DEFAULT_TRUNCATION, SEARCHES, grow_model
 from .inspection import PLOT_EXTRA, inspect_growth
-from .linalg import TRUNCATIONS
+from .linalg import SOLVERS, TRUNCATIONS
+from .statistics import METHODS as STATISTICS_METHODS
 from .statistics import GrowthStatistics, collect_statistics, parse_bytes
 
 
@@ -115,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     growth.add_argument("--step-size", type=float, help="skip the line search and take this (relative) step")
     growth.add_argument("--truncation", choices=TRUNCATIONS, default=DEFAULT_TRUNCATION)
     growth.add_argument("--search", choices=SEARCHES, default="exact")
+    growth.add_argument("--solver", choices=SOLVERS, default="auto", help="decomposition at each line-search step "
+                        "(auto: subspace iteration for wide models, eigh otherwise)")
+    growth.add_argument("--statistics-method", choices=STATISTICS_METHODS, default="chunked", help="chunked: sdpa "
+                        "forward, M block by block in backward (bounded memory); reference: eager attention")
     growth.add_argument(
         "--memory-budget",
         help="bytes for the statistics' accumulators, e.g. 2GB: M is collected for groups of layers in several passes",
@@ -426,6 +431,8 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
             step_size=args.step_size,
             truncation=args.truncation,
             search=args.search,
+            solver=args.solver,
+            statistics_method=args.statistics_method,
             memory_budget=args.memory_budget,
             accelerator=accelerator,
             progress=show_progress,

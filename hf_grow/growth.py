@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -119,6 +119,10 @@ class _GrowthProblem:
         self.solver = solver
         self.mode = mode
         self._unit_updates: dict[int, linalg.Factorization] = {}
+        self._whitened_pairs: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        self._starts: dict[tuple, Tensor] = {}
+        #: The decomposition methods the solver ran (``"auto"`` resolves per size).
+        self.methods_used: set[str] = set()
         self.layers: list[_LayerProblem] = []
         config = model.config
         with torch.no_grad():
@@ -167,10 +171,12 @@ class _GrowthProblem:
         return linalg.GainRates(rates.without_growth * self.lam_unit, rates.marginal * self.lam_unit)
 
     def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
+        """The decomposition of layer's ``Z - lam P`` (whitened or not) for truncations up to the grown width."""
         problem = self.layers[layer]
-        target = problem.bilinear - self.lam(step_size) * problem.direction
+        base, direction = self._whitened(layer, truncation)
         metric = problem.metric if truncation == "whitened" else None
-        return linalg.decompose(target, metric, self.solver)
+        target = base - self.lam(step_size) * direction
+        return self._decompose(("step", layer, truncation), target, metric, problem.qk_dim_after)
 
     def unit_update(self, layer: int) -> linalg.Factorization:
         """The "append" update at lam = 1: the truncation of -P to the p added dimensions (computed once)."""
@@ -178,8 +184,34 @@ class _GrowthProblem:
             problem = self.layers[layer]
             metric = problem.metric if self.truncation == "whitened" else None
             added = problem.qk_dim_after - problem.query.shape[-1]
-            self._unit_updates[layer] = linalg.decompose(-problem.direction, metric, self.solver).truncate(added)
+            _, direction = self._whitened(layer, self.truncation)
+            decomposition = self._decompose(("unit", layer, self.truncation), -direction, metric, added)
+            self._unit_updates[layer] = decomposition.truncate(added)
         return self._unit_updates[layer]
+
+    def _whitened(self, layer: int, truncation: str) -> tuple[Tensor, Tensor]:
+        """Z and P where ``truncation`` truncates them (whitened by C^1/2, or as they are), computed once:
+        each line-search step then only forms ``Z - lam P`` there."""
+        key = (layer, truncation)
+        if key not in self._whitened_pairs:
+            problem = self.layers[layer]
+            pair = (problem.bilinear, problem.direction)
+            if truncation == "whitened":
+                pair = (linalg.whiten(problem.bilinear, problem.metric), linalg.whiten(problem.direction, problem.metric))
+            self._whitened_pairs[key] = pair
+        return self._whitened_pairs[key]
+
+    def _decompose(
+        self, key: tuple, whitened: Tensor, metric: linalg.Metric | None, rank: int
+    ) -> linalg.Decomposition:
+        """Decompose with the solver (``"auto"``: by size), the subspace method warm-started from the last
+        decomposition under the same ``key`` (the previous line-search step)."""
+        method = self.solver if self.solver != "auto" else linalg.choose_method(whitened.shape[-1], rank)
+        self.methods_used.add(method)
+        decomposition = linalg.decompose_whitened(whitened, metric, method, rank=rank, start=self._starts.get(key))
+        if decomposition.basis is not None:
+            self._starts[key] = decomposition.basis
+        return decomposition
 
     def weights(self, step_size: float) -> QKWeights:
         """Augmented Q/K weights of the grown width for every layer. Step size 0 is exactly the old function:
@@ -228,7 +260,11 @@ class _GrowthProblem:
                 if problem.qk_dim_after > qk_before:
                     delta = linalg.rescaled_to_step(self.unit_update(layer), lam).product
                 delta_kept = torch.zeros_like(delta)
-                spectrum = linalg.decompose(-lam * problem.direction, problem.metric, self.solver).singular_values
+                _, direction = self._whitened(layer, "whitened")
+                added = problem.qk_dim_after - qk_before
+                spectrum = self._decompose(
+                    ("unit", layer, "whitened"), -lam * direction, problem.metric, max(added, 1)
+                ).singular_values
                 marginal = linalg.rank_gains(spectrum, lam)[:, : problem.qk_dim_after - qk_before]
             else:
                 decomposition = self.decomposition(layer, step_size, self.truncation)
@@ -424,7 +460,7 @@ def grow_model(
     rtol: float = 1e-6,
     measure_realized_gains: bool = True,
     compute_dtype: torch.dtype = torch.float32,
-    solver: str = "eigh",
+    solver: str = "auto",
     statistics_method: str = "chunked",
     query_block: int | None = None,
     memory_budget: int | str | None = None,
@@ -462,8 +498,11 @@ def grow_model(
         rtol: relative eigenvalue tolerance of C for pseudo-inverse and whitening.
         measure_realized_gains: evaluate the held-out loss with each layer's step alone (one pass per layer).
         compute_dtype: precision of the per-batch statistics products (float32 or float64).
-        solver: how truncations are computed, at every line-search step: ``"eigh"`` (eigendecomposition of
-            A A^T, the default) or ``"svd"`` (full SVD, several times slower; see `hf_grow.linalg.decompose`).
+        solver: how truncations are computed, at every line-search step: ``"subspace"`` (top singular
+            directions by subspace iteration, warm-started from the previous step), ``"eigh"`` (eigendecomposition
+            of A A^T), ``"svd"`` (full SVD, several times slower), or ``"auto"`` (the default: subspace where
+            the grown width plus 16 is at most a sixth of the hidden size, eigh otherwise); see
+            `hf_grow.linalg.decompose`.
         statistics_method: ``"chunked"`` (sdpa attention, M accumulated block by block in backward) or
             ``"reference"`` (eager attention with materialized score gradients); see `collect_statistics`.
         query_block: queries per block of the chunked path (default: sized to the memory of one block).
@@ -591,8 +630,8 @@ def _prepare_growth(
             )
     if truncation not in linalg.TRUNCATIONS:
         raise ValueError(f"truncation must be one of {linalg.TRUNCATIONS}, got {truncation!r}")
-    if solver not in linalg.SVD_METHODS:
-        raise ValueError(f"solver must be one of {linalg.SVD_METHODS}, got {solver!r}")
+    if solver not in linalg.SOLVERS:
+        raise ValueError(f"solver must be one of {linalg.SOLVERS}, got {solver!r}")
     if search not in SEARCHES:
         raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
     if step_size is not None and (not math.isfinite(step_size) or step_size < 0):
@@ -668,9 +707,17 @@ def _search_and_report(
     def evaluate(candidate: PreTrainedModel) -> float:
         return evaluate_loss(candidate, eval_batches, adapter, loss_fn, accelerator)[0]
 
+    # The best step's weights as evaluated: the solve is warm-started, so solving the same step again could
+    # differ from them by roundoff.
+    evaluated: dict[str, Any] = {}
+
     def evaluate_step(step: float) -> float:
-        _write_weights(adapter, target, problem.weights(step))
-        return evaluate(target)
+        weights = problem.weights(step)
+        _write_weights(adapter, target, weights)
+        loss = evaluate(target)
+        if not evaluated or loss < evaluated["loss"]:
+            evaluated.update(loss=loss, step=step, weights=weights)
+        return loss
 
     tick = time.perf_counter()
     points: list[LineSearchPoint] = []
@@ -716,7 +763,8 @@ def _search_and_report(
                 losses = _line_search(tracked("rank", evaluate_step), start)
         step_size = min(losses, key=losses.get)
         loss_after = losses[step_size]
-    _write_weights(adapter, target, problem.weights(step_size))
+    chosen = evaluated["weights"] if evaluated.get("step") == step_size else problem.weights(step_size)
+    _write_weights(adapter, target, chosen)
     if eval_batches is not None and loss_after is None:
         loss_after = evaluate(target)
     seconds["line_search"] = time.perf_counter() - tick
@@ -724,7 +772,7 @@ def _search_and_report(
     tick = time.perf_counter()
     realized: list[float | None] = [None] * len(qk_after)
     if measure_realized_gains and eval_batches is not None and step_size > 0:
-        unchanged, stepped = problem.weights(0.0), problem.weights(step_size)
+        unchanged, stepped = problem.weights(0.0), chosen
         for layer in tqdm(range(len(qk_after)), desc="realized gains", unit="layer", disable=not progress):
             _write_weights(adapter, target, {**unchanged, layer: stepped[layer]})
             realized[layer] = loss_before - evaluate(target)
@@ -750,7 +798,7 @@ def _search_and_report(
         model_type=model.config.model_type,
         truncation=problem.truncation,
         search=search,
-        solver=problem.solver,
+        solver="+".join(sorted(problem.methods_used)) or problem.solver,
         mode=problem.mode,
         step_size=step_size,
         lam=problem.lam(step_size),

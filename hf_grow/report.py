@@ -74,7 +74,8 @@ class GrowthReport:
     seconds: dict[str, float]
     line_search: list[LineSearchPoint] = field(default_factory=list)
     layers: list[LayerReport] = field(default_factory=list)
-    #: How the truncations were computed (`hf_grow.linalg.SVD_METHODS`).
+    #: How the truncations were computed (`hf_grow.linalg.DECOMPOSITION_METHODS`, joined by "+" where
+    #: ``solver="auto"`` chose differently per layer).
     solver: str = "eigh"
     #: "refactor" (all Q/K weights rewritten) or "append" (old weights kept, new dimensions hold the step).
     mode: str = "refactor"

@@ -219,7 +219,7 @@ def grow_in_training(
     loss_fn: LossFn | None = None,
     truncation: str = DEFAULT_TRUNCATION,
     search: str = "exact",
-    solver: str = "eigh",
+    solver: str = "auto",
     initial_step_size: float = 0.03,
     rtol: float = 1e-6,
     init_std: float | None = None,

@@ -90,7 +90,6 @@ def test_inspection_table_json_and_plot(trained_gpt2, statistics, tmp_path):
     assert len(table.splitlines()) == 2 + 2 * (1 + 4) and "+6" in table.splitlines()[1]
     inspection.to_json_file(tmp_path / "inspection.json")
     assert GrowthInspection.from_dict(json.loads((tmp_path / "inspection.json").read_text())) == inspection
-    pytest.importorskip("matplotlib")
     inspection.plot(tmp_path / "spectra.png")
     assert (tmp_path / "spectra.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

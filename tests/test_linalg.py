@@ -182,3 +182,57 @@ def test_appended_weights_keep_the_old_form_and_add_the_best_rank_p_step(generat
     assert (left_norms > 0).all()
     with pytest.raises(ValueError, match="lam must be >= 0"):
         linalg.rescaled_to_step(unit, -1.0)
+
+
+def metric_error(target, factors, metric):
+    residual = target - factors.product
+    return residual.square().sum(dim=(-2, -1)) if metric is None else linalg.whitened_norm_sq(residual, metric)
+
+
+@pytest.mark.parametrize("singular", [False, True])
+def test_subspace_method_truncates_as_well_as_the_full_svd(generator, singular):
+    """Top-r subspace iteration: the truncation error is the Eckart-Young optimum (to the method's tolerance),
+    the top singular values match, from a cold start and warm-started from a nearby target (a line search)."""
+    d = 80
+    metric = linalg.metric_from_second_moment(random_psd(d, 30 if singular else 200, generator))
+    base = low_rank(d, 12, generator, batch=4)
+    direction = torch.randn(4, d, d, generator=generator, dtype=torch.float64)
+    direction = direction * torch.logspace(0, -2, d, dtype=torch.float64)  # a decaying spectrum, as gradients have
+    for chosen in (None, metric):
+        start = None
+        for lam in (1e-3, 4e-3, 1e-3 / 4, 2e-3):
+            target = base - lam * direction
+            exact = linalg.decompose(target, chosen, "svd")
+            fast = linalg.decompose(target, chosen, "subspace", rank=16, start=start)
+            start = fast.basis
+            assert fast.basis.shape == (4, d, 16 + linalg.SUBSPACE_OVERSAMPLING)
+            torch.testing.assert_close(fast.basis.mT @ fast.basis, torch.eye(fast.basis.shape[-1], dtype=torch.float64).expand(4, -1, -1))
+            scale = exact.singular_values[..., :1]
+            torch.testing.assert_close(fast.singular_values[..., :16] / scale, exact.singular_values[..., :16] / scale, rtol=0, atol=1e-7)
+            for rank in (1, 12, 16):
+                optimum = metric_error(target, exact.truncate(rank), chosen)
+                error = metric_error(target, fast.truncate(rank), chosen)
+                assert (error <= optimum * (1 + 1e-5) + 1e-12 * scale.squeeze(-1) ** 2).all(), (lam, rank, error / optimum - 1)
+    with pytest.raises(ValueError, match="needs the rank"):
+        linalg.decompose(target, None, "subspace")
+
+
+def test_subspace_method_on_rank_deficient_targets_and_determinism(generator):
+    """A target of rank 3 with 12 + 16 requested directions: the block loses rank, the orthonormalization falls
+    back to Householder QR; the truncation is still exact. Two runs give bit-identical results (fixed seed)."""
+    d = 40
+    target = low_rank(d, 3, generator)
+    first, second = (linalg.decompose(target, None, "subspace", rank=12) for _ in range(2))
+    assert torch.equal(first.left_vectors, second.left_vectors) and torch.equal(first.projected, second.projected)
+    basis = first.basis
+    torch.testing.assert_close(basis.mT @ basis, torch.eye(basis.shape[-1], dtype=torch.float64).expand(3, -1, -1))
+    torch.testing.assert_close(first.truncate(12).product, target, rtol=0, atol=1e-10 * float(target.abs().max()))
+    torch.testing.assert_close(first.truncate(3).product, target, rtol=0, atol=1e-10 * float(target.abs().max()))
+    zero = linalg.decompose(torch.zeros(2, d, d, dtype=torch.float64), None, "subspace", rank=4).truncate(4)
+    assert torch.equal(zero.product, torch.zeros(2, d, d, dtype=torch.float64))
+
+
+def test_choose_method_by_size():
+    assert linalg.choose_method(769, 64 + 8) == "subspace"  # GPT-2 small: 88 of 769 columns
+    assert linalg.choose_method(385, 64 + 8) == "eigh"  # 88 of 385 columns: measured no faster
+    assert linalg.choose_method(65, 16 + 8) == "eigh"  # narrow models: a full eigendecomposition is as cheap

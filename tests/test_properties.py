@@ -144,3 +144,18 @@ def test_expected_gain_of_the_full_step_is_half_the_first_order_gain(problem, la
     target = problem.bilinear - lam * direction
     truncated = linalg.truncate(target, problem.qk_dim, problem.metric).product
     assert (linalg.predicted_decrease(problem.gradient, truncated - problem.bilinear, problem.metric, lam) <= full + 1e-9 * full.abs().max() + 1e-12).all()
+
+
+@given(problems(), st.floats(0.0, 1e3), st.integers(1, 11))
+def test_subspace_truncation_is_near_optimal(problem, lam, rank):
+    """The top-r subspace method on singular, ill-conditioned C: finite, and within its tolerance of the
+    Eckart-Young optimum in the metric, also at lam = 0 (where growth itself keeps the old weights)."""
+    rank = min(rank, problem.bilinear.shape[-1])
+    target = problem.bilinear - lam * linalg.solve_direction(problem.gradient, problem.metric)
+    exact = linalg.decompose(target, problem.metric, "svd").truncate(rank)
+    fast = linalg.decompose(target, problem.metric, "subspace", rank=rank).truncate(rank)
+    assert torch.isfinite(fast.left).all() and torch.isfinite(fast.right).all()
+    optimum = linalg.whitened_norm_sq(target - exact.product, problem.metric)
+    error = linalg.whitened_norm_sq(target - fast.product, problem.metric)
+    scale = exact.singular_values.square().sum(dim=-1)
+    assert (error <= optimum * (1 + 1e-5) + 1e-10 * scale).all()

@@ -248,3 +248,19 @@ def test_clear_errors(trained_gpt2, trained):
         GrowthCallback({10: 8}, qk_dims_at={10: 16})
     with pytest.raises(ValueError, match="positive global steps"):
         GrowthCallback({0: 8})
+
+
+def test_append_mode_with_the_subspace_solver_matches_eigh(trained, stdlib_bytes):
+    """The "append" update (a rank-p truncation of -P, decomposed once and rescaled) by subspace iteration."""
+    stats, search = lm_batches(stdlib_bytes["stats"], 3, seed=8), lm_batches(stdlib_bytes["eval"], 2, seed=9)
+    reports = {}
+    for solver in ("eigh", "subspace"):
+        model, optimizer = copied(trained)
+        reports[solver] = grow_in_training(model, optimizer, stats, 8, mode="append", eval_dataloader=search, solver=solver)
+    eigh, subspace = reports["eigh"], reports["subspace"]
+    assert (eigh.solver, subspace.solver) == ("eigh", "subspace")
+    assert subspace.step_size == eigh.step_size > 0
+    assert subspace.eval_loss_after == pytest.approx(eigh.eval_loss_after, abs=1e-6)
+    for a, b in zip(subspace.layers, eigh.layers):
+        for head_a, head_b in zip(a.heads, b.heads):
+            assert head_a.marginal_gains == pytest.approx(head_b.marginal_gains, rel=1e-6)

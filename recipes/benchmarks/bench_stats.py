@@ -8,11 +8,15 @@ gradients, sdpa attention) on the same batch. Also the FLOP floor of M and the s
 The floor: per layer and sequence, M costs h (2 s^2 d + 2 s d^2) FLOPs on top of the training step
 (d = d_e + 1: G X' then X'^T (G X')); a training step costs about 6 N s + 12 L s^2 d_e FLOPs per sequence
 (N the parameters of the blocks and the LM head, plus the attention scores and values forward and backward).
-The floor ratio is (training + M) / training. Last, the solve (whitened decomposition of every head, eigh vs
-full SVD) and, on the GPU preset, a whole `grow_model` line search at the preset's second sequence length.
+The floor ratio is (training + M) / training. Last, the solve: the decomposition of every head at each step of
+a line search (full SVD, eigh, and top-r subspace iteration cold or warm-started from the previous step, with
+the truncation error's excess over the optimum), and a whole `grow_model` line search per solver at the
+preset's second sequence length.
 
     python recipes/benchmarks/bench_stats.py --preset cpu    # ~3 min on 2 CPU cores
     python recipes/benchmarks/bench_stats.py --preset gpu    # CUDA, bf16
+    python recipes/benchmarks/bench_stats.py --solve-only --skip-line-search --solve-heads 12 --solve-width 769 \
+        --solve-qk-dim 64                                    # one GPT-2-small layer's solve
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", help="override the preset's sequence lengths")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--solve-only", action="store_true", help="only the solve benchmark (and the line search)")
+    parser.add_argument("--skip-line-search", action="store_true", help="leave out the grow_model line search")
+    parser.add_argument("--solve-heads", type=int, help="heads in the solve benchmark (default: all of the config)")
+    parser.add_argument("--solve-width", type=int, help="width d_e + 1 in the solve benchmark (default: the config's)")
+    parser.add_argument("--solve-qk-dim", type=int, help="Q/K width before growth in the solve benchmark (p = 8)")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     if args.threads:
@@ -98,7 +107,7 @@ def main() -> None:
     header = f"{'seq':>5} {'method':<10} {'train s':>8} {'stats s':>8} {'time x':>7} {'floor x':>7} {'meas/floor':>10} {'train GiB':>9} {'stats GiB':>9} {'mem x':>6}"
     print(header)
     print("-" * len(header))
-    for seq_len in args.seq_lens or preset["seq_lens"]:
+    for seq_len in [] if args.solve_only else args.seq_lens or preset["seq_lens"]:
         input_ids = torch.randint(0, config.vocab_size, (preset["batch_size"], seq_len), device=device)
         batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids}
 
@@ -128,42 +137,69 @@ def main() -> None:
             memory = "" if train_memory is None else f"{train_memory:>9.2f} {stats_memory:>9.2f} {stats_memory / train_memory:>6.2f}"
             print(f"{seq_len:>5} {method:<10} {train_time:>8.3f} {stats_time:>8.3f} {ratio:>7.2f} {floor:>7.2f} {ratio / floor:>10.2f} {memory}", flush=True)
 
-    # The solve: per layer, the whitened decomposition of Z - lam P for every head, as in one line-search step.
-    heads, width = config.n_head, config.n_embd + 1
-    generator = torch.Generator(device=device).manual_seed(0)
-    targets = torch.randn(config.n_layer * heads, width, width, generator=generator, device=device, dtype=torch.float64)
-    second = torch.randn(config.n_layer, width, 4 * width, generator=generator, device=device, dtype=torch.float64)
-    metric = linalg.metric_from_second_moment((second @ second.mT)[:, None].expand(-1, heads, -1, -1).reshape(-1, width, width))
-    rank = config.n_embd // heads + 8
-    print(f"\n# solve: whitened decomposition of {config.n_layer * heads} heads of {width}x{width}, float64, truncated to rank {rank}")
-    exact = linalg.decompose(targets, metric, "svd").truncate(rank).product
-    scale = linalg.whitened_norm_sq(exact, metric).sqrt()
-    for method in linalg.SVD_METHODS:
-        seconds, _ = measure(lambda: linalg.decompose(targets, metric, method).truncate(rank), device, 3)
-        product = linalg.decompose(targets, metric, method).truncate(rank).product
-        error = float((linalg.whitened_norm_sq(product - exact, metric).sqrt() / scale).max())
-        print(f"{method:>5}: {seconds:.3f} s, max relative error vs full SVD (metric norm) {error:.1e}")
+    solve_benchmark(args.solve_heads or config.n_layer * config.n_head, args.solve_width or config.n_embd + 1,
+                    args.solve_qk_dim or config.n_embd // config.n_head, device)
+    if args.skip_line_search:
+        return
+    seq_len = (args.seq_lens or preset["seq_lens"])[min(1, len(preset["seq_lens"]) - 1)]
+    generator = torch.Generator(device=device).manual_seed(1)
+    batches = []
+    for _ in range(4):
+        input_ids = torch.randint(0, config.vocab_size, (preset["batch_size"], seq_len), device=device, generator=generator)
+        batches.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids})
+    statistics = hf_grow.collect_statistics(model, batches[:2], adapter)
+    print(f"\n# grow_model at seq {seq_len}, 2 statistics + 2 held-out batches, p=8")
+    for solver in ("eigh", "subspace", "svd"):
+        grown = hf_grow.grow_model(
+            model, None, p=8, statistics=statistics, eval_dataloader=batches[2:], solver=solver, measure_realized_gains=False
+        )
+        report = grown.growth_report
+        seconds = report.seconds
+        print(
+            f"{solver:>8}: {len(report.line_search)} line-search points, solve + line search "
+            f"{seconds['solve'] + seconds['line_search']:.2f} s, step {report.step_size:.4g}, "
+            f"held-out loss {report.eval_loss_before:.6f} -> {report.eval_loss_after:.6f}",
+            flush=True,
+        )
 
-    if device.type == "cuda":
-        seq_len = preset["seq_lens"][1]
-        generator = torch.Generator(device=device).manual_seed(1)
-        batches = []
-        for _ in range(4):
-            input_ids = torch.randint(0, config.vocab_size, (preset["batch_size"], seq_len), device=device, generator=generator)
-            batches.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids})
-        statistics = hf_grow.collect_statistics(model, batches[:2], adapter)
-        print(f"\n# grow_model at seq {seq_len}, 2 statistics + 2 held-out batches")
-        for solver in ("eigh", "svd"):
-            grown = hf_grow.grow_model(
-                model, None, p=8, statistics=statistics, eval_dataloader=batches[2:], solver=solver, measure_realized_gains=False
-            )
-            report = grown.growth_report
-            seconds = report.seconds
-            print(
-                f"{solver:>5}: {len(report.line_search)} line-search points, solve + line search "
-                f"{seconds['solve'] + seconds['line_search']:.2f} s, step {report.step_size:.4g}, "
-                f"held-out loss {report.eval_loss_before:.4f} -> {report.eval_loss_after:.4f}"
-            )
+
+def solve_benchmark(heads: int, width: int, qk_dim: int, device: torch.device) -> None:
+    """The decomposition at each line-search step, for ``heads`` whitened targets ``Z - lam P`` of ``width``:
+    Z of rank ``qk_dim``, P with a decaying spectrum (as gradients have), lam over a line search's sequence."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    options = dict(generator=generator, device=device, dtype=torch.float64)
+    bilinear = torch.randn(heads, width, qk_dim, **options) @ torch.randn(heads, width, qk_dim, **options).mT
+    left = torch.linalg.qr(torch.randn(heads, width, width, **options)).Q
+    right = torch.linalg.qr(torch.randn(heads, width, width, **options)).Q
+    decay = torch.arange(1, width + 1, device=device, dtype=torch.float64) ** -0.5
+    direction = (left * decay) @ right.mT
+    bilinear = bilinear / bilinear.norm(dim=(-2, -1), keepdim=True)
+    direction = direction / direction.norm(dim=(-2, -1), keepdim=True)
+    rank = qk_dim + 8
+    steps = [1e-2 / 4**k for k in range(4)] + [1e-2 * 4, 1e-2 * 16, 1e-2 * 8, 1e-2 * 11.3]  # as a line search walks
+    print(f"\n# solve: decomposition of {heads} whitened heads of {width}x{width} (float64) truncated to rank {rank}, "
+          f"at {len(steps)} line-search steps; auto picks {linalg.choose_method(width, rank)}")
+    print(f"{'method':<16} {'s/step':>8} {'vs eigh':>8} {'max excess error':>17}")
+    targets = [bilinear - lam * direction for lam in steps]
+    optima = [linalg.decompose_whitened(target, None, "svd").singular_values[..., rank:].square().sum(dim=-1)
+              for target in targets]
+    results = {}
+    for name, method, warm in (("eigh", "eigh", False), ("svd", "svd", False), ("subspace cold", "subspace", False),
+                               ("subspace warm", "subspace", True)):
+        start, seconds, excess = None, 0.0, 0.0
+        for target, optimum in zip(targets, optima):
+            synchronize(device)
+            tick = time.perf_counter()
+            decomposition = linalg.decompose_whitened(target, None, method, rank=rank, start=start if warm else None)
+            factors = decomposition.truncate(rank)
+            synchronize(device)
+            seconds += time.perf_counter() - tick
+            start = decomposition.basis
+            error = (target - factors.product).square().sum(dim=(-2, -1))
+            excess = max(excess, float(((error - optimum) / optimum).max()))
+        results[name] = seconds / len(steps)
+        ratio = results["eigh"] / results[name]
+        print(f"{name:<16} {results[name]:>8.3f} {ratio:>7.2f}x {excess:>17.1e}", flush=True)
 
 
 if __name__ == "__main__":
