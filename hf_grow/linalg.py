@@ -195,8 +195,7 @@ def decompose_whitened(
     if method == "subspace":
         if rank is None:
             raise ValueError("the subspace method needs the rank of the truncations it is for")
-        basis = top_singular_subspace(whitened, rank, start)
-        return _rayleigh_ritz(whitened, basis, metric)
+        return _rayleigh_ritz(*top_singular_subspace(whitened, rank, start), metric)
     raise ValueError(f"method must be one of {DECOMPOSITION_METHODS}, got {method!r}")
 
 
@@ -222,16 +221,17 @@ def top_singular_subspace(
     start: Tensor | None = None,
     tol: float = 1e-7,
     max_iterations: int = 100,
-) -> Tensor:
-    """Orthonormal basis (..., d, k) of the top-k left singular subspace of ``target`` by subspace iteration.
+) -> tuple[Tensor, Tensor]:
+    """Orthonormal basis Q (..., d, k) of the top-k left singular subspace of ``target`` by subspace
+    iteration, and ``Q^T A`` (..., k, d), from which `decompose` takes the singular triplets.
 
     ``k = rank + SUBSPACE_OVERSAMPLING`` (at most d). Iterates ``Q <- orth(A A^T Q)`` from ``start`` (or a
     fixed-seed random block) until the energy the best rank-``rank`` truncation inside span(Q) captures,
     ``||Q_r^T A||^2``, grows by less than ``tol`` times the error it leaves, ``||A||^2`` minus that energy:
     the truncation error is then within about a factor ``1 + tol`` of the Eckart-Young optimum (up to
     roundoff, ~1e-13 of ``||A||^2``). Singular values close around the rank converge slowly, but then any
-    of their directions truncates about as well: the criterion is on the error, not the vectors. A line search warm-starts each step from the previous one: 2-4
-    iterations (bench_stats.py).
+    of their directions truncates about as well: the criterion is on the error, not the vectors. A line
+    search warm-starts each step from the previous one (bench_stats.py).
     """
     size = target.shape[-1]
     columns = min(size, rank + SUBSPACE_OVERSAMPLING)
@@ -241,11 +241,11 @@ def top_singular_subspace(
             *target.shape[:-1], columns, generator=generator, dtype=target.dtype, device=target.device
         )
     basis = _orthonormal(start)
+    projected = basis.mT @ target
     total = target.square().sum(dim=(-2, -1))
     floor = 1e-13 * total
     captured = None
     for _ in range(max_iterations):
-        projected = basis.mT @ target  # (..., k, d)
         ritz = torch.linalg.eigvalsh(projected @ projected.mT)  # squared Ritz values, ascending
         energy = ritz[..., -rank:].clamp_min(0).sum(dim=-1)
         if captured is not None and bool(((energy - captured) <= tol * (total - energy) + floor).all()):
@@ -253,7 +253,8 @@ def top_singular_subspace(
         captured = energy
         # A A^T Q with an orthonormalization after each product: each block is only as ill-conditioned as A.
         basis = _orthonormal(target @ _orthonormal(projected.mT))
-    return basis
+        projected = basis.mT @ target
+    return basis, projected
 
 
 def _orthonormal(block: Tensor) -> Tensor:
@@ -272,9 +273,8 @@ def _orthonormal(block: Tensor) -> Tensor:
     return basis
 
 
-def _rayleigh_ritz(whitened: Tensor, basis: Tensor, metric: Metric | None) -> Decomposition:
-    """The best decomposition of ``whitened`` inside span(basis): SVD of the small ``basis^T A``."""
-    projected = basis.mT @ whitened  # (..., k, d)
+def _rayleigh_ritz(basis: Tensor, projected: Tensor, metric: Metric | None) -> Decomposition:
+    """The best decomposition of A inside span(basis), from ``projected = basis^T A``: SVD of that small block."""
     eigenvalues, eigenvectors = torch.linalg.eigh(projected @ projected.mT)
     rotation = eigenvectors.flip(-1)
     singular_values = eigenvalues.flip(-1).clamp_min(0).sqrt()
