@@ -28,7 +28,15 @@ from .adapters import ArchitectureAdapter, get_adapter
 from .budget import allocate_budget, check_budget
 from .distributed import Processes, unwrap_model
 from .report import GrowthReport, HeadReport, LayerReport, LineSearchPoint
-from .statistics import GrowthStatistics, LossFn, collect_statistics, compute_loss, iterate_batches, weight_sample
+from .statistics import (
+    GrowthStatistics,
+    LossFn,
+    check_method as check_statistics_method,
+    collect_statistics,
+    compute_loss,
+    iterate_batches,
+    weight_sample,
+)
 
 
 if TYPE_CHECKING:
@@ -461,7 +469,7 @@ def grow_model(
     measure_realized_gains: bool = True,
     compute_dtype: torch.dtype = torch.float32,
     solver: str = "auto",
-    statistics_method: str = "chunked",
+    statistics_method: str = "auto",
     query_block: int | None = None,
     memory_budget: int | str | None = None,
     accelerator: Accelerator | None = None,
@@ -503,8 +511,9 @@ def grow_model(
             of A A^T), ``"svd"`` (full SVD, several times slower), or ``"auto"`` (the default: subspace where
             the grown width plus 16 is at most a sixth of the hidden size, eigh otherwise); see
             `hf_grow.linalg.decompose`.
-        statistics_method: ``"chunked"`` (sdpa attention, M accumulated block by block in backward) or
-            ``"reference"`` (eager attention with materialized score gradients); see `collect_statistics`.
+        statistics_method: ``"auto"`` (the default: by device and sequence length), ``"chunked"`` (sdpa
+            attention, M accumulated block by block in backward), ``"triton"`` (the same, fused kernels on CUDA)
+            or ``"reference"`` (eager attention with materialized score gradients); see `collect_statistics`.
         query_block: queries per block of the chunked path (default: sized to the memory of one block).
         memory_budget: bytes (or a string such as ``"2GB"``) for the statistics' accumulators: M is collected
             for groups of layers in several passes over ``dataloader`` (see `collect_statistics`).
@@ -644,6 +653,7 @@ def _prepare_growth(
     if statistics is None:
         if dataloader is None:
             raise ValueError("growth needs a dataloader, or statistics collected before.")
+        check_statistics_method(statistics_method, next(model.parameters()).device, compute_dtype, query_block)
         with processes.failing_together():  # a process without data must not leave the others waiting
             needs_eval = step_size is None
             statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, needs_eval)
@@ -807,6 +817,7 @@ def _search_and_report(
         unconstrained_eval_loss=unconstrained_loss,
         statistics_tokens=prepared.statistics.num_tokens,
         statistics_batches=prepared.statistics.num_batches,
+        statistics_method=prepared.statistics.method,
         eval_weight=eval_weight,
         parameters_before=prepared.parameters_before,
         parameters_after=target.num_parameters(),

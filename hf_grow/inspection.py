@@ -161,7 +161,7 @@ def inspect_growth(
     max_dims: int = 16,
     rtol: float = 1e-6,
     compute_dtype: torch.dtype = torch.float32,
-    statistics_method: str = "chunked",
+    statistics_method: str = "auto",
     query_block: int | None = None,
     progress: bool = False,
 ) -> GrowthInspection:

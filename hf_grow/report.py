@@ -81,6 +81,8 @@ class GrowthReport:
     mode: str = "refactor"
     #: Total added dimensions per head that were allocated to the layers by expected gain (None: ``p`` given).
     budget: int | None = None
+    #: How M was collected (`hf_grow.statistics.METHODS`, joined by "+" where ``"auto"`` chose per batch).
+    statistics_method: str | None = None
 
     @property
     def qk_dims_before(self) -> list[int]:

@@ -4,13 +4,18 @@ Per layer, C = sum X'^T X' over non-padding tokens; per head, M_i = sum X'^T G_i
 the gradient of the loss with respect to the pre-softmax scores S_i (scale included, mask excluded).
 M_i is exactly dLoss/dZ_i for the bilinear form Z_i of `hf_grow.linalg`.
 
-Two methods, with the same result:
+Three methods, with the same result:
 
-- ``"chunked"`` (default): the model runs sdpa attention, as in training; in backward, a hook on each attention
-  output receives dLoss/dO and accumulates M one block of queries at a time, the way flash-attention's backward
+- ``"chunked"``: the model runs sdpa attention, as in training; in backward, a hook on each attention output
+  receives dLoss/dO and accumulates M one block of queries at a time, the way flash-attention's backward
   computes dQ (recompute the block's softmax P, dP = dO V^T, G = P * (dP - rowsum(P * dP)), M += X'^T (G X')).
   No b * h * s * s tensor is ever held: memory per block is b * h * block * s.
+- ``"triton"``: the same, with fused kernels (`hf_grow.triton_kernels`) that keep each tile of G on chip.
 - ``"reference"``: eager attention whose materialized scores hand their gradient G to a hook.
+
+``"auto"`` (the default) picks per batch by device and sequence length (`choose_method`). All methods follow
+the model's own attention where a query may attend to no key at all (a pad position before the first token of
+a left-padded sequence): sdpa gives it a zero output, eager a uniform average.
 
 Padding tokens are zeroed out of X', so they contribute exactly nothing to C or M. Backward runs with
 `torch.autograd.grad` towards the input embeddings only, so no parameter `.grad` is touched.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import math
 import os
@@ -39,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .adapters import ArchitectureAdapter
@@ -53,16 +59,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_grow")
 
 STATISTICS_ATTENTION = "hf_grow_statistics"
-CHUNKED_STATISTICS_ATTENTION = "hf_grow_statistics_chunked"
-METHODS: tuple[str, ...] = ("chunked", "reference")
+METHODS: tuple[str, ...] = ("auto", "chunked", "reference", "triton")
+# Up to this many tokens per sequence the reference method is the faster one on a CPU (BENCHMARKS.md).
+CPU_REFERENCE_MAX_LENGTH = 512
 STATISTICS_FORMAT = "hf_grow.statistics.v1"
 
 LossFn = Callable[[PreTrainedModel, Mapping[str, Tensor]], Tensor]
 
-# Per attention module of the collection under way, what its forward hands over: the scores (reference) or
-# the attention's inputs and output (chunked). Read by the two registered attention functions.
-_SCORE_HOOKS: dict[nn.Module, Callable[[Tensor], None]] = {}
-_OUTPUT_HOOKS: dict[nn.Module, Callable[..., None]] = {}
+# Per attention module of the model under collection: the collector and the layer. Read by `statistics_attention`.
+_COLLECTING: dict[nn.Module, tuple[_Collector, int]] = {}
 
 # Elements of one (b, h, block, s) float tensor in the chunked path: 2^26 float32 numbers are 256 MiB.
 _BLOCK_ELEMENTS = 2**26
@@ -77,46 +82,59 @@ def statistics_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
-) -> tuple[Tensor, Tensor]:
-    """Eager attention that hands the gradient of its pre-softmax scores to the hook of ``module``."""
+) -> tuple[Tensor, Tensor | None]:
+    """The attention of a model whose statistics are being collected.
+
+    For the chunked and triton methods, transformers' sdpa attention handing its inputs and output to the
+    collector; for the reference method, eager attention handing the gradient of its scores to it.
+    """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    hook = _SCORE_HOOKS.get(module)
-    if hook is not None and scores.requires_grad:
-        scores.register_hook(hook)
-    if attention_mask is not None:
-        mask = attention_mask[..., : key.shape[-2]]
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
-    return output, weights
-
-
-def chunked_statistics_attention(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[Tensor, None]:
-    """transformers' sdpa attention, handing its inputs and output to the hook of ``module``."""
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    is_causal = attention_mask is None and query.shape[2] > 1 and causal
+    collector, layer = _COLLECTING.get(module, (None, None))
+    collects = collector is not None and layer in collector.gradients
+    if collector is not None and collector.batch_method == "reference":
+        # Every layer runs eager attention, also those whose M is collected in another pass: the same forward.
+        hook = collector.score_hook(layer) if collects else None
+        zero_masked_rows = not collector.eager_model  # as the model's own sdpa attention does
+        return _eager_attention(query, key, value, attention_mask, scaling, is_causal, zero_masked_rows, hook)
     output, weights = sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
-    hook = _OUTPUT_HOOKS.get(module)
-    if hook is not None and output.requires_grad:
-        causal = kwargs.get("is_causal")
-        causal = getattr(module, "is_causal", True) if causal is None else causal
-        is_causal = attention_mask is None and query.shape[2] > 1 and causal
-        hook(output, query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling, is_causal)
+    if collects and output.requires_grad:
+        collector.on_attention_output(layer, output, query, key, value, attention_mask, scaling, is_causal)
+    return output, weights
+
+
+def _eager_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    scaling: float,
+    is_causal: bool,
+    zero_masked_rows: bool,
+    hook: Callable[[Tensor], None] | None,
+) -> tuple[Tensor, Tensor]:
+    """Attention with materialized scores, whose gradient goes to ``hook``; masks as `score_gradient_products`.
+
+    ``zero_masked_rows``: a query that may attend to no key gets a zero output, as in sdpa (eager attention
+    averages all values uniformly instead).
+    """
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if hook is not None and scores.requires_grad:
+        scores.register_hook(hook)
+    mask = _block_mask(mask, 0, query.shape[-2], key.shape[-2], is_causal, query.device)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    elif mask is not None:
+        scores = scores + mask
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    if zero_masked_rows and mask is not None and mask.dtype == torch.bool:
+        weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return output, weights
 
 
@@ -146,7 +164,9 @@ def score_gradient_products(
     ``query``/``key`` (b, h, s, d_k), ``value``/``grad_output`` (b, h, s, d_v) of one attention call and its
     output gradient, ``inputs`` X' (b, s, d); ``mask`` as the attention received it (boolean, additive or
     None with ``is_causal``). Within a block the softmax rows are complete, so G = P * (dP - rowsum(P * dP)).
-    Returns (h, d, d) in ``dtype``.
+    G is exactly dLoss/dS: zero where a boolean mask replaces the score (a query that may attend to no key has
+    a uniform softmax row but no score gradient); an additive mask passes the gradient on. Returns (h, d, d)
+    in ``dtype``.
     """
     batch, heads, length = query.shape[:3]
     width = inputs.shape[-1]
@@ -167,6 +187,9 @@ def score_gradient_products(
         probs = torch.softmax(scores, dim=-1)
         del scores
         block_grad = grad_output[:, :, start:stop]
+        if mask is not None and mask.dtype == torch.bool:
+            # Elsewhere P is 0 where the mask is False; a fully masked row gets G = 0 from a zero dLoss/dO row.
+            block_grad = block_grad * block_mask.any(dim=-1, keepdim=True)
         # rowsum(P * dP) = rowsum(dO * O) with O = P V: from (b, h, block, d_v) tensors only.
         row_sums = (block_grad * torch.matmul(probs, values_t.mT)).sum(dim=-1, keepdim=True)
         grad_scores = torch.matmul(block_grad, values_t).sub_(row_sums).mul_(probs)
@@ -180,9 +203,44 @@ def score_gradient_products(
 
 # A new attention name needs its mask function too, or transformers runs it without any mask.
 AttentionInterface.register(STATISTICS_ATTENTION, statistics_attention)
-AttentionMaskInterface.register(STATISTICS_ATTENTION, eager_mask)
-AttentionInterface.register(CHUNKED_STATISTICS_ATTENTION, chunked_statistics_attention)
-AttentionMaskInterface.register(CHUNKED_STATISTICS_ATTENTION, sdpa_mask)
+AttentionMaskInterface.register(STATISTICS_ATTENTION, sdpa_mask)
+
+
+def choose_method(device: torch.device, length: int, eager_model: bool) -> str:
+    """The method ``"auto"`` runs for a batch of sequences of ``length`` tokens on ``device``.
+
+    Eager models get the reference method, which keeps their own fully masked rows. Otherwise the reference
+    method is the faster one on a CPU up to `CPU_REFERENCE_MAX_LENGTH` tokens, and the chunked method beyond
+    it and on GPUs, where it also needs less memory (BENCHMARKS.md).
+    """
+    if eager_model or (device.type == "cpu" and length <= CPU_REFERENCE_MAX_LENGTH):
+        return "reference"
+    return "chunked"
+
+
+def check_method(method: str, device: torch.device, compute_dtype: torch.dtype, query_block: int | None = None) -> None:
+    """A ValueError, before any work, for arguments `collect_statistics` cannot run with on ``device``."""
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if query_block is not None and query_block <= 0:
+        raise ValueError(f"query_block must be positive, got {query_block}")
+    if method == "triton" and not triton_available(device):
+        missing = "" if importlib.util.find_spec("triton") else " and triton is not installed"
+        raise ValueError(
+            f"method='triton' needs a CUDA device and the triton package (pip install triton); the model is on "
+            f"{device}{missing}: use method='auto' or 'chunked'."
+        )
+    if method == "triton" and compute_dtype != torch.float32:
+        raise ValueError("method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'.")
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether ``method="triton"`` can run on ``device``: CUDA with triton installed, or Triton's interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 @dataclass
@@ -201,6 +259,8 @@ class GrowthStatistics:
     model_type: str | None = None
     #: `weight_sample` of that model, so that statistics of other weights can be refused.
     weights: Tensor | None = None
+    #: The methods that computed M (`METHODS`), joined by "+" where ``"auto"`` chose differently per batch.
+    method: str | None = None
 
     def mean_second_moment(self, layer: int) -> Tensor:
         """E[x' x'^T] over tokens."""
@@ -221,6 +281,7 @@ class GrowthStatistics:
             "num_tokens": str(self.num_tokens),
             "num_batches": str(self.num_batches),
             "model_type": self.model_type or "",
+            "method": self.method or "",
         }
         temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
         safetensors.torch.save_file(tensors, temporary, metadata=metadata)
@@ -245,6 +306,7 @@ class GrowthStatistics:
             num_batches=int(metadata["num_batches"]),
             model_type=metadata["model_type"] or None,
             weights=tensors.get("weights"),
+            method=metadata.get("method") or None,
         )
 
 
@@ -297,7 +359,7 @@ def compute_loss(model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: L
 
 
 @contextlib.contextmanager
-def _statistics_mode(model: PreTrainedModel, method: str, tf32: bool) -> Iterator[None]:
+def _statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
     """Eval mode, the statistics attention and the float32 matmul precision; restored on exit, also on error.
 
     Layers with gradient checkpointing enabled keep it: transformers checkpoints only layers in training mode,
@@ -317,7 +379,7 @@ def _statistics_mode(model: PreTrainedModel, method: str, tf32: bool) -> Iterato
     use_cache = getattr(model.config, "use_cache", None)
     model.eval()
     model.config.use_cache = False
-    model.set_attn_implementation(CHUNKED_STATISTICS_ATTENTION if method == "chunked" else STATISTICS_ATTENTION)
+    model.set_attn_implementation(STATISTICS_ATTENTION)
     for module in checkpointed:
         module.training = True
         module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
@@ -341,7 +403,10 @@ def _statistics_mode(model: PreTrainedModel, method: str, tf32: bool) -> Iterato
 
 
 class _Collector:
-    """Hooks that accumulate C for every layer (``with_second_moments``) and M for the layers of ``group``."""
+    """Hooks that accumulate C for every layer (``with_second_moments``) and M for the layers of ``group``.
+
+    ``eager_model``: the model normally runs eager attention, whose fully masked rows the statistics keep.
+    """
 
     def __init__(
         self,
@@ -352,10 +417,15 @@ class _Collector:
         query_block: int | None,
         group: Sequence[int],
         with_second_moments: bool,
+        eager_model: bool,
     ):
         self.attentions = adapter.attention_modules(model)
         self.compute_dtype = compute_dtype
         self.method = method
+        self.eager_model = eager_model
+        #: The method of the batch under way (``method``, or what ``"auto"`` chose for it).
+        self.batch_method = method
+        self.methods_used: set[str] = set()
         self.query_block = query_block
         self.embeddings = model.get_input_embeddings()
         device = next(model.parameters()).device
@@ -385,17 +455,15 @@ class _Collector:
         handles = [self.embeddings.register_forward_hook(self._keep_anchor)]
         for layer in self.hooked_layers:
             handles.append(self.qk_inputs[layer].register_forward_pre_hook(self._input_hook(layer)))
-        hooks = _OUTPUT_HOOKS if self.method == "chunked" else _SCORE_HOOKS
-        for layer in self.gradients:
-            hook = self._output_hook(layer) if self.method == "chunked" else self._score_hook(layer)
-            hooks[self.attentions[layer]] = hook
+        for layer, attention in enumerate(self.attentions):
+            _COLLECTING[attention] = (self, layer)
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
             for attention in self.attentions:
-                hooks.pop(attention, None)
+                _COLLECTING.pop(attention, None)
             self.inputs.clear()
             self.anchors.clear()
 
@@ -440,7 +508,9 @@ class _Collector:
 
         return hook
 
-    def _score_hook(self, layer: int) -> Callable[[Tensor], None]:
+    def score_hook(self, layer: int) -> Callable[[Tensor], None]:
+        """The reference method: receives G = dLoss/dS of ``layer`` as a whole."""
+
         def hook(grad: Tensor) -> None:
             augmented = self.inputs.pop(layer)
             if grad.shape[-1] != augmented.shape[-2] or grad.shape[-2] != augmented.shape[-2]:
@@ -452,28 +522,38 @@ class _Collector:
 
         return hook
 
-    def _output_hook(self, layer: int) -> Callable[..., None]:
-        def on_forward(output, query, key, value, mask, scaling, is_causal) -> None:
-            if self.in_backward:
-                return  # a checkpointed layer's recomputation: the hook of its first forward pass receives dLoss/dO
-            augmented = self.inputs.pop(layer)
-            if query.shape[-2] != key.shape[-2] or query.shape[-2] != augmented.shape[-2]:
-                raise ValueError("statistics need full self-attention scores: run the model without a KV cache")
-            saved = [tensor.detach() for tensor in (query, key, value)]
-            batch, heads, length = query.shape[:3]
-            block = self.query_block or max(1, min(length, _BLOCK_ELEMENTS // (batch * heads * length)))
+    def on_attention_output(
+        self, layer: int, output: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+        scaling: float, is_causal: bool,
+    ) -> None:
+        """The chunked and triton methods: M of ``layer`` is computed when dLoss/dO reaches ``output``."""
+        if self.in_backward:
+            return  # a checkpointed layer's recomputation: the hook of its first forward pass receives dLoss/dO
+        augmented = self.inputs.pop(layer)
+        if query.shape[-2] != key.shape[-2] or query.shape[-2] != augmented.shape[-2]:
+            raise ValueError("statistics need full self-attention scores: run the model without a KV cache")
+        saved = [tensor.detach() for tensor in (query, key, value)]
+        batch, heads, length = query.shape[:3]
+        block = self.query_block or max(1, min(length, _BLOCK_ELEMENTS // (batch * heads * length)))
+        method = self.batch_method
 
-            def on_backward(grad_output: Tensor) -> None:
-                with _without_autocast(grad_output.device):
+        def on_backward(grad_output: Tensor) -> None:
+            with _without_autocast(grad_output.device):
+                if method == "triton":
+                    from .triton_kernels import score_gradient_products_fused
+
+                    tf32 = torch.get_float32_matmul_precision() != "highest"
+                    products = score_gradient_products_fused(
+                        *saved, grad_output.transpose(1, 2), augmented, mask, scaling, is_causal, tf32
+                    )
+                else:
                     products = score_gradient_products(
                         *saved, grad_output.transpose(1, 2), augmented, mask, scaling, is_causal, block,
                         self.compute_dtype,
                     )
-                    self._accumulate(layer, products)
+                self._accumulate(layer, products)
 
-            output.register_hook(on_backward)
-
-        return on_forward
+        output.register_hook(on_backward)
 
     def _accumulate(self, layer: int, contribution: Tensor) -> None:
         contribution = contribution.to(torch.float64)
@@ -493,6 +573,10 @@ class _Collector:
         self.inputs.clear()
         self.layers_run.clear()
         self.anchors.clear()
+        first_input = batch.get("input_ids", batch.get("inputs_embeds"))
+        if self.method == "auto":
+            self.batch_method = choose_method(first_input.device, first_input.shape[1], self.eager_model)
+        self.methods_used.add(self.batch_method)
         embeddings = batch.get("inputs_embeds")
         if isinstance(embeddings, Tensor):
             # Inputs given as embeddings skip the embedding layer: backward runs towards them instead.
@@ -512,7 +596,6 @@ class _Collector:
         finally:
             self.in_backward = False
         tokens = self.token_mask.sum() if self.token_mask is not None else None
-        first_input = batch.get("input_ids", batch.get("inputs_embeds"))
         self.num_tokens += int(tokens) if tokens is not None else int(first_input.shape[:2].numel())
         self.inputs.clear()
         self.anchors.clear()
@@ -584,7 +667,7 @@ def collect_statistics(
     max_batches: int | None = None,
     compute_dtype: torch.dtype = torch.float32,
     progress: bool = False,
-    method: str = "chunked",
+    method: str = "auto",
     query_block: int | None = None,
     tf32: bool | None = None,
     memory_budget: int | str | None = None,
@@ -594,9 +677,11 @@ def collect_statistics(
 
     ``compute_dtype`` is the precision of the per-batch products (float32 or float64, whatever the model
     dtype or autocast); sums are always float64. ``method`` is ``"chunked"`` (sdpa attention, M block by block
-    in backward; ``query_block`` queries per block, by default sized to ~256 MiB per float32 block tensor) or
-    ``"reference"`` (eager attention, full score gradients). ``tf32`` runs the float32 products on TF32 tensor
-    cores (CUDA; ~5e-4 relative error, several times faster); by default on for bfloat16/float16 models.
+    in backward; ``query_block`` queries per block, by default sized to ~256 MiB per float32 block tensor),
+    ``"triton"`` (the same with fused kernels; CUDA, float32 products), ``"reference"`` (eager attention, full
+    score gradients) or ``"auto"`` (by device and sequence length, per batch: `choose_method`). ``tf32`` runs the
+    float32 products on TF32 tensor cores (CUDA; ~5e-4 relative error, several times faster); by default on
+    for bfloat16/float16 models.
 
     ``memory_budget`` (bytes, or a string such as ``"2GB"``) bounds the float64 accumulators: M is collected
     for as many layers as fit, in several passes over ``dataloader`` (which must then be re-iterable and
@@ -607,15 +692,12 @@ def collect_statistics(
     DistributedDataParallel. Raises ValueError on empty data, FloatingPointError on non-finite losses or
     statistics (naming the layer and batch).
     """
-    if compute_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if query_block is not None and query_block <= 0:
-        raise ValueError(f"query_block must be positive, got {query_block}")
     model = unwrap_model(model, accelerator)
     processes = Processes(accelerator)
     config = model.config
+    parameter = next(model.parameters())
+    check_method(method, parameter.device, compute_dtype, query_block)
+    eager_model = config._attn_implementation == "eager"
     num_layers = len(adapter.attention_modules(model))
     groups = layer_groups(num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget)
     if len(groups) > 1 and iter(dataloader) is dataloader:
@@ -623,22 +705,25 @@ def collect_statistics(
             f"memory_budget needs {len(groups)} passes over the data, but the dataloader is a one-shot iterator: "
             "pass a list of batches or a DataLoader, or a larger memory_budget."
         )
-    parameter = next(model.parameters())
     if tf32 is None:
         tf32 = parameter.dtype in (torch.bfloat16, torch.float16)
     offload = len(groups) > 1
     second_moments: list[Tensor] = []
     gradients: list[Tensor | None] = [None] * num_layers
     first_pass: tuple[int, int, int, float] | None = None
-    with _statistics_mode(model, method, tf32):
+    methods_used: set[str] = set()
+    with _statistics_mode(model, tf32):
         for index, group in enumerate(groups):
             with processes.failing_together():
-                collector = _Collector(model, adapter, compute_dtype, method, query_block, group, index == 0)
+                collector = _Collector(
+                    model, adapter, compute_dtype, method, query_block, group, index == 0, eager_model
+                )
                 description = f"statistics {index + 1}/{len(groups)}" if offload else "statistics"
                 show = progress and processes.is_main
                 skipped = _collect_pass(collector, model, dataloader, adapter, loss_fn, max_batches, show, description)
                 counts = (collector.num_tokens, collector.batch_index, skipped, collector.loss_sum)
                 first_pass = first_pass or counts
+                methods_used |= collector.methods_used
                 if counts[:3] != first_pass[:3] or not math.isclose(counts[3], first_pass[3], rel_tol=1e-6):
                     raise ValueError(
                         f"the data changed between passes over it (tokens, batches, skipped, loss sum: {first_pass} in "
@@ -667,7 +752,10 @@ def collect_statistics(
         raise ValueError("the dataloader yielded no batches: statistics need at least one batch of data.")
     if num_tokens == 0:
         raise ValueError("every token of the data is padding (attention_mask is all zero): nothing to learn from.")
-    return GrowthStatistics(second_moments, gradients, num_tokens, num_batches, config.model_type, weight_sample(model))
+    return GrowthStatistics(
+        second_moments, gradients, num_tokens, num_batches, config.model_type, weight_sample(model),
+        "+".join(sorted(methods_used)),
+    )
 
 
 def _collect_pass(

@@ -278,7 +278,7 @@ def grow_in_training(
         rtol=rtol,
         compute_dtype=torch.float32,
         solver=solver,
-        statistics_method="chunked",
+        statistics_method="auto",
         query_block=None,
         memory_budget=None,
         accelerator=None,

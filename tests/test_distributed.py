@@ -1,5 +1,6 @@
 """Two real CPU processes (gloo) growing together equal one process reading all the data."""
 
+import copy
 import os
 import time
 
@@ -85,11 +86,19 @@ def test_two_processes_equal_one(trained_gpt2, stdlib_bytes, tmp_path):
         assert report["statistics_tokens"] == expected.statistics_tokens == 6 * 4 * 64
         assert report["statistics_batches"] == 6 and report["eval_weight"] == expected.eval_weight
         assert report["step_size"] == pytest.approx(expected.step_size, rel=1e-9)
-        # The float32 weights come from float64 sums taken in another order: equal to float32 rounding.
+        # The weights come from float64 sums taken in another order: the same function to float32 rounding.
+        # A head's query/key factors are unique only up to an invertible map (factors of near-equal singular
+        # values may rotate), so what they compute is compared, and every other weight directly.
         assert report["eval_loss_after"] == pytest.approx(expected.eval_loss_after, rel=1e-6)
         assert report["eval_loss_after"] < report["eval_loss_before"]
         for name, tensor in alone.state_dict().items():
-            torch.testing.assert_close(result["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+            if "c_attn" not in name:
+                torch.testing.assert_close(result["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        same_architecture = copy.deepcopy(alone)
+        same_architecture.load_state_dict(result["state_dict"])
+        with torch.no_grad():
+            for batch in eval_batches:
+                torch.testing.assert_close(same_architecture(**batch).logits, alone(**batch).logits, rtol=1e-4, atol=1e-4)
     # Every process returns the same model, bit for bit.
     for name, tensor in results[0]["state_dict"].items():
         assert torch.equal(tensor, results[1]["state_dict"][name]), name

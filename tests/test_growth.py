@@ -216,9 +216,11 @@ def test_statistics_round_trip_through_safetensors(trained_gpt2, data, tmp_path)
     statistics.save(path)
     loaded = GrowthStatistics.load(path)
     assert (loaded.num_tokens, loaded.num_batches, loaded.model_type) == (statistics.num_tokens, 3, "gpt2")
+    assert loaded.method == statistics.method == "reference"  # "auto" on a CPU at 64 tokens
     assert all(torch.equal(a, b) for a, b in zip(loaded.gradients + loaded.second_moments, statistics.gradients + statistics.second_moments))
     direct = grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=statistics)
     reloaded = grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=loaded)
+    assert reloaded.growth_report.statistics_method == "reference"
     assert all(torch.equal(tensor, reloaded.state_dict()[name]) for name, tensor in direct.state_dict().items())
     bert = BertModel(BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64))
     with pytest.raises(ValueError, match="collected on a 'gpt2' model, not 'bert'"):

@@ -6,7 +6,7 @@ from transformers import GPT2LMHeadModel
 
 from hf_grow import collect_statistics, get_adapter
 from hf_grow.adapters.base import split_heads
-from hf_grow.statistics import _OUTPUT_HOOKS, _SCORE_HOOKS, score_gradient_products
+from hf_grow.statistics import _COLLECTING, CPU_REFERENCE_MAX_LENGTH, choose_method, score_gradient_products
 
 from conftest import lm_batches, tiny_gpt2_config
 
@@ -116,7 +116,7 @@ def test_restored_on_error(gpt2_copy, stdlib_bytes):
         collect_statistics(model, lm_batches(stdlib_bytes["stats"], 3), get_adapter(model), loss_fn=failing_loss, tf32=True)
     assert model.config._attn_implementation == "sdpa"
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-    assert not _OUTPUT_HOOKS and not _SCORE_HOOKS
+    assert not _COLLECTING
     assert torch.get_float32_matmul_precision() == "highest"
     assert not model.training
     assert all(p.grad is None for p in model.parameters())
@@ -219,10 +219,13 @@ def test_block_products_equal_autograd(mask_kind):
         allowed = torch.ones(length, length).tril().bool().expand(batch, 1, length, length).clone()
         if mask_kind != "causal":
             allowed[1, :, :, 8:] = False  # padded keys in the second sequence
+            allowed[0, :, :, :2] = False  # left padding: the first two queries may attend to no key
     mask = {"causal": None, "boolean": allowed, "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30), "none": None}[mask_kind]
     scaling = 0.37
     scores = (query @ key.mT * scaling).requires_grad_(True)
-    output = torch.softmax(scores.masked_fill(~allowed, torch.finfo(torch.float64).min), dim=-1) @ value
+    # A boolean mask replaces scores (no gradient where it is False); an additive one passes the gradient on.
+    masked = scores + mask if mask_kind == "additive" else scores.masked_fill(~allowed, torch.finfo(torch.float64).min)
+    output = torch.softmax(masked, dim=-1) @ value
     (output * weights).sum().backward()  # a loss whose dLoss/dO is `weights`
     expected = torch.einsum("bqd,bhqk,bke->hde", inputs, scores.grad, inputs)
     for block in (1, 4, length):
@@ -269,3 +272,63 @@ def test_inputs_given_as_embeddings(gpt2_copy, stdlib_bytes):
     for layer in range(2):
         torch.testing.assert_close(by_embeddings.second_moments[layer], by_ids.second_moments[layer], rtol=1e-12, atol=0)
         torch.testing.assert_close(by_embeddings.gradients[layer], by_ids.gradients[layer], rtol=1e-9, atol=1e-12)
+
+
+def left_padded_batch_with_every_label(seed: int = 0) -> dict:
+    """Left-padded sequences with their first real token labelled: the pad position before it, whose query
+    may attend to no key, predicts it (sdpa gives that query a zero output, eager a uniform one)."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, 256, (3, 12), generator=generator)
+    mask = torch.ones_like(input_ids)
+    mask[0, :8] = 0
+    mask[1, :5] = 0
+    labels = input_ids.clone()
+    labels[0, :7], labels[1, :4] = -100, -100  # the last pad position of each row keeps its label
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def losses_seen(model, batch, method) -> tuple[float, str]:
+    losses = []
+    statistics = collect_statistics(
+        model, [batch], get_adapter(model), method=method, loss_fn=lambda m, b: losses.append(m(**b).loss) or losses[-1]
+    )
+    return float(losses[0].detach()), statistics.method
+
+
+def test_every_method_follows_the_models_attention_where_a_query_sees_no_key():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config()).eval()
+    batches = [left_padded_batch_with_every_label(seed) for seed in range(2)]
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        sdpa_loss = float(model(**batches[0]).loss)
+        model.set_attn_implementation("eager")
+        eager_loss = float(model(**batches[0]).loss)
+        model.set_attn_implementation("sdpa")
+    assert abs(sdpa_loss - eager_loss) > 1e-4  # the two attentions disagree on this batch
+    for method in ("chunked", "reference", "auto"):
+        loss, used = losses_seen(model, batches[0], method)
+        assert loss == pytest.approx(sdpa_loss, rel=1e-5) and used == ("reference" if method == "auto" else method)
+    reference = collect_statistics(model, batches, adapter, compute_dtype=torch.float64, method="reference")
+    chunked = collect_statistics(model, batches, adapter, compute_dtype=torch.float64, method="chunked")
+    for layer in range(2):
+        for ours, theirs in ((chunked.gradients, reference.gradients), (chunked.second_moments, reference.second_moments)):
+            assert (ours[layer] - theirs[layer]).norm() <= 1e-5 * theirs[layer].norm()
+    model.set_attn_implementation("eager")  # an eager model: "auto" keeps its uniform rows
+    loss, used = losses_seen(model, batches[0], "auto")
+    assert loss == pytest.approx(eager_loss, rel=1e-5) and used == "reference"
+
+
+def test_auto_picks_by_device_and_length():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_method(cpu, CPU_REFERENCE_MAX_LENGTH, eager_model=False) == "reference"
+    assert choose_method(cpu, CPU_REFERENCE_MAX_LENGTH + 1, eager_model=False) == "chunked"
+    assert choose_method(cuda, 128, eager_model=False) == "chunked"
+    assert choose_method(cuda, 4096, eager_model=True) == "reference"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_positions=CPU_REFERENCE_MAX_LENGTH + 8, n_layer=1)).eval()
+    short, long = (
+        {"input_ids": ids, "labels": ids} for ids in (torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, CPU_REFERENCE_MAX_LENGTH + 8)))
+    )
+    assert collect_statistics(model, [short], get_adapter(model)).method == "reference"
+    assert collect_statistics(model, [short, long], get_adapter(model)).method == "chunked+reference"

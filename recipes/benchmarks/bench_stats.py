@@ -3,7 +3,9 @@
 For a GPT-2-small-sized config (n_embd 768, 12 layers, 12 heads) on a GPU in bf16 (batch 8), or a small config
 on CPU, at several sequence lengths: time and peak memory of one statistics step (forward + backward +
 accumulation of C and M) with each method, over one plain training step (forward + backward with parameter
-gradients, sdpa attention) on the same batch. Also the FLOP floor of M and the solve time for all heads.
+gradients, sdpa attention) on the same batch; the "triton" method where it can run (CUDA with triton). Then the
+accuracy of each method's M on a padded batch against the reference method in float64. Also the FLOP floor of
+M and the solve time for all heads.
 
 The floor: per layer and sequence, M costs h (2 s^2 d + 2 s d^2) FLOPs on top of the training step
 (d = d_e + 1: G X' then X'^T (G X')); a training step costs about 6 N s + 12 L s^2 d_e FLOPs per sequence
@@ -32,7 +34,7 @@ from transformers.utils import logging as transformers_logging
 
 import hf_grow
 from hf_grow import linalg
-from hf_grow.statistics import METHODS, collect_statistics
+from hf_grow.statistics import METHODS, collect_statistics, triton_available
 
 
 PRESETS = {
@@ -79,8 +81,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq-lens", type=int, nargs="+", help="override the preset's sequence lengths")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, help="default: chunked, reference and, where it runs, triton")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rounds", type=int, help="timed repetitions per measurement (median; default: the preset's)")
+    parser.add_argument("--skip-solve", action="store_true", help="leave out the solve benchmarks")
     parser.add_argument("--solve-only", action="store_true", help="only the solve benchmark (and the line search)")
     parser.add_argument("--skip-line-search", action="store_true", help="leave out the grow_model line search")
     parser.add_argument("--solve-heads", type=int, help="heads in the solve benchmark (default: all of the config)")
@@ -88,6 +92,7 @@ def main() -> None:
     parser.add_argument("--solve-qk-dim", type=int, help="Q/K width before growth in the solve benchmark (p = 8)")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
+    rounds = args.rounds or preset["rounds"]
     if args.threads:
         torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
@@ -101,6 +106,7 @@ def main() -> None:
     model = GPT2LMHeadModel(config).to(device=device, dtype=dtype)
     model.set_attn_implementation("sdpa")
     adapter = hf_grow.get_adapter(model)
+    methods = args.methods or ["chunked", "reference"] + (["triton"] if triton_available(device) else [])
     name = torch.cuda.get_device_name() if device.type == "cuda" else (platform.processor() or platform.machine())
     print(f"# {datetime.date.today()}, {name}, torch {torch.__version__}, {preset['dtype']}, "
           f"GPT-2 n_embd {config.n_embd} x {config.n_layer} layers x {config.n_head} heads, batch {preset['batch_size']}")
@@ -116,19 +122,19 @@ def main() -> None:
             model(**batch).loss.backward()
 
         try:
-            train_time, train_memory = measure(train_step, device, preset["rounds"])
+            train_time, train_memory = measure(train_step, device, rounds)
         except torch.OutOfMemoryError:
             print(f"{seq_len:>5} {'train':<10} OOM")
             continue
         model.zero_grad(set_to_none=True)
         training, extra = flops(config, seq_len)
         floor = (training + extra) / training
-        for method in args.methods:
+        for method in methods:
             def statistics_step() -> None:
                 collect_statistics(model, [batch], adapter, method=method)
 
             try:
-                stats_time, stats_memory = measure(statistics_step, device, preset["rounds"])
+                stats_time, stats_memory = measure(statistics_step, device, rounds)
             except torch.OutOfMemoryError:
                 print(f"{seq_len:>5} {method:<10} {train_time:>8.3f} {'OOM':>8}")
                 torch.cuda.empty_cache()
@@ -137,6 +143,10 @@ def main() -> None:
             memory = "" if train_memory is None else f"{train_memory:>9.2f} {stats_memory:>9.2f} {stats_memory / train_memory:>6.2f}"
             print(f"{seq_len:>5} {method:<10} {train_time:>8.3f} {stats_time:>8.3f} {ratio:>7.2f} {floor:>7.2f} {ratio / floor:>10.2f} {memory}", flush=True)
 
+    if not args.solve_only:
+        accuracy_benchmark(model, adapter, methods, (args.seq_lens or preset["seq_lens"])[0], device)
+    if args.skip_solve:
+        return
     solve_benchmark(args.solve_heads or config.n_layer * config.n_head, args.solve_width or config.n_embd + 1,
                     args.solve_qk_dim or config.n_embd // config.n_head, device)
     if args.skip_line_search:
@@ -161,6 +171,25 @@ def main() -> None:
             f"held-out loss {report.eval_loss_before:.6f} -> {report.eval_loss_after:.6f}",
             flush=True,
         )
+
+
+def accuracy_benchmark(model: GPT2LMHeadModel, adapter, methods: list[str], seq_len: int, device: torch.device) -> None:
+    """Each method's M (as users get it: float32 products, TF32 for half-precision models) against the reference
+    method with float64 products, on a batch with right- and left-padded sequences."""
+    generator = torch.Generator(device=device).manual_seed(2)
+    input_ids = torch.randint(0, model.config.vocab_size, (4, seq_len), device=device, generator=generator)
+    mask = torch.ones_like(input_ids)
+    mask[1, seq_len // 2 :] = 0
+    mask[2, : seq_len // 3] = 0
+    batch = {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
+    exact = collect_statistics(model, [batch], adapter, method="reference", compute_dtype=torch.float64)
+    print(f"\n# accuracy at seq {seq_len} (batch 4, padding): relative Frobenius difference of M to the reference in float64")
+    for method in methods:
+        statistics = collect_statistics(model, [batch], adapter, method=method)
+        errors = [
+            float((ours - theirs).norm() / theirs.norm()) for ours, theirs in zip(statistics.gradients, exact.gradients)
+        ]
+        print(f"{method:>10}: max over layers {max(errors):.2e}, mean {sum(errors) / len(errors):.2e}", flush=True)
 
 
 def solve_benchmark(heads: int, width: int, qk_dim: int, device: torch.device) -> None:

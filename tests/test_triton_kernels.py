@@ -1,0 +1,127 @@
+"""The fused Triton kernels of ``method="triton"``, run by Triton's interpreter on the CPU (conftest sets
+TRITON_INTERPRET=1): the same products as autograd and as the reference path, with every kind of mask."""
+
+import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM, GPT2LMHeadModel
+
+
+pytest.importorskip("triton", reason="triton has wheels for Linux x86_64 only (the `test` extra installs it there)")
+
+from hf_grow import collect_statistics, get_adapter, grow_model  # noqa: E402
+from hf_grow import triton_kernels  # noqa: E402
+from hf_grow.statistics import triton_available  # noqa: E402
+from hf_grow.triton_kernels import score_gradient_products_fused  # noqa: E402
+
+from conftest import tiny_gpt2_config  # noqa: E402
+from test_statistics import left_padded_batch_with_every_label, masked_causal_batch
+
+
+def attention_problem(mask_kind: str, length: int = 21, qk_dim: int = 5, seed: int = 2):
+    """Random attention tensors, a mask and G = dLoss/dS from autograd of plain softmax attention (float64).
+
+    The boolean and additive masks are causal with padded keys in one sequence and, in the other, left
+    padding: its first queries attend to no key at all (no score gradient under a boolean mask; under an
+    additive one, the gradient of a uniform row).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    batch, heads, v_dim, width = 2, 3, 4, 19
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    query, key = randn(batch, heads, length, qk_dim), randn(batch, heads, length, qk_dim)
+    value, inputs, grad_output = randn(batch, heads, length, v_dim), randn(batch, length, width), randn(batch, heads, length, v_dim)
+    allowed = torch.ones(batch, 1, length, length, dtype=torch.bool)
+    if mask_kind != "none":
+        allowed = torch.ones(length, length).tril().bool().expand(batch, 1, length, length).clone()
+        if mask_kind != "causal":
+            allowed[1, :, :, length - 5 :] = False
+            allowed[0, :, :, :3] = False
+    mask = {
+        "causal": None,
+        "none": None,
+        "boolean": allowed,
+        "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30),
+    }[mask_kind]
+    scaling = 0.37
+    scores = (query @ key.mT * scaling).requires_grad_(True)
+    masked = scores + mask if mask_kind == "additive" else scores.masked_fill(~allowed, torch.finfo(torch.float64).min)
+    output = torch.softmax(masked, dim=-1) @ value
+    (output * grad_output).sum().backward()
+    expected = torch.einsum("bqd,bhqk,bke->hde", inputs, scores.grad, inputs)
+    return (query, key, value, grad_output, inputs, mask, scaling, mask_kind == "causal"), expected
+
+
+def relative_error(ours: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((ours.double() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "boolean", "additive", "none"])
+def test_fused_products_equal_autograd(mask_kind):
+    (query, key, value, grad_output, inputs, mask, scaling, causal), expected = attention_problem(mask_kind)
+    single = [t.float() for t in (query, key, value, grad_output, inputs)]
+    fused = score_gradient_products_fused(*single, None if mask is None else mask.to(torch.float32 if mask.is_floating_point() else torch.bool), scaling, causal)
+    assert fused.dtype == torch.float32 and fused.shape == expected.shape
+    assert relative_error(fused, expected) <= 1e-5
+
+
+def test_fused_products_with_strided_inputs_several_launches_and_bfloat16(monkeypatch):
+    """A transposed dLoss/dO (as the hook receives it), a q/k width that is no power of two, a broadcast
+    (b, 1, 1, s) key mask, query ranges split over several launches; bfloat16 tensors within 1e-3."""
+    (query, key, value, grad_output, inputs, _, scaling, _), _ = attention_problem("none", length=23, qk_dim=9)
+    keys_allowed = torch.ones(2, 1, 1, 23, dtype=torch.bool)
+    keys_allowed[1, ..., 17:] = False
+    from hf_grow.statistics import score_gradient_products
+
+    expected = score_gradient_products(query, key, value, grad_output, inputs, keys_allowed, scaling, False, 23, torch.float64)
+    strided_grad = grad_output.float().transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided_grad.is_contiguous()
+    monkeypatch.setattr(triton_kernels, "_BUFFER_ELEMENTS", 2 * 3 * 19 * 7)  # 7 queries per launch
+    single = [query.float(), key.float(), value.float(), strided_grad, inputs.float()]
+    fused = score_gradient_products_fused(*single, keys_allowed, scaling, False)
+    assert relative_error(fused, expected) <= 1e-5
+    rounded = [t.to(torch.bfloat16) for t in (query, key, value, grad_output, inputs)]
+    exact = score_gradient_products(*[t.double() for t in rounded], keys_allowed, scaling, False, 23, torch.float64)
+    assert relative_error(score_gradient_products_fused(*rounded, keys_allowed, scaling, False), exact) <= 1e-3
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "bert"])
+def test_triton_method_equals_the_reference(architecture):
+    torch.manual_seed(0)
+    if architecture == "gpt2":
+        model = GPT2LMHeadModel(tiny_gpt2_config(n_embd=32, n_head=2)).eval()
+    else:
+        config = BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+        model = BertForMaskedLM(config).eval()
+    batches = [masked_causal_batch(0, batch_size=3, seq_len=18), left_padded_batch_with_every_label(1)]
+    adapter = get_adapter(model)
+    reference = collect_statistics(model, batches, adapter, compute_dtype=torch.float64, method="reference")
+    fused = collect_statistics(model, batches, adapter, method="triton")
+    assert fused.method == "triton" and fused.num_tokens == reference.num_tokens
+    for layer in range(2):
+        assert relative_error(fused.gradients[layer], reference.gradients[layer]) <= 1e-5
+        assert relative_error(fused.second_moments[layer], reference.second_moments[layer]) <= 1e-6
+
+
+def test_triton_method_needs_float32_and_a_device_it_runs_on(gpt2_copy, stdlib_bytes, monkeypatch):
+    from conftest import lm_batches
+
+    batches = lm_batches(stdlib_bytes["stats"], 1)
+    adapter = get_adapter(gpt2_copy)
+    with pytest.raises(ValueError, match="computes in float32"):
+        collect_statistics(gpt2_copy, batches, adapter, method="triton", compute_dtype=torch.float64)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not triton_available(torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        collect_statistics(gpt2_copy, batches, adapter, method="triton")
+
+    def unread():
+        raise AssertionError("the data was read before the arguments were checked")
+        yield
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        grow_model(gpt2_copy, unread(), p=2, statistics_method="triton")
+    with pytest.raises(RuntimeError, match="run on CUDA devices"):
+        monkeypatch.setattr(triton_kernels.knobs.runtime, "interpret", False)
+        score_gradient_products_fused(*(torch.zeros(1, 1, 2, 2),) * 4, torch.zeros(1, 2, 3), None, 1.0, True)
