@@ -31,7 +31,8 @@ def attention_problem(mask_kind: str, length: int = 21, qk_dim: int = 5, seed: i
         return torch.randn(*shape, generator=generator, dtype=torch.float64)
 
     query, key = randn(batch, heads, length, qk_dim), randn(batch, heads, length, qk_dim)
-    value, inputs, grad_output = randn(batch, heads, length, v_dim), randn(batch, length, width), randn(batch, heads, length, v_dim)
+    value, grad_output = randn(batch, heads, length, v_dim), randn(batch, heads, length, v_dim)
+    inputs = randn(batch, length, width)
     allowed = torch.ones(batch, 1, length, length, dtype=torch.bool)
     if mask_kind != "none":
         allowed = torch.ones(length, length).tril().bool().expand(batch, 1, length, length).clone()
@@ -61,7 +62,9 @@ def relative_error(ours: torch.Tensor, expected: torch.Tensor) -> float:
 def test_fused_products_equal_autograd(mask_kind):
     (query, key, value, grad_output, inputs, mask, scaling, causal), expected = attention_problem(mask_kind)
     single = [t.float() for t in (query, key, value, grad_output, inputs)]
-    fused = score_gradient_products_fused(*single, None if mask is None else mask.to(torch.float32 if mask.is_floating_point() else torch.bool), scaling, causal)
+    if mask is not None and mask.is_floating_point():
+        mask = mask.float()
+    fused = score_gradient_products_fused(*single, mask, scaling, causal)
     assert fused.dtype == torch.float32 and fused.shape == expected.shape
     assert relative_error(fused, expected) <= 1e-5
 
@@ -74,7 +77,8 @@ def test_fused_products_with_strided_inputs_several_launches_and_bfloat16(monkey
     keys_allowed[1, ..., 17:] = False
     from hf_grow.statistics import score_gradient_products
 
-    expected = score_gradient_products(query, key, value, grad_output, inputs, keys_allowed, scaling, False, 23, torch.float64)
+    exact = (query, key, value, grad_output, inputs)
+    expected = score_gradient_products(*exact, keys_allowed, scaling, False, 23, torch.float64)
     strided_grad = grad_output.float().transpose(1, 2).contiguous().transpose(1, 2)
     assert not strided_grad.is_contiguous()
     monkeypatch.setattr(triton_kernels, "_BUFFER_ELEMENTS", 2 * 3 * 19 * 7)  # 7 queries per launch
@@ -125,3 +129,54 @@ def test_triton_method_needs_float32_and_a_device_it_runs_on(gpt2_copy, stdlib_b
     with pytest.raises(RuntimeError, match="run on CUDA devices"):
         monkeypatch.setattr(triton_kernels.knobs.runtime, "interpret", False)
         score_gradient_products_fused(*(torch.zeros(1, 1, 2, 2),) * 4, torch.zeros(1, 2, 3), None, 1.0, True)
+
+
+COMPILE_FOR_GPUS = r'''
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hf_grow import triton_kernels
+
+pointers = {"max_ptr": "*fp32", "logsum_ptr": "*fp32", "delta_ptr": "*fp32", "out_ptr": "*fp32", "x_ptr": "*fp32"}
+results = []
+for tuned in (triton_kernels._softmax_rows, triton_kernels._gradient_times_inputs):
+    kernel, config = tuned.fn, tuned.configs[0]
+    variants = [((0, True), ("bf16", "tf32")), ((1, False), ("bf16", "tf32")), ((2, False), ("bf16", "tf32"))]
+    for (mask_kind, causal), (dtype, precision) in variants + [((0, False), ("fp32", "ieee"))]:
+        constants = dict(QK_BLOCK=64, V_BLOCK=64, MASK_KIND=mask_kind, CAUSAL=causal, PRECISION=precision, **config.kwargs)
+        signature = {}
+        for name in kernel.arg_names:
+            if name in constants:
+                signature[name] = "constexpr"
+            elif name == "mask_ptr":
+                signature[name] = "*i1" if mask_kind == 1 else "*fp32"
+            elif name.endswith("_ptr"):
+                signature[name] = pointers.get(name, "*" + dtype)
+            else:
+                signature[name] = "fp32" if name == "scaling" else "i32"
+        source = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constants.items()})
+        options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        results.append([kernel.__name__, compiled.metadata.shared])
+print(json.dumps(results))
+'''
+
+
+def test_kernels_compile_for_gpus():
+    """Triton's real compiler (not the interpreter) turns each kernel, with every kind of mask, bf16 inputs on TF32
+    and float32 on IEEE products, into H100 (sm_90) machine code within its shared memory; it needs no GPU.
+    Catches what the interpreter accepts but the compiler refuses."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    command = [sys.executable, "-c", COMPILE_FOR_GPUS]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(compiled) == 2 * 4
+    for name, shared in compiled:
+        assert 0 < shared <= 227 * 1024, (name, shared)  # an H100 block's shared memory
