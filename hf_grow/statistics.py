@@ -240,7 +240,9 @@ def triton_available(device: torch.device) -> bool:
     """Whether ``method="triton"`` can run on ``device``: CUDA with triton installed, or Triton's interpreter."""
     if importlib.util.find_spec("triton") is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    from triton import knobs  # imported only here: statistics need no triton otherwise
+
+    return device.type == "cuda" or bool(knobs.runtime.interpret)
 
 
 @dataclass

@@ -239,7 +239,7 @@ def score_gradient_products_fused(
         mask = mask[..., :length].expand(batch, heads, length, length)
     mask_strides = mask.stride() if mask_kind else (0, 0, 0, 0)
     common = dict(
-        QK_BLOCK=max(16, _next_power_of_2(qk_dim)), V_BLOCK=max(16, _next_power_of_2(v_dim)),
+        QK_BLOCK=max(16, triton.next_power_of_2(qk_dim)), V_BLOCK=max(16, triton.next_power_of_2(v_dim)),
         MASK_KIND=mask_kind, CAUSAL=bool(is_causal), PRECISION="tf32" if tf32 else "ieee",
     )
     strides = (*query.stride(), *key.stride(), *value.stride(), *grad_output.stride())
@@ -268,6 +268,3 @@ def score_gradient_products_fused(
         products += torch.matmul(rows.mT, projected.transpose(0, 1).reshape(heads, -1, width))
     return products
 
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()

@@ -204,39 +204,57 @@ def test_chunked_path_equals_the_reference(architecture, query_block):
             assert (ours[layer] - theirs[layer]).norm() <= 1e-5 * theirs[layer].norm()
 
 
-@pytest.mark.parametrize("mask_kind", ["causal", "boolean", "additive", "none"])
-def test_block_products_equal_autograd(mask_kind):
-    """score_gradient_products against G = dLoss/dS from autograd of a plain softmax attention (float64)."""
-    generator = torch.Generator().manual_seed(1)
-    batch, heads, length, qk_dim, v_dim, width = 2, 3, 11, 5, 4, 7
+def attention_problem(mask_kind: str, length: int = 21, qk_dim: int = 5, width: int = 19, seed: int = 2):
+    """Random attention tensors, a mask and G = dLoss/dS from autograd of plain softmax attention (float64).
+
+    The boolean and additive masks are causal with padded keys in one sequence and, in the other, left
+    padding: its first queries attend to no key at all (no score gradient under a boolean mask; under an
+    additive one, the gradient of a uniform row).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    batch, heads, v_dim = 2, 3, 4
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator, dtype=torch.float64)
 
-    query, key, value, inputs, weights = randn(batch, heads, length, qk_dim), randn(batch, heads, length, qk_dim), randn(batch, heads, length, v_dim), randn(batch, length, width), randn(batch, heads, length, v_dim)
+    query, key = randn(batch, heads, length, qk_dim), randn(batch, heads, length, qk_dim)
+    value, grad_output = randn(batch, heads, length, v_dim), randn(batch, heads, length, v_dim)
+    inputs = randn(batch, length, width)
     allowed = torch.ones(batch, 1, length, length, dtype=torch.bool)
     if mask_kind != "none":
         allowed = torch.ones(length, length).tril().bool().expand(batch, 1, length, length).clone()
         if mask_kind != "causal":
-            allowed[1, :, :, 8:] = False  # padded keys in the second sequence
-            allowed[0, :, :, :2] = False  # left padding: the first two queries may attend to no key
-    mask = {"causal": None, "boolean": allowed, "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30), "none": None}[mask_kind]
+            allowed[1, :, :, length - 5 :] = False
+            allowed[0, :, :, :3] = False
+    mask = {
+        "causal": None,
+        "none": None,
+        "boolean": allowed,
+        "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30),
+    }[mask_kind]
     scaling = 0.37
     scores = (query @ key.mT * scaling).requires_grad_(True)
     # A boolean mask replaces scores (no gradient where it is False); an additive one passes the gradient on.
     masked = scores + mask if mask_kind == "additive" else scores.masked_fill(~allowed, torch.finfo(torch.float64).min)
     output = torch.softmax(masked, dim=-1) @ value
-    (output * weights).sum().backward()  # a loss whose dLoss/dO is `weights`
+    (output * grad_output).sum().backward()  # a loss whose dLoss/dO is `grad_output`
     expected = torch.einsum("bqd,bhqk,bke->hde", inputs, scores.grad, inputs)
-    for block in (1, 4, length):
-        products = score_gradient_products(
-            query, key, value, weights, inputs, mask, scaling, mask_kind == "causal", block, torch.float64
-        )
+    return (query, key, value, grad_output, inputs, mask, scaling, mask_kind == "causal"), expected
+
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "boolean", "additive", "none"])
+def test_block_products_equal_autograd(mask_kind):
+    """score_gradient_products against G = dLoss/dS from autograd of a plain softmax attention (float64)."""
+    problem, expected = attention_problem(mask_kind, length=11, width=7, seed=1)
+    (query, key, value, grad_output, inputs, mask, scaling, causal) = problem
+    for block in (1, 4, 11):
+        products = score_gradient_products(*problem, block, torch.float64)
         torch.testing.assert_close(products, expected, rtol=1e-10, atol=1e-12)
     # bfloat16 attention tensors, computed in float32: within 1e-3 of the float64 result on the same values.
-    rounded = [t.to(torch.bfloat16) for t in (query, key, value, weights, inputs)]
-    exact = score_gradient_products(*[t.double() for t in rounded[:4]], rounded[4].double(), mask, scaling, mask_kind == "causal", 4, torch.float64)
-    fast = score_gradient_products(*rounded[:4], rounded[4], mask, scaling, mask_kind == "causal", 4, torch.float32)
+    rounded = [t.to(torch.bfloat16) for t in (query, key, value, grad_output, inputs)]
+    exact = score_gradient_products(*[t.double() for t in rounded], mask, scaling, causal, 4, torch.float64)
+    fast = score_gradient_products(*rounded, mask, scaling, causal, 4, torch.float32)
     assert (fast.double() - exact).norm() <= 1e-3 * exact.norm()
 
 

@@ -14,44 +14,7 @@ from hf_grow.statistics import triton_available  # noqa: E402
 from hf_grow.triton_kernels import score_gradient_products_fused  # noqa: E402
 
 from conftest import tiny_gpt2_config  # noqa: E402
-from test_statistics import left_padded_batch_with_every_label, masked_causal_batch
-
-
-def attention_problem(mask_kind: str, length: int = 21, qk_dim: int = 5, seed: int = 2):
-    """Random attention tensors, a mask and G = dLoss/dS from autograd of plain softmax attention (float64).
-
-    The boolean and additive masks are causal with padded keys in one sequence and, in the other, left
-    padding: its first queries attend to no key at all (no score gradient under a boolean mask; under an
-    additive one, the gradient of a uniform row).
-    """
-    generator = torch.Generator().manual_seed(seed)
-    batch, heads, v_dim, width = 2, 3, 4, 19
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
-
-    query, key = randn(batch, heads, length, qk_dim), randn(batch, heads, length, qk_dim)
-    value, grad_output = randn(batch, heads, length, v_dim), randn(batch, heads, length, v_dim)
-    inputs = randn(batch, length, width)
-    allowed = torch.ones(batch, 1, length, length, dtype=torch.bool)
-    if mask_kind != "none":
-        allowed = torch.ones(length, length).tril().bool().expand(batch, 1, length, length).clone()
-        if mask_kind != "causal":
-            allowed[1, :, :, length - 5 :] = False
-            allowed[0, :, :, :3] = False
-    mask = {
-        "causal": None,
-        "none": None,
-        "boolean": allowed,
-        "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30),
-    }[mask_kind]
-    scaling = 0.37
-    scores = (query @ key.mT * scaling).requires_grad_(True)
-    masked = scores + mask if mask_kind == "additive" else scores.masked_fill(~allowed, torch.finfo(torch.float64).min)
-    output = torch.softmax(masked, dim=-1) @ value
-    (output * grad_output).sum().backward()
-    expected = torch.einsum("bqd,bhqk,bke->hde", inputs, scores.grad, inputs)
-    return (query, key, value, grad_output, inputs, mask, scaling, mask_kind == "causal"), expected
+from test_statistics import attention_problem, left_padded_batch_with_every_label, masked_causal_batch
 
 
 def relative_error(ours: torch.Tensor, expected: torch.Tensor) -> float:
