@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(auto: subspace iteration for wide models, eigh otherwise)")
     growth.add_argument("--statistics-method", choices=STATISTICS_METHODS, default="auto", help="chunked: sdpa "
                         "forward, M block by block in backward (bounded memory); triton: the same, fused kernels "
-                        "(CUDA); reference: eager attention; auto: reference on CPU up to 512 tokens, else chunked")
+                        "(CUDA); reference: eager attention; auto: reference on CPU up to 256 tokens, else chunked")
     growth.add_argument(
         "--memory-budget",
         help="bytes for the statistics' accumulators, e.g. 2GB: M is collected for groups of layers in several passes",

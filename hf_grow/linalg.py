@@ -33,8 +33,11 @@ class Metric:
     """The eigendecomposition of one second moment C, with a relative tolerance applied once.
 
     ``pinv_diag`` inverts the eigenvalues above ``rtol * max`` and drops the rest (for C^+), while
-    ``root_diag`` floors them at ``rtol * max`` before the square root, so that whitening stays invertible
-    and a truncation of rank >= rank(Z) returns Z exactly, also off the span of the data.
+    ``root_diag`` floors them at ``rtol * max`` before the square root, so that whitening stays invertible.
+    A truncation of rank >= rank(Z) in this metric returns Z exactly on the span of the data, and everywhere
+    when C has full rank. Off the span, whitening shrinks Z by sqrt(rtol) per side, so those components fall
+    to about ``rtol`` of the whitened spectrum and may be dropped as noise (`SINGULAR_VALUE_RTOL`): they
+    change no score of an input in the span (for LayerNorm'd inputs, every input).
     """
 
     eigenvectors: Tensor

@@ -61,7 +61,7 @@ logger = logging.getLogger("hf_grow")
 STATISTICS_ATTENTION = "hf_grow_statistics"
 METHODS: tuple[str, ...] = ("auto", "chunked", "reference", "triton")
 # Up to this many tokens per sequence the reference method is the faster one on a CPU (BENCHMARKS.md).
-CPU_REFERENCE_MAX_LENGTH = 512
+CPU_REFERENCE_MAX_LENGTH = 256
 STATISTICS_FORMAT = "hf_grow.statistics.v1"
 
 LossFn = Callable[[PreTrainedModel, Mapping[str, Tensor]], Tensor]
@@ -69,8 +69,11 @@ LossFn = Callable[[PreTrainedModel, Mapping[str, Tensor]], Tensor]
 # Per attention module of the model under collection: the collector and the layer. Read by `statistics_attention`.
 _COLLECTING: dict[nn.Module, tuple[_Collector, int]] = {}
 
-# Elements of one (b, h, block, s) float tensor in the chunked path: 2^26 float32 numbers are 256 MiB.
-_BLOCK_ELEMENTS = 2**26
+# Elements of one (b, h, block, s) float tensor in the chunked path. On a CPU, 2^21 float32 numbers
+# (8 MiB) stay in cache and skip most of a causal mask's upper triangle: 1.2-1.9x faster than 1024-query blocks
+# from 1024 tokens on, in the training step's memory (BENCHMARKS.md). On a GPU, 2^26 (256 MiB) keeps kernels busy.
+_CPU_BLOCK_ELEMENTS = 2**21
+_GPU_BLOCK_ELEMENTS = 2**26
 
 
 def statistics_attention(
@@ -199,6 +202,13 @@ def score_gradient_products(
         rows = inputs[:, start:stop].reshape(-1, width)  # (b * block, d)
         products += torch.matmul(rows.mT, projected.transpose(0, 1).reshape(heads, -1, width))
     return products
+
+
+def default_query_block(device: torch.device, batch: int, heads: int, length: int) -> int:
+    """Queries per block of the chunked method: as many as keep one (b, h, block, s) tensor within the device's
+    budget."""
+    elements = _CPU_BLOCK_ELEMENTS if device.type == "cpu" else _GPU_BLOCK_ELEMENTS
+    return max(1, min(length, elements // (batch * heads * length)))
 
 
 # A new attention name needs its mask function too, or transformers runs it without any mask.
@@ -536,7 +546,7 @@ class _Collector:
             raise ValueError("statistics need full self-attention scores: run the model without a KV cache")
         saved = [tensor.detach() for tensor in (query, key, value)]
         batch, heads, length = query.shape[:3]
-        block = self.query_block or max(1, min(length, _BLOCK_ELEMENTS // (batch * heads * length)))
+        block = self.query_block or default_query_block(query.device, batch, heads, length)
         method = self.batch_method
 
         def on_backward(grad_output: Tensor) -> None:
@@ -679,7 +689,8 @@ def collect_statistics(
 
     ``compute_dtype`` is the precision of the per-batch products (float32 or float64, whatever the model
     dtype or autocast); sums are always float64. ``method`` is ``"chunked"`` (sdpa attention, M block by block
-    in backward; ``query_block`` queries per block, by default sized to ~256 MiB per float32 block tensor),
+    in backward; ``query_block`` queries per block, by default `default_query_block`: 8 MiB per float32 block tensor on a
+    CPU, 256 MiB on a GPU),
     ``"triton"`` (the same with fused kernels; CUDA, float32 products), ``"reference"`` (eager attention, full
     score gradients) or ``"auto"`` (by device and sequence length, per batch: `choose_method`). ``tf32`` runs the
     float32 products on TF32 tensor cores (CUDA; ~5e-4 relative error, several times faster); by default on

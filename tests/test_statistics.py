@@ -6,7 +6,9 @@ from transformers import GPT2LMHeadModel
 
 from hf_grow import collect_statistics, get_adapter
 from hf_grow.adapters.base import split_heads
-from hf_grow.statistics import _COLLECTING, CPU_REFERENCE_MAX_LENGTH, choose_method, score_gradient_products
+from hf_grow.statistics import (
+    _COLLECTING, CPU_REFERENCE_MAX_LENGTH, choose_method, default_query_block, score_gradient_products,
+)
 
 from conftest import lm_batches, tiny_gpt2_config
 
@@ -350,3 +352,13 @@ def test_auto_picks_by_device_and_length():
     )
     assert collect_statistics(model, [short], get_adapter(model)).method == "reference"
     assert collect_statistics(model, [short, long], get_adapter(model)).method == "chunked+reference"
+
+
+def test_default_query_block_fits_the_device_budget():
+    """Block tensors (b, h, block, s) of at most 8 MiB of float32 on a CPU (cache-sized), 256 MiB on a GPU."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for device, budget in ((cpu, 2**21), (cuda, 2**26)):
+        block = default_query_block(device, 2, 8, 4096)
+        assert budget // 2 < 2 * 8 * block * 4096 <= budget
+    assert default_query_block(cpu, 1, 2, 16) == 16  # never more than the sequence
+    assert default_query_block(cpu, 64, 64, 2**16) == 1  # at least one query

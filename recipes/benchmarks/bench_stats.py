@@ -1,9 +1,10 @@
 """Benchmark: the cost of collecting growth statistics, as a ratio to a plain training step.
 
 For a GPT-2-small-sized config (n_embd 768, 12 layers, 12 heads) on a GPU in bf16 (batch 8), or a small config
-on CPU, at several sequence lengths: time and peak memory of one statistics step (forward + backward +
-accumulation of C and M) with each method, over one plain training step (forward + backward with parameter
-gradients, sdpa attention) on the same batch; the "triton" method where it can run (CUDA with triton). Then the
+on CPU, at sequence lengths 256 to 4096: time and peak memory (allocated on a GPU, resident on a Linux CPU) of
+one statistics step (forward + backward + accumulation of C and M) with each method, over one plain training
+step (forward + backward with parameter gradients, sdpa attention) on the same batch; the "triton" method where
+it can run (CUDA with triton); with ``--query-blocks``, the chunked method at other block sizes. Then the
 accuracy of each method's M on a padded batch against the reference method in float64. Also the FLOP floor of
 M and the solve time for all heads.
 
@@ -15,7 +16,7 @@ a line search (full SVD, eigh, and top-r subspace iteration cold or warm-started
 the truncation error's excess over the optimum), and a whole `grow_model` line search per solver at the
 preset's second sequence length.
 
-    python recipes/benchmarks/bench_stats.py --preset cpu    # ~3 min on 2 CPU cores
+    python recipes/benchmarks/bench_stats.py --preset cpu    # ~8 min on 2 CPU cores, 10 GiB at seq 4096
     python recipes/benchmarks/bench_stats.py --preset gpu    # CUDA, bf16
     python recipes/benchmarks/bench_stats.py --solve-only --skip-line-search --solve-heads 12 --solve-width 769 \
         --solve-qk-dim 64                                    # one GPT-2-small layer's solve
@@ -24,6 +25,7 @@ preset's second sequence length.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import platform
 import time
@@ -38,7 +40,7 @@ from hf_grow.statistics import METHODS, collect_statistics, triton_available
 
 
 PRESETS = {
-    "cpu": dict(n_embd=256, n_layer=4, n_head=8, vocab_size=2048, batch_size=2, seq_lens=[128, 256, 512], dtype="float32", rounds=2),
+    "cpu": dict(n_embd=256, n_layer=4, n_head=8, vocab_size=2048, batch_size=2, seq_lens=[256, 1024, 2048, 4096], dtype="float32", rounds=2),
     "gpu": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, batch_size=8, seq_lens=[256, 1024, 2048, 4096], dtype="bfloat16", rounds=5),
 }
 
@@ -49,13 +51,16 @@ def synchronize(device: torch.device) -> None:
 
 
 def measure(step, device: torch.device, rounds: int) -> tuple[float, float | None]:
-    """Median seconds of ``step()`` after a warm-up, and the peak memory above the baseline (CUDA only)."""
+    """Median seconds of ``step()`` after a warm-up, and its peak memory above the memory held before it in GiB:
+    allocated CUDA memory on a GPU, resident memory on a Linux CPU (None elsewhere)."""
     step()
     synchronize(device)
     peak = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
+    else:
+        baseline = reset_resident_peak()
     times = []
     for _ in range(rounds):
         synchronize(device)
@@ -65,7 +70,27 @@ def measure(step, device: torch.device, rounds: int) -> tuple[float, float | Non
         times.append(time.perf_counter() - tick)
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_allocated() - baseline) / 2**30
+    elif baseline is not None:
+        peak = (resident_kib("VmHWM") - baseline) / 2**20
     return sorted(times)[len(times) // 2], peak
+
+
+def resident_kib(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS: resident now, VmHWM: its peak), in KiB."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def reset_resident_peak() -> int | None:
+    """Give freed heap memory back to the OS and restart the process's resident-memory peak from its current
+    value (Linux); returns the resident KiB it starts from, or None where this is not available."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return resident_kib("VmRSS")
+    except OSError:
+        return None
 
 
 def flops(config: GPT2Config, seq_len: int) -> tuple[float, float]:
@@ -82,6 +107,8 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq-lens", type=int, nargs="+", help="override the preset's sequence lengths")
     parser.add_argument("--methods", nargs="+", choices=METHODS, help="default: chunked, reference and, where it runs, triton")
+    parser.add_argument("--query-blocks", type=int, nargs="+", default=[],
+                        help="also time the chunked method with these queries per block (default: by device)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, help="timed repetitions per measurement (median; default: the preset's)")
     parser.add_argument("--skip-solve", action="store_true", help="leave out the solve benchmarks")
@@ -110,7 +137,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else (platform.processor() or platform.machine())
     print(f"# {datetime.date.today()}, {name}, torch {torch.__version__}, {preset['dtype']}, "
           f"GPT-2 n_embd {config.n_embd} x {config.n_layer} layers x {config.n_head} heads, batch {preset['batch_size']}")
-    header = f"{'seq':>5} {'method':<10} {'train s':>8} {'stats s':>8} {'time x':>7} {'floor x':>7} {'meas/floor':>10} {'train GiB':>9} {'stats GiB':>9} {'mem x':>6}"
+    header = f"{'seq':>5} {'method':<14} {'train s':>8} {'stats s':>8} {'time x':>7} {'floor x':>7} {'meas/floor':>10} {'train GiB':>9} {'stats GiB':>9} {'mem x':>6}"
     print(header)
     print("-" * len(header))
     for seq_len in [] if args.solve_only else args.seq_lens or preset["seq_lens"]:
@@ -124,24 +151,27 @@ def main() -> None:
         try:
             train_time, train_memory = measure(train_step, device, rounds)
         except torch.OutOfMemoryError:
-            print(f"{seq_len:>5} {'train':<10} OOM")
+            print(f"{seq_len:>5} {'train':<14} OOM")
             continue
         model.zero_grad(set_to_none=True)
         training, extra = flops(config, seq_len)
         floor = (training + extra) / training
-        for method in methods:
+        runs = [(method, None) for method in methods] + [("chunked", block) for block in args.query_blocks]
+        for method, query_block in runs:
             def statistics_step() -> None:
-                collect_statistics(model, [batch], adapter, method=method)
+                collect_statistics(model, [batch], adapter, method=method, query_block=query_block)
+
+            label = method if query_block is None else f"chunked q={query_block}"
 
             try:
                 stats_time, stats_memory = measure(statistics_step, device, rounds)
             except torch.OutOfMemoryError:
-                print(f"{seq_len:>5} {method:<10} {train_time:>8.3f} {'OOM':>8}")
+                print(f"{seq_len:>5} {label:<14} {train_time:>8.3f} {'OOM':>8}")
                 torch.cuda.empty_cache()
                 continue
             ratio = stats_time / train_time
             memory = "" if train_memory is None else f"{train_memory:>9.2f} {stats_memory:>9.2f} {stats_memory / train_memory:>6.2f}"
-            print(f"{seq_len:>5} {method:<10} {train_time:>8.3f} {stats_time:>8.3f} {ratio:>7.2f} {floor:>7.2f} {ratio / floor:>10.2f} {memory}", flush=True)
+            print(f"{seq_len:>5} {label:<14} {train_time:>8.3f} {stats_time:>8.3f} {ratio:>7.2f} {floor:>7.2f} {ratio / floor:>10.2f} {memory}", flush=True)
 
     if not args.solve_only:
         accuracy_benchmark(model, adapter, methods, (args.seq_lens or preset["seq_lens"])[0], device)
