@@ -74,6 +74,9 @@ _COLLECTING: dict[nn.Module, tuple[_Collector, int]] = {}
 # from 1024 tokens on, in the training step's memory (BENCHMARKS.md). On a GPU, 2^26 (256 MiB) keeps kernels busy.
 _CPU_BLOCK_ELEMENTS = 2**21
 _GPU_BLOCK_ELEMENTS = 2**26
+# Fewer queries per block than this cost more in per-block overhead than they save in memory (2.3x a training
+# step at 8 queries, 1.35x at 32, on a CPU at batch 8 x 2048 tokens: BENCHMARKS.md).
+_MIN_QUERY_BLOCK = 32
 
 
 def statistics_attention(
@@ -206,9 +209,9 @@ def score_gradient_products(
 
 def default_query_block(device: torch.device, batch: int, heads: int, length: int) -> int:
     """Queries per block of the chunked method: as many as keep one (b, h, block, s) tensor within the device's
-    budget."""
+    budget, but at least 32 (or the whole sequence)."""
     elements = _CPU_BLOCK_ELEMENTS if device.type == "cpu" else _GPU_BLOCK_ELEMENTS
-    return max(1, min(length, elements // (batch * heads * length)))
+    return min(length, max(_MIN_QUERY_BLOCK, elements // (batch * heads * length)))
 
 
 # A new attention name needs its mask function too, or transformers runs it without any mask.
@@ -690,7 +693,7 @@ def collect_statistics(
     ``compute_dtype`` is the precision of the per-batch products (float32 or float64, whatever the model
     dtype or autocast); sums are always float64. ``method`` is ``"chunked"`` (sdpa attention, M block by block
     in backward; ``query_block`` queries per block, by default `default_query_block`: 8 MiB per float32 block tensor on a
-    CPU, 256 MiB on a GPU),
+    CPU, 256 MiB on a GPU, at least 32 queries),
     ``"triton"`` (the same with fused kernels; CUDA, float32 products), ``"reference"`` (eager attention, full
     score gradients) or ``"auto"`` (by device and sequence length, per batch: `choose_method`). ``tf32`` runs the
     float32 products on TF32 tensor cores (CUDA; ~5e-4 relative error, several times faster); by default on

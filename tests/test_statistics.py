@@ -355,10 +355,11 @@ def test_auto_picks_by_device_and_length():
 
 
 def test_default_query_block_fits_the_device_budget():
-    """Block tensors (b, h, block, s) of at most 8 MiB of float32 on a CPU (cache-sized), 256 MiB on a GPU."""
+    """Block tensors (b, h, block, s) of at most 8 MiB of float32 on a CPU (cache-sized), 256 MiB on a GPU, but
+    no blocks of fewer than 32 queries (their overhead outweighs the memory saved)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for device, budget in ((cpu, 2**21), (cuda, 2**26)):
         block = default_query_block(device, 2, 8, 4096)
         assert budget // 2 < 2 * 8 * block * 4096 <= budget
     assert default_query_block(cpu, 1, 2, 16) == 16  # never more than the sequence
-    assert default_query_block(cpu, 64, 64, 2**16) == 1  # at least one query
+    assert default_query_block(cpu, 64, 64, 2**16) == 32

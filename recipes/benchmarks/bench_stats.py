@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS, help="default: chunked, reference and, where it runs, triton")
     parser.add_argument("--query-blocks", type=int, nargs="+", default=[],
                         help="also time the chunked method with these queries per block (default: by device)")
+    parser.add_argument("--batch-size", type=int, help="override the preset's batch size")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, help="timed repetitions per measurement (median; default: the preset's)")
     parser.add_argument("--skip-solve", action="store_true", help="leave out the solve benchmarks")
@@ -118,7 +119,9 @@ def main() -> None:
     parser.add_argument("--solve-width", type=int, help="width d_e + 1 in the solve benchmark (default: the config's)")
     parser.add_argument("--solve-qk-dim", type=int, help="Q/K width before growth in the solve benchmark (p = 8)")
     args = parser.parse_args()
-    preset = PRESETS[args.preset]
+    preset = dict(PRESETS[args.preset])
+    if args.batch_size:
+        preset["batch_size"] = args.batch_size
     rounds = args.rounds or preset["rounds"]
     if args.threads:
         torch.set_num_threads(args.threads)
