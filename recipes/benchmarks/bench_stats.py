@@ -161,10 +161,10 @@ def main() -> None:
         floor = (training + extra) / training
         runs = [(method, None) for method in methods] + [("chunked", block) for block in args.query_blocks]
         for method, query_block in runs:
+            label = method if query_block is None else f"chunked q={query_block}"
+
             def statistics_step() -> None:
                 collect_statistics(model, [batch], adapter, method=method, query_block=query_block)
-
-            label = method if query_block is None else f"chunked q={query_block}"
 
             try:
                 stats_time, stats_memory = measure(statistics_step, device, rounds)
