@@ -29,6 +29,10 @@ from triton import knobs
 # Elements of the float32 G X' buffer of one launch (b, h, queries, d): 2^26 numbers are 256 MiB.
 _BUFFER_ELEMENTS = 2**26
 
+# Masked scores are filled with float32's lowest value, as in the PyTorch path: finite, so a fully masked
+# row is uniform instead of NaN.
+_LOWEST = tl.constexpr(-3.4028234663852886e38)
+
 # Tile sizes: autotuned on a GPU; in the interpreter one small configuration (it runs every tile in Python).
 if knobs.runtime.interpret:
     row_configs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})]
@@ -51,6 +55,15 @@ else:
     ]
 
 @triton.jit
+def _load_rows(ptr, b, h, stride_b, stride_h, stride_row, stride_col, offs_row, row_in, WIDTH, BLOCK: tl.constexpr):
+    """A (rows, BLOCK) float32 tile of head h of sequence b; columns past WIDTH and rows not in are zero."""
+    offs_col = tl.arange(0, BLOCK)
+    return tl.load(
+        ptr + b * stride_b + h * stride_h + offs_row[:, None] * stride_row + offs_col[None, :] * stride_col,
+        mask=row_in[:, None] & (offs_col[None, :] < WIDTH), other=0.0,
+    ).to(tl.float32)
+
+@triton.jit
 def _scores(
     q, k_ptr, offs_m, offs_n, stride_kn, stride_kk, offs_qk, QK_DIM,
     mask_ptr, stride_mm, stride_mn, LENGTH, scaling,
@@ -63,20 +76,18 @@ def _scores(
         mask=key_in[None, :] & (offs_qk[:, None] < QK_DIM), other=0.0,
     ).to(tl.float32)
     scores = tl.dot(q, k, input_precision=PRECISION) * scaling
-    # Masked scores are filled with float32's lowest value, as in the PyTorch path: finite, so a fully
-    # masked row is uniform instead of NaN.
     pair_in = (offs_m[:, None] < LENGTH) & key_in[None, :]
     if MASK_KIND == 1:  # boolean, True = attend
         allowed = tl.load(
             mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, mask=pair_in, other=0
         )
-        scores = tl.where(allowed != 0, scores, -3.4028234663852886e38)
+        scores = tl.where(allowed != 0, scores, _LOWEST)
     elif MASK_KIND == 2:  # additive
         scores += tl.load(
             mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, mask=pair_in, other=0.0
         ).to(tl.float32)
     elif CAUSAL:
-        scores = tl.where(offs_n[None, :] <= offs_m[:, None], scores, -3.4028234663852886e38)
+        scores = tl.where(offs_n[None, :] <= offs_m[:, None], scores, _LOWEST)
     return tl.where(key_in[None, :], scores, float("-inf"))
 
 @triton.autotune(configs=row_configs, key=["LENGTH", "QK_DIM", "V_DIM"])
@@ -98,10 +109,7 @@ def _softmax_rows(
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_qk, offs_v = tl.arange(0, QK_BLOCK), tl.arange(0, V_BLOCK)
     row_in = offs_m < LENGTH
-    q = tl.load(
-        q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_qk[None, :] * stride_qk,
-        mask=row_in[:, None] & (offs_qk[None, :] < QK_DIM), other=0.0,
-    ).to(tl.float32)
+    q = _load_rows(q_ptr, b, h, stride_qb, stride_qh, stride_qm, stride_qk, offs_m, row_in, QK_DIM, QK_BLOCK)
     k_ptr += b * stride_kb + h * stride_kh
     v_ptr += b * stride_vb + h * stride_vh
     mask_ptr += b * stride_mb + h * stride_mh
@@ -126,13 +134,12 @@ def _softmax_rows(
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         weighted = weighted * rescale[:, None] + tl.dot(probs, v, input_precision=PRECISION)
         row_max = new_max
-    grad_output = tl.load(
-        do_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_v[None, :] * stride_ok,
-        mask=row_in[:, None] & (offs_v[None, :] < V_DIM), other=0.0,
-    ).to(tl.float32)
+    grad_output = _load_rows(
+        do_ptr, b, h, stride_ob, stride_oh, stride_om, stride_ok, offs_m, row_in, V_DIM, V_BLOCK
+    )
     delta = tl.sum(grad_output * weighted, axis=1) / row_sum
     if MASK_KIND == 1:  # a query that a boolean mask lets attend to no key has no score gradient (G = 0)
-        delta = tl.where(row_max > -3.4028234663852886e38, delta, 0.0)
+        delta = tl.where(row_max > _LOWEST, delta, 0.0)
     rows = sequence_head * LENGTH + offs_m
     tl.store(max_ptr + rows, row_max, mask=row_in)
     tl.store(logsum_ptr + rows, tl.log(row_sum), mask=row_in)
@@ -160,20 +167,16 @@ def _gradient_times_inputs(
     offs_d = column_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_qk, offs_v = tl.arange(0, QK_BLOCK), tl.arange(0, V_BLOCK)
     row_in = offs_m < LAST_QUERY
-    q = tl.load(
-        q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_qk[None, :] * stride_qk,
-        mask=row_in[:, None] & (offs_qk[None, :] < QK_DIM), other=0.0,
-    ).to(tl.float32)
-    grad_output = tl.load(
-        do_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_v[None, :] * stride_ok,
-        mask=row_in[:, None] & (offs_v[None, :] < V_DIM), other=0.0,
-    ).to(tl.float32)
+    q = _load_rows(q_ptr, b, h, stride_qb, stride_qh, stride_qm, stride_qk, offs_m, row_in, QK_DIM, QK_BLOCK)
+    grad_output = _load_rows(
+        do_ptr, b, h, stride_ob, stride_oh, stride_om, stride_ok, offs_m, row_in, V_DIM, V_BLOCK
+    )
     rows = sequence_head * LENGTH + offs_m
     row_max = tl.load(max_ptr + rows, mask=row_in, other=0.0)
     row_logsum = tl.load(logsum_ptr + rows, mask=row_in, other=0.0)
     delta = tl.load(delta_ptr + rows, mask=row_in, other=0.0)
     if MASK_KIND == 1:
-        grad_output = tl.where((row_max > -3.4028234663852886e38)[:, None], grad_output, 0.0)
+        grad_output = tl.where((row_max > _LOWEST)[:, None], grad_output, 0.0)
     k_ptr += b * stride_kb + h * stride_kh
     v_ptr += b * stride_vb + h * stride_vh
     x_ptr += b * stride_xb
