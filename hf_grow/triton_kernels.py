@@ -54,6 +54,7 @@ else:
         )
     ]
 
+
 @triton.jit
 def _load_rows(ptr, b, h, stride_b, stride_h, stride_row, stride_col, offs_row, row_in, WIDTH, BLOCK: tl.constexpr):
     """A (rows, BLOCK) float32 tile of head h of sequence b; columns past WIDTH and rows not in are zero."""
@@ -62,6 +63,7 @@ def _load_rows(ptr, b, h, stride_b, stride_h, stride_row, stride_col, offs_row, 
         ptr + b * stride_b + h * stride_h + offs_row[:, None] * stride_row + offs_col[None, :] * stride_col,
         mask=row_in[:, None] & (offs_col[None, :] < WIDTH), other=0.0,
     ).to(tl.float32)
+
 
 @triton.jit
 def _scores(
@@ -89,6 +91,7 @@ def _scores(
     elif CAUSAL:
         scores = tl.where(offs_n[None, :] <= offs_m[:, None], scores, _LOWEST)
     return tl.where(key_in[None, :], scores, float("-inf"))
+
 
 @triton.autotune(configs=row_configs, key=["LENGTH", "QK_DIM", "V_DIM"])
 @triton.jit
@@ -144,6 +147,7 @@ def _softmax_rows(
     tl.store(max_ptr + rows, row_max, mask=row_in)
     tl.store(logsum_ptr + rows, tl.log(row_sum), mask=row_in)
     tl.store(delta_ptr + rows, delta, mask=row_in)
+
 
 @triton.autotune(configs=product_configs, key=["LENGTH", "WIDTH", "QK_DIM", "V_DIM"])
 @triton.jit
@@ -206,7 +210,6 @@ def _gradient_times_inputs(
         out_ptr + b * stride_yb + h * stride_yh + out_rows[:, None] * stride_ym + offs_d[None, :] * stride_yd,
         projected, mask=row_in[:, None] & (offs_d[None, :] < WIDTH),
     )
-
 
 
 def score_gradient_products_fused(
