@@ -31,10 +31,12 @@ from .report import GrowthReport, HeadReport, LayerReport, LineSearchPoint
 from .statistics import (
     GrowthStatistics,
     LossFn,
-    check_method as check_statistics_method,
+    check_arguments as check_statistics_arguments,
     collect_statistics,
     compute_loss,
     iterate_batches,
+    module_modes,
+    restore_modes,
     weight_sample,
 )
 
@@ -56,6 +58,8 @@ QKWeights = dict[int, tuple[Tensor, Tensor]]
 #: loading the same checkpoint in bfloat16 changes it by at most 2^-8.
 WEIGHTS_RTOL = 1e-2
 
+_NO_LOSS_TERMS = "{data} holds no loss terms (no batches, or every label is -100): pass batches with labels to learn from."
+
 
 def evaluate_loss(
     model: PreTrainedModel,
@@ -73,7 +77,7 @@ def evaluate_loss(
     adapter = adapter or get_adapter(model)
     processes = Processes(accelerator)
     device = next(model.parameters()).device
-    was_training = model.training
+    modes = module_modes(model)
     model.eval()
     total, weight = 0.0, 0
     try:
@@ -85,12 +89,12 @@ def evaluate_loss(
                 total += float(compute_loss(model, batch, loss_fn)) * batch_weight
                 weight += batch_weight
     finally:
-        model.train(was_training)
+        restore_modes(modes)
     if processes.world_size > 1:
         total, weight = processes.sum_(torch.tensor([total, weight], dtype=torch.float64, device=device)).tolist()
         weight = int(weight)
     if weight == 0:
-        raise ValueError("the evaluation data holds no loss terms (no batches, or every label is -100).")
+        raise ValueError(_NO_LOSS_TERMS.format(data="the evaluation data"))
     return total / weight, weight
 
 
@@ -223,8 +227,9 @@ class _GrowthProblem:
 
     def weights(self, step_size: float) -> QKWeights:
         """Augmented Q/K weights of the grown width for every layer. Step size 0 is exactly the old function:
-        the old weights, zero-padded, with the change of scale folded into the queries. In "append" mode the
-        old weights are kept at every step (layers without added dimensions do not change)."""
+        the old weights, zero-padded, with the change of scale folded into the queries (so in a bfloat16 or
+        float16 model, up to the rounding of those queries). In "append" mode the old weights are kept at
+        every step (layers without added dimensions do not change)."""
         weights = {}
         with torch.no_grad():
             for layer, problem in enumerate(self.layers):
@@ -317,7 +322,7 @@ def _merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def _check_statistics(statistics: GrowthStatistics, model: PreTrainedModel, adapter: ArchitectureAdapter) -> None:
-    """Refuse statistics whose layers, heads or input width do not match ``model``."""
+    """Refuse statistics whose layers, heads or input width do not match ``model``, or that are not finite."""
     config = model.config
     if statistics.model_type is not None and statistics.model_type not in adapter.model_types:
         raise ValueError(
@@ -332,6 +337,11 @@ def _check_statistics(statistics: GrowthStatistics, model: PreTrainedModel, adap
             f"the statistics were collected for another model: {found[0]} layers of M with shape {found[1]}, but "
             f"{type(model).__name__} has {layers} layers of {heads} heads over inputs of width {width - 1} (+1)."
         )
+    for layer, (second_moment, gradient) in enumerate(zip(statistics.second_moments, statistics.gradients)):
+        if not (torch.isfinite(second_moment).all() and torch.isfinite(gradient).all()):
+            raise FloatingPointError(
+                f"the statistics of layer {layer} hold NaN or Inf: collect them again (in float32 or float64)."
+            )
     if statistics.weights is not None:
         weights = weight_sample(model)
         if weights.shape != statistics.weights.shape or float(
@@ -396,6 +406,11 @@ def _split_batches(
             f"{eval_fraction:.0%} of at least 2 batches. Pass more data, an eval_dataloader, or a step_size."
         )
     num_eval = max(1, round(eval_fraction * len(batches)))
+    if num_eval >= len(batches):
+        raise ValueError(
+            f"eval_fraction={eval_fraction} holds out all {len(batches)} batches, leaving none for the statistics: "
+            "lower eval_fraction, pass more data or an eval_dataloader."
+        )
     return batches[:-num_eval], batches[-num_eval:]
 
 
@@ -410,12 +425,14 @@ def _line_search(
 
     The grid steps down until a step beats step 0, then moves by ``factor`` while the loss falls; the
     bracket around the best grid point is then halved ``refinements`` times in log space (geometric means).
+    A non-finite loss (a step that overflows in low precision) counts as +inf, so it is never the best.
     """
     losses: dict[float, float] = {}
 
     def loss(step: float) -> float:
         if step not in losses:
-            losses[step] = evaluate(step)
+            value = evaluate(step)
+            losses[step] = value if math.isfinite(value) else math.inf
         return losses[step]
 
     step = start
@@ -441,6 +458,11 @@ def _line_search(
         else:
             low, high = (low, probe) if probe > best else (probe, high)
     return losses
+
+
+def _best_step(losses: Mapping[float, float]) -> float:
+    """The step of least loss; of equal losses the smallest step (step 0 wins a tie: nothing is gained)."""
+    return min(losses, key=lambda step: (losses[step], step))
 
 
 def _write_weights(adapter: ArchitectureAdapter, model: PreTrainedModel, weights: QKWeights) -> None:
@@ -539,6 +561,7 @@ def grow_model(
         multiple_of=multiple_of,
         eval_dataloader=eval_dataloader,
         step_size=step_size,
+        initial_step_size=initial_step_size,
         truncation=truncation,
         search=search,
         loss_fn=loss_fn,
@@ -599,6 +622,7 @@ def _prepare_growth(
     multiple_of: int,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None,
     step_size: float | None,
+    initial_step_size: float,
     truncation: str,
     search: str,
     loss_fn: LossFn | None,
@@ -645,6 +669,11 @@ def _prepare_growth(
         raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
     if step_size is not None and (not math.isfinite(step_size) or step_size < 0):
         raise ValueError(f"step_size must be a finite number >= 0, got {step_size}")
+    if not (math.isfinite(initial_step_size) and initial_step_size > 0):
+        raise ValueError(
+            f"initial_step_size must be a finite number > 0 (the first step tried), got {initial_step_size}"
+        )
+    linalg.check_rtol(rtol)
     if growth is not None:
         _warn_unaligned(qk_after, growth)
 
@@ -653,10 +682,23 @@ def _prepare_growth(
     if statistics is None:
         if dataloader is None:
             raise ValueError("growth needs a dataloader, or statistics collected before.")
-        check_statistics_method(statistics_method, next(model.parameters()).device, compute_dtype, query_block)
-        with processes.failing_together():  # a process without data must not leave the others waiting
-            needs_eval = step_size is None
-            statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, needs_eval)
+        check_statistics_arguments(
+            statistics_method, next(model.parameters()).device, compute_dtype, query_block, max_batches, memory_budget
+        )
+    else:
+        _check_statistics(statistics, model, adapter)
+        if eval_dataloader is None and step_size is None:
+            raise ValueError("with precomputed statistics, pass an eval_dataloader for the line search (or a step_size).")
+    with processes.failing_together():  # a process without data must not leave the others waiting
+        statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
+        eval_terms = None
+        if eval_batches is not None and loss_fn is None:
+            eval_terms = sum(adapter.loss_weight(model, batch) for batch in eval_batches)
+    if eval_terms is not None:  # found now, not after the statistics pass
+        device = next(model.parameters()).device
+        if processes.sum_(torch.tensor(eval_terms, dtype=torch.float64, device=device)).item() == 0:
+            raise ValueError(_NO_LOSS_TERMS.format(data="the held-out data"))
+    if statistics is None:
         statistics = collect_statistics(
             model,
             statistics_batches,
@@ -670,12 +712,6 @@ def _prepare_growth(
             memory_budget=memory_budget,
             accelerator=accelerator,
         )
-    else:
-        _check_statistics(statistics, model, adapter)
-        if eval_dataloader is None and step_size is None:
-            raise ValueError("with precomputed statistics, pass an eval_dataloader for the line search (or a step_size).")
-        with processes.failing_together():
-            _, eval_batches = _split_batches(None, eval_dataloader, eval_fraction, False)
     seconds["statistics"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
@@ -736,6 +772,11 @@ def _search_and_report(
     loss_before = loss_after = None
     if eval_batches is not None:
         loss_before, eval_weight = evaluate_loss(target, eval_batches, adapter, loss_fn, accelerator)
+    if step_size is None and not math.isfinite(loss_before):
+        raise FloatingPointError(
+            f"the held-out loss is {loss_before} before any step: the line search needs a finite loss. Check the "
+            "held-out data, or load the model in a wider dtype (float16 overflows most easily)."
+        )
     if step_size is None and problem.lam_unit == 0:
         logger.warning("the loss has zero gradient with respect to every head's scores: nothing to gain, step 0.")
         step_size, loss_after = 0.0, loss_before
@@ -764,14 +805,14 @@ def _search_and_report(
                     return evaluate(reference)
 
                 unconstrained = _line_search(tracked("unconstrained", evaluate_unconstrained), start)
-                unconstrained_loss = min(unconstrained.values())
-                bracketed = min(unconstrained, key=unconstrained.get)
+                bracketed = _best_step(unconstrained)
+                unconstrained_loss = unconstrained[bracketed]
                 del reference
                 # The rank-constrained optimum sits near the unconstrained one: a finer, shorter search.
                 losses = _line_search(tracked("rank", evaluate_step), bracketed or start, factor=2.0, refinements=2)
             else:
                 losses = _line_search(tracked("rank", evaluate_step), start)
-        step_size = min(losses, key=losses.get)
+        step_size = _best_step(losses)
         loss_after = losses[step_size]
     chosen = evaluated["weights"] if evaluated.get("step") == step_size else problem.weights(step_size)
     _write_weights(adapter, target, chosen)

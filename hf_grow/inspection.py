@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from . import linalg
 from .adapters import get_adapter
 from .growth import _check_statistics, _GrowthProblem, _merged_if_peft
 from .statistics import GrowthStatistics, LossFn, collect_statistics
@@ -173,6 +174,7 @@ def inspect_growth(
     """
     if isinstance(max_dims, bool) or not isinstance(max_dims, int) or max_dims <= 0:
         raise ValueError(f"max_dims must be a positive int, got {max_dims!r}")
+    linalg.check_rtol(rtol)
     model = _merged_if_peft(model)
     adapter = get_adapter(model)
     qk_dims = adapter.qk_head_dims(model.config)

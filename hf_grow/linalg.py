@@ -17,6 +17,7 @@ All functions expect float64.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,12 +56,21 @@ class Metric:
         return self.eigenvectors @ matrix @ self.eigenvectors.mT
 
 
+def check_rtol(rtol: float) -> None:
+    """A ValueError for a relative eigenvalue tolerance outside (0, 1)."""
+    if not 0 < rtol < 1:
+        raise ValueError(
+            f"rtol must be in (0, 1): C's eigenvalues below rtol times its largest are dropped, got {rtol}"
+        )
+
+
 def metric_from_second_moment(second_moment: Tensor, rtol: float = 1e-6) -> Metric:
     """Decompose a PSD second moment C with a tolerance relative to its largest eigenvalue.
 
     ``rtol`` should sit above the relative precision of the statistics: with M accumulated from float32
     products (~1e-7 relative error) directions of C below ~1e-6 of the largest carry only noise.
     """
+    check_rtol(rtol)
     if second_moment.shape[-1] != second_moment.shape[-2]:
         raise ValueError(f"second moment must be square, got shape {tuple(second_moment.shape)}")
     if not torch.isfinite(second_moment).all():
@@ -187,6 +197,8 @@ def decompose_whitened(
     start: Tensor | None = None,
 ) -> Decomposition:
     """`decompose` of an already whitened target A (``metric`` only un-whitens the truncations)."""
+    if not bool(torch.isfinite(whitened).all()):
+        raise FloatingPointError("the target to decompose holds NaN or Inf: check the step size and the statistics.")
     if method == "svd":
         left_vectors, singular_values, right_vectors_h = torch.linalg.svd(whitened)
         return Decomposition(left_vectors, right_vectors_h.mT * singular_values[..., None, :], singular_values, metric)
@@ -234,7 +246,9 @@ def top_singular_subspace(
     the truncation error is then within about a factor ``1 + tol`` of the Eckart-Young optimum (up to
     roundoff, ~1e-13 of ``||A||^2``). Singular values close around the rank converge slowly, but then any
     of their directions truncates about as well: the criterion is on the error, not the vectors. A line
-    search warm-starts each step from the previous one (bench_stats.py).
+    search warm-starts each step from the previous one (bench_stats.py). The criterion measures progress,
+    so it assumes a start not (nearly) orthogonal to a top direction: true of random starts, and of starts
+    from a nearby target's basis. A RuntimeWarning says when ``max_iterations`` ran out first.
     """
     size = target.shape[-1]
     columns = min(size, rank + SUBSPACE_OVERSAMPLING)
@@ -252,11 +266,17 @@ def top_singular_subspace(
         ritz = torch.linalg.eigvalsh(projected @ projected.mT)  # squared Ritz values, ascending
         energy = ritz[..., -rank:].clamp_min(0).sum(dim=-1)
         if captured is not None and bool(((energy - captured) <= tol * (total - energy) + floor).all()):
-            break
+            return basis, projected
         captured = energy
         # A A^T Q with an orthonormalization after each product: each block is only as ill-conditioned as A.
         basis = _orthonormal(target @ _orthonormal(projected.mT))
         projected = basis.mT @ target
+    warnings.warn(
+        f"subspace iteration stopped after max_iterations={max_iterations} before converging to tol={tol}: "
+        "the truncations may be less than optimal (solver='eigh' is exact).",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     return basis, projected
 
 

@@ -62,6 +62,8 @@ class GrowthReport:
     step_size: float
     #: The same step in absolute units of the mean statistics, Z_new = Z - lam * P.
     lam: float
+    #: Held-out loss of the grown model at step 0, the old function (in bfloat16/float16 up to the rounding of
+    #: the rescaled query weights); the line search compares every step with it.
     eval_loss_before: float | None
     eval_loss_after: float | None
     #: Best held-out loss of the full-rank update (search="fast" only): an upper reference for growth.

@@ -13,9 +13,10 @@ Three methods, with the same result:
 - ``"triton"``: the same, with fused kernels (`hf_grow.triton_kernels`) that keep each tile of G on chip.
 - ``"reference"``: eager attention whose materialized scores hand their gradient G to a hook.
 
-``"auto"`` (the default) picks per batch by device and sequence length (`choose_method`). All methods follow
-the model's own attention where a query may attend to no key at all (a pad position before the first token of
-a left-padded sequence): sdpa gives it a zero output, eager a uniform average.
+``"auto"`` (the default) picks per batch by device and sequence length (`choose_method`). Where a query may
+attend to no key at all (a pad position before the first token of a left-padded sequence), sdpa gives it a zero
+output and eager a uniform average: ``"auto"`` keeps the model's own convention (eager models get the
+reference method), while ``"chunked"`` or ``"triton"`` forced on an eager model follow sdpa's.
 
 Padding tokens are zeroed out of X', so they contribute exactly nothing to C or M. Backward runs with
 `torch.autograd.grad` towards the input embeddings only, so no parameter `.grad` is touched.
@@ -231,8 +232,20 @@ def choose_method(device: torch.device, length: int, eager_model: bool) -> str:
     return "chunked"
 
 
-def check_method(method: str, device: torch.device, compute_dtype: torch.dtype, query_block: int | None = None) -> None:
+def check_arguments(
+    method: str,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    query_block: int | None = None,
+    max_batches: int | None = None,
+    memory_budget: int | str | None = None,
+) -> None:
     """A ValueError, before any work, for arguments `collect_statistics` cannot run with on ``device``."""
+    invalid_count = isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+    if max_batches is not None and invalid_count:
+        raise ValueError(f"max_batches must be a positive int (or None for all batches), got {max_batches!r}")
+    if memory_budget is not None:
+        parse_bytes(memory_budget)
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
     if method not in METHODS:
@@ -278,12 +291,12 @@ class GrowthStatistics:
     method: str | None = None
 
     def mean_second_moment(self, layer: int) -> Tensor:
-        """E[x' x'^T] over tokens."""
-        return self.second_moments[layer] / self.num_tokens
+        """E[x' x'^T] over tokens, in float64 (whatever dtype the sums were stored in)."""
+        return self.second_moments[layer].to(torch.float64) / self.num_tokens
 
     def mean_gradient(self, layer: int) -> Tensor:
-        """The gradient of the mean batch loss with respect to each head's Z."""
-        return self.gradients[layer] / self.num_batches
+        """The gradient of the mean batch loss with respect to each head's Z, in float64."""
+        return self.gradients[layer].to(torch.float64) / self.num_batches
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the statistics to a safetensors file (no pickle), atomically."""
@@ -350,14 +363,24 @@ def iterate_batches(dataloader: Iterable[Mapping[str, Tensor]], model: PreTraine
                 f"batch {index} is a {type(batch).__name__}; hf_grow expects dict batches passed as model(**batch), "
                 "e.g. from a DataLoader with transformers' DataCollatorForLanguageModeling."
             )
-        inputs = batch.get("input_ids", batch.get("inputs_embeds"))
-        length = inputs.shape[1] if isinstance(inputs, Tensor) and inputs.dim() >= 2 else None
+        tokens = token_shape(batch)
+        length = tokens[-1] if tokens is not None and len(tokens) >= 2 else None
         if positions is not None and length is not None and length > positions:
             raise ValueError(
                 f"batch {index} holds sequences of {length} tokens, but the model has {positions} positions "
                 "(config.max_position_embeddings): cut the sequences to at most that many tokens."
             )
         yield {key: value.to(device) if isinstance(value, Tensor) else value for key, value in batch.items()}
+
+
+def token_shape(batch: Mapping[str, Tensor]) -> torch.Size | None:
+    """The (..., s) shape of a batch's tokens: ``input_ids``' shape, or ``inputs_embeds``' without the embedding
+    dimension (e.g. (b, choices, s) for multiple choice). None where the batch holds neither."""
+    if isinstance(batch.get("input_ids"), Tensor):
+        return batch["input_ids"].shape
+    if isinstance(batch.get("inputs_embeds"), Tensor):
+        return batch["inputs_embeds"].shape[:-1]
+    return None
 
 
 def compute_loss(model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: LossFn | None) -> Tensor:
@@ -373,6 +396,17 @@ def compute_loss(model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: L
     return loss
 
 
+def module_modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """Every submodule's own train/eval flag (a dropout turned off inside a training model, say)."""
+    return [(module, module.training) for module in model.modules()]
+
+
+def restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
+    """Set back the flags `module_modes` took: ``model.train(flag)`` would set one flag on every submodule."""
+    for module, training in modes:
+        module.training = training
+
+
 @contextlib.contextmanager
 def _statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
     """Eval mode, the statistics attention and the float32 matmul precision; restored on exit, also on error.
@@ -382,7 +416,8 @@ def _statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
     checkpoint (the only kind that supports `torch.autograd.grad`). No KV cache (``config.use_cache``): the
     statistics need none, and a recomputed layer would append to it twice.
     """
-    was_training = model.training
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("statistics need gradients: call hf_grow outside torch.inference_mode().")
     original_attention = model.config._attn_implementation
     original_precision = torch.get_float32_matmul_precision()
     checkpointed = [
@@ -392,16 +427,17 @@ def _statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
     ]
     checkpoint_functions = {module: module.__dict__.get("_gradient_checkpointing_func") for module in checkpointed}
     use_cache = getattr(model.config, "use_cache", None)
+    modes = module_modes(model)
     model.eval()
     model.config.use_cache = False
     model.set_attn_implementation(STATISTICS_ATTENTION)
     for module in checkpointed:
         module.training = True
         module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
-    if tf32:
-        torch.set_float32_matmul_precision("high")
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
     try:
-        yield
+        with torch.enable_grad():
+            yield
     finally:
         torch.set_float32_matmul_precision(original_precision)
         for module, function in checkpoint_functions.items():
@@ -414,7 +450,7 @@ def _statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
             del model.config.use_cache
         else:
             model.config.use_cache = use_cache
-        model.train(was_training)
+        restore_modes(modes)
 
 
 class _Collector:
@@ -443,7 +479,12 @@ class _Collector:
         self.methods_used: set[str] = set()
         self.query_block = query_block
         self.embeddings = model.get_input_embeddings()
-        device = next(model.parameters()).device
+        parameter = next(model.parameters())
+        self.device = device = parameter.device
+        # float16 gradients of a mean loss underflow (each token's share is 1/tokens): backward runs on the
+        # summed loss instead, scaled by a power of two near the batch's token count, divided out exactly in M.
+        self.scales_loss = parameter.dtype == torch.float16
+        self.loss_scale = 1.0
         num_heads, width = adapter.num_heads(model.config), adapter.hidden_size(model.config) + 1
         self.second_moments = (
             [torch.zeros(width, width, dtype=torch.float64, device=device) for _ in self.attentions]
@@ -573,11 +614,17 @@ class _Collector:
     def _accumulate(self, layer: int, contribution: Tensor) -> None:
         contribution = contribution.to(torch.float64)
         if not torch.isfinite(contribution).all():
+            overflow = (
+                f" (a float16 model's gradients, of the loss times {self.loss_scale:g}, overflowed: load it in "
+                "bfloat16 or float32)"
+                if self.loss_scale > 1
+                else ""
+            )
             raise FloatingPointError(
-                f"non-finite score gradients in layer {layer} at batch {self.batch_index}: "
+                f"non-finite score gradients in layer {layer} at batch {self.batch_index}{overflow}: "
                 "check the loss and the data of that batch."
             )
-        self.gradients[layer] += contribution
+        self.gradients[layer] += contribution / self.loss_scale
 
     def step(self, model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: LossFn | None) -> float:
         """Forward and backward on one batch, accumulating C and M. Returns the batch loss."""
@@ -588,9 +635,11 @@ class _Collector:
         self.inputs.clear()
         self.layers_run.clear()
         self.anchors.clear()
-        first_input = batch.get("input_ids", batch.get("inputs_embeds"))
+        tokens = token_shape(batch)
+        if tokens is None:
+            raise ValueError(f"batch {self.batch_index} holds neither input_ids nor inputs_embeds: pass one of them.")
         if self.method == "auto":
-            self.batch_method = choose_method(first_input.device, first_input.shape[1], self.eager_model)
+            self.batch_method = choose_method(self.device, tokens[-1], self.eager_model)
         self.methods_used.add(self.batch_method)
         embeddings = batch.get("inputs_embeds")
         if isinstance(embeddings, Tensor):
@@ -605,13 +654,14 @@ class _Collector:
         if not torch.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss.item()} at batch {self.batch_index}")
         anchors = [anchor for anchor in self.anchors if anchor.requires_grad]
+        batch_tokens = int(self.token_mask.sum()) if self.token_mask is not None else tokens.numel()
+        self.loss_scale = 2.0 ** round(math.log2(max(batch_tokens, 1))) if self.scales_loss else 1.0
         self.in_backward = True
         try:
-            torch.autograd.grad(loss, anchors, allow_unused=True)
+            torch.autograd.grad(loss * self.loss_scale, anchors, allow_unused=True)
         finally:
             self.in_backward = False
-        tokens = self.token_mask.sum() if self.token_mask is not None else None
-        self.num_tokens += int(tokens) if tokens is not None else int(first_input.shape[:2].numel())
+        self.num_tokens += batch_tokens
         self.inputs.clear()
         self.anchors.clear()
         self.batch_index += 1
@@ -712,7 +762,7 @@ def collect_statistics(
     processes = Processes(accelerator)
     config = model.config
     parameter = next(model.parameters())
-    check_method(method, parameter.device, compute_dtype, query_block)
+    check_arguments(method, parameter.device, compute_dtype, query_block, max_batches, memory_budget)
     eager_model = config._attn_implementation == "eager"
     num_layers = len(adapter.attention_modules(model))
     groups = layer_groups(num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget)

@@ -269,6 +269,7 @@ def grow_in_training(
         multiple_of=1,
         eval_dataloader=eval_dataloader,
         step_size=step_size,
+        initial_step_size=initial_step_size,
         truncation=truncation,
         search=search,
         loss_fn=loss_fn,

@@ -1,6 +1,7 @@
 """grow_model on a GPT-2 trained on real text: the held-out loss decreases, the report tells the truth."""
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -8,7 +9,16 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from hf_grow import DEFAULT_TRUNCATION, GrowthReport, collect_statistics, evaluate_loss, get_adapter, grow_model
+from hf_grow import (
+    DEFAULT_TRUNCATION,
+    GrowthReport,
+    collect_statistics,
+    evaluate_loss,
+    get_adapter,
+    grow_model,
+    inspect_growth,
+)
+from hf_grow.growth import _line_search
 
 from conftest import lm_batches, tiny_gpt2_config
 
@@ -251,6 +261,101 @@ def test_batches_without_loss_terms_are_skipped_not_nan(trained_gpt2, data, capl
     one_token = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids} for ids in torch.randint(0, 256, (3, 4, 1))]
     with pytest.raises(ValueError, match="none of the 3 batches has a loss term"):
         grow_model(trained_gpt2, one_token, p=8, step_size=0.0)
+
+
+def unread():
+    """A dataloader that fails the test if growth reads it."""
+    raise AssertionError("the dataloader was read before the arguments were checked")
+    yield
+
+
+def without_labels(batches):
+    return [{**batch, "labels": torch.full_like(batch["labels"], -100)} for batch in batches]
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"initial_step_size": float("nan")}, "initial_step_size must be a finite number > 0"),
+        ({"initial_step_size": 0.0}, "initial_step_size must be a finite number > 0"),
+        ({"initial_step_size": -0.03}, "initial_step_size must be a finite number > 0"),
+        ({"rtol": 2.0}, "rtol must be in \\(0, 1\\)"),
+        ({"rtol": 0.0}, "rtol must be in \\(0, 1\\)"),
+        ({"max_batches": 0}, "max_batches must be a positive int"),
+        ({"max_batches": True}, "max_batches must be a positive int"),
+        ({"memory_budget": "lots"}, "memory_budget 'lots' is not a size"),
+        ({"eval_dataloader": "unlabelled"}, "the held-out data holds no loss terms"),
+    ],
+)
+def test_bad_arguments_fail_before_any_data_is_read(trained_gpt2, data, arguments, message):
+    if arguments.get("eval_dataloader") == "unlabelled":
+        arguments = {"eval_dataloader": without_labels(data["eval"][:2])}
+    with pytest.raises(ValueError, match=message):
+        grow_model(trained_gpt2, unread(), p=8, **arguments)
+    if "rtol" in arguments:
+        with pytest.raises(ValueError, match=message):
+            inspect_growth(trained_gpt2, unread(), rtol=arguments["rtol"])
+
+
+def test_held_out_fraction_must_leave_statistics_batches(trained_gpt2, data):
+    with pytest.raises(ValueError, match="eval_fraction=0.75 holds out all 2 batches, leaving none for the statistics"):
+        grow_model(trained_gpt2, data["stats"][:2], p=8, eval_fraction=0.75)
+
+
+def test_line_search_ranks_non_finite_losses_last():
+    """A step whose loss overflows is never chosen, also where it is tried first; ties go to the smaller step."""
+
+    def overflowing(step: float) -> float:
+        return float("nan") if step > 1.0 else (step - 0.1) ** 2
+
+    losses = _line_search(overflowing, start=100.0)
+    best = min(losses, key=losses.get)
+    assert losses[100.0] == math.inf and 0.05 < best < 0.2
+    assert _line_search(lambda step: 0.0 if step == 0 else float("nan"), start=0.03) == {
+        **{0.03 / 4**k: math.inf for k in range(12)}, 0.0: 0.0
+    }
+
+
+def test_a_step_whose_loss_overflows_in_float16_is_never_taken(trained_gpt2, data):
+    """In float16 the first steps of a search from a huge step overflow the scores (NaN losses): the search
+    ranks them last (it used to take the first) and takes a finite step, never worse than step 0."""
+    model = GPT2LMHeadModel(tiny_gpt2_config(attn_implementation="eager"))
+    model.load_state_dict(trained_gpt2.state_dict())
+    model = model.half().eval()
+    held_out = [{name: tensor[:4] for name, tensor in data["eval"][0].items()}]
+    grown = grow_model(
+        model, data["stats"][:3], p=8, eval_dataloader=held_out, initial_step_size=1e4, measure_realized_gains=False
+    )
+    report = grown.growth_report
+    assert math.isnan(report.line_search[0].loss) and report.line_search[0].step_size == 1e4
+    assert math.isfinite(report.step_size) and report.step_size < 1e3
+    assert math.isfinite(report.eval_loss_after) and report.eval_loss_after <= report.eval_loss_before
+    with torch.no_grad():
+        assert torch.isfinite(grown(**data["test"][0]).logits).all()
+
+
+def test_precomputed_statistics_are_checked_and_used_in_float64(trained_gpt2, data):
+    """Sums stored in float32 (e.g. saved so) are solved in float64; NaN statistics are refused."""
+    statistics = collect_statistics(trained_gpt2, data["stats"][:3], get_adapter(trained_gpt2))
+
+    def converted(given, dtype):
+        return dataclasses.replace(
+            given,
+            second_moments=[tensor.to(dtype) for tensor in given.second_moments],
+            gradients=[tensor.to(dtype) for tensor in given.gradients],
+        )
+
+    in_float32 = converted(statistics, torch.float32)
+    rounded = converted(in_float32, torch.float64)  # the same numbers, stored in float64
+    from_float32, from_rounded = (
+        grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=given) for given in (in_float32, rounded)
+    )
+    for name, tensor in from_rounded.state_dict().items():
+        assert torch.equal(from_float32.state_dict()[name], tensor), name
+    broken = dataclasses.replace(statistics, gradients=[tensor.clone() for tensor in statistics.gradients])
+    broken.gradients[1][2, 3, 4] = float("nan")
+    with pytest.raises(FloatingPointError, match="the statistics of layer 1 hold NaN or Inf"):
+        grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=broken)
 
 
 def test_same_inputs_give_bit_identical_growth(trained_gpt2, data):

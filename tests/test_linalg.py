@@ -232,6 +232,21 @@ def test_subspace_method_on_rank_deficient_targets_and_determinism(generator):
     assert torch.equal(zero.product, torch.zeros(2, d, d, dtype=torch.float64))
 
 
+def test_non_finite_targets_and_unconverged_iterations_are_said(generator):
+    """A NaN target is an error, not zero weights; subspace iteration that runs out of iterations warns."""
+    target = torch.randn(2, 40, 40, generator=generator, dtype=torch.float64)
+    broken = target.clone()
+    broken[1, 3, 5] = float("nan")
+    for method in ("eigh", "svd", "subspace"):
+        with pytest.raises(FloatingPointError, match="NaN or Inf"):
+            linalg.decompose(broken, None, method, rank=4)
+    with pytest.warns(RuntimeWarning, match="max_iterations=1 before converging"):
+        linalg.top_singular_subspace(target, 4, max_iterations=1)
+    for value in (0.0, 1.0, -1e-6, float("nan")):
+        with pytest.raises(ValueError, match="rtol must be in \\(0, 1\\)"):
+            linalg.metric_from_second_moment(random_psd(8, 20, generator), rtol=value)
+
+
 def test_choose_method_by_size():
     assert linalg.choose_method(769, 64 + 8) == "subspace"  # GPT-2 small: 88 of 769 columns
     assert linalg.choose_method(385, 64 + 8) == "eigh"  # 88 of 385 columns: measured no faster
