@@ -103,6 +103,26 @@ def test_push_a_folder_to_a_branch(grown, tmp_path):
     assert ModelCard(api.files["README.md"].decode()).data.base_model is None  # unknown: no metadata
 
 
+def test_save_pretrained_with_push_to_hub_uploads_a_complete_folder(grown, tmp_path, monkeypatch):
+    """transformers uploads inside `save_pretrained(push_to_hub=True)`, which used to run before the source
+    files and the report were written: the Hub got an auto_map pointing at files it did not have."""
+    import transformers.utils.hub as transformers_hub
+
+    uploads = []
+
+    def upload(self, working_dir, repo_id, files_timestamps, **kwargs):
+        uploads.append((repo_id, kwargs.get("commit_message"), {path.name for path in Path(working_dir).iterdir()}))
+
+    api = SimpleNamespace(create_repo=lambda repo_id, **_: SimpleNamespace(repo_id=repo_id))
+    monkeypatch.setattr(transformers_hub, "hf_api", lambda: api)
+    monkeypatch.setattr(transformers_hub, "create_and_tag_model_card", lambda *_, **__: ModelCard("---\n---\ncard"))
+    monkeypatch.setattr(transformers_hub.PushToHubMixin, "_upload_modified_files", upload)
+    model, _ = grown
+    model.save_pretrained(tmp_path / "out", push_to_hub=True, repo_id="me/grown", commit_message="grown")
+    assert uploads == [("me/grown", "grown", GROWN_FILES)]
+    assert {path.name for path in (tmp_path / "out").iterdir()} == GROWN_FILES - {"README.md"}
+
+
 def test_bad_pushes_are_refused_before_anything(grown, tmp_path, monkeypatch):
     model, _ = grown
     api = FakeApi()

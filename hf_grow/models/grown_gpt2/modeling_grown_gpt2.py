@@ -40,6 +40,9 @@ from transformers.utils.output_capturing import OutputRecorder
 from .configuration_grown_gpt2 import GrownGPT2Config
 
 
+#: `push_to_hub`'s options that `save_pretrained(push_to_hub=True, ...)` passes on to it.
+_PUSH_KWARGS = ("commit_message", "commit_description", "private", "revision", "create_pr", "tags")
+
 AUTO_MAP = {
     "AutoConfig": "configuration_grown_gpt2.GrownGPT2Config",
     "AutoModel": "modeling_grown_gpt2.GrownGPT2Model",
@@ -154,21 +157,31 @@ class GrownGPT2PreTrainedModel(GPT2PreTrainedModel):
         "attentions": OutputRecorder(GrownGPT2Attention, layer_name=".attn", index=1),
     }
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(
+        self, save_directory, is_main_process: bool = True, *args, push_to_hub: bool = False, **kwargs
+    ):
         """`PreTrainedModel.save_pretrained`, plus what a grown checkpoint carries beside the weights.
 
         The two source files and `auto_map` (for `trust_remote_code`), and `growth_report.json` when the
-        model holds the report of the growth that made it (`model.growth_report`, set by hf_grow).
+        model holds the report of the growth that made it (`model.growth_report`, set by hf_grow). With
+        ``push_to_hub``, the folder is complete before `push_to_hub` uploads it (transformers' own upload
+        inside `save_pretrained` would run before these files are written).
         """
         self.config.auto_map = dict(AUTO_MAP)
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            here = Path(__file__)
-            for source in [here, *map(Path, get_relative_import_files(str(here)))]:
-                shutil.copyfile(source, Path(save_directory) / source.name)
-            report = getattr(self, "growth_report", None)
-            if report is not None:
-                report.to_json_file(Path(save_directory) / "growth_report.json")
+        if push_to_hub:
+            repo_id = kwargs.pop("repo_id", Path(save_directory).name)
+            hub_kwargs = {key: kwargs.pop(key) for key in _PUSH_KWARGS if key in kwargs}
+        super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+        if not self.should_save_on_this_rank(is_main_process):
+            return
+        here = Path(__file__)
+        for source in [here, *map(Path, get_relative_import_files(str(here)))]:
+            shutil.copyfile(source, Path(save_directory) / source.name)
+        report = getattr(self, "growth_report", None)
+        if report is not None:
+            report.to_json_file(Path(save_directory) / "growth_report.json")
+        if push_to_hub:
+            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub_kwargs)
 
 
 class GrownGPT2Model(GrownGPT2PreTrainedModel, GPT2Model):
