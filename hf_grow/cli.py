@@ -197,9 +197,36 @@ def _check_arguments(args: argparse.Namespace) -> None:
             hub.check_push(args.push_to_hub)
         except ValueError as error:
             raise CommandError(str(error)) from None
-    output = Path(args.output_dir)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
+    _check_device(args)
+    _check_output_folder(Path(args.output_dir), args.overwrite)
+    _check_file_folders(("--report", args.report))
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise CommandError(f"--device {args.device!r} is not a device: write e.g. cpu, cuda or cuda:1") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {args.device}: this PyTorch sees no CUDA device; use --device cpu")
+
+
+def _check_output_folder(output: Path, overwrite: bool) -> None:
+    """A ready or creatable output folder, refused if it holds anything (unless ``overwrite``)."""
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
         raise CommandError(f"{output} exists and is not empty: choose another --output-dir or pass --overwrite")
+    ancestor = output.resolve().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
+        raise CommandError(f"--output-dir {output}: cannot create folders in {ancestor}")
+
+
+def _check_file_folders(*options: tuple[str, str | None]) -> None:
+    """Output files' folders exist: found before any work, not when the results are written."""
+    for option, path in options:
+        if path and not Path(path).resolve().parent.is_dir():
+            raise CommandError(f"{option}: the folder of {path} does not exist")
 
 
 def _load_tokenizer(args: argparse.Namespace):
@@ -340,8 +367,12 @@ def _load_statistics(path: str) -> GrowthStatistics:
         raise CommandError(f"{error}: pass a file written by `hf-grow inspect --save-stats`") from None
 
 
-def _write_atomically(output: Path, write) -> None:
-    """Write into a temporary sibling folder, then rename it into place: no half-written model, ever."""
+def _write_atomically(output: Path, write, overwrite: bool) -> None:
+    """Write into a temporary sibling folder, then rename it into place: no half-written model, ever.
+
+    The output folder is checked again just before the rename: what appeared there meanwhile is replaced
+    only with ``overwrite``.
+    """
     output = output.resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.hf-grow-{os.getpid()}"
@@ -350,6 +381,7 @@ def _write_atomically(output: Path, write) -> None:
     try:
         staging.mkdir()
         write(staging)
+        _check_output_folder(output, overwrite)
         if output.exists():
             output.rename(replaced)
         staging.rename(output)
@@ -461,9 +493,15 @@ def _write_outputs(args: argparse.Namespace, grown, tokenizer, started: float, a
                               datasets=datasets)
         card.save(folder / hub.CARD_FILENAME)
 
-    _write_atomically(output, write)
+    try:
+        _write_atomically(output, write, args.overwrite)
+    except OSError as error:
+        raise CommandError(f"writing {output} failed ({error}); nothing was written") from None
     if args.report:
-        report.to_json_file(args.report)
+        try:
+            report.to_json_file(args.report)
+        except OSError as error:
+            raise CommandError(f"writing --report {args.report} failed ({error}); the grown model is in {output}") from None
     elapsed = time.perf_counter() - started
     print(report.summary())
     processes = f" on {accelerator.num_processes} processes" if accelerator is not None else ""
@@ -488,9 +526,8 @@ def run_inspect(args: argparse.Namespace) -> None:
         raise CommandError(f"--max-dims must be positive, got {args.max_dims}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise CommandError(f"--plot: {PLOT_EXTRA}")
-    for option, path in (("--plot", args.plot), ("--json", args.json), ("--save-stats", args.save_stats)):
-        if path and not Path(path).resolve().parent.is_dir():
-            raise CommandError(f"{option}: the folder of {path} does not exist")
+    _check_device(args)
+    _check_file_folders(("--plot", args.plot), ("--json", args.json), ("--save-stats", args.save_stats))
     show_progress = _start(args)
     objective = _objective(args)
     tokenizer = _load_tokenizer(args)

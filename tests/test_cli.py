@@ -73,6 +73,10 @@ def test_refuses_a_non_empty_output_folder(model_folder, tmp_path):
         (["--data", "/nonexistent/*.txt"], "no text file"),
         (["--data", TEXT_GLOB, "--max-tokens", "10", "--eval-tokens", "10", "--seq-len", "64"], "too short"),
         (["--dataset", "/nonexistent-dataset-folder"], "cannot load dataset"),
+        (["--device", "nonsense"], "--device 'nonsense' is not a device"),
+        (["--report", "/nonexistent/folder/report.json"], "--report: the folder of /nonexistent/folder"),
+        (["--output-dir", "/dev/null/grown"], "--output-dir /dev/null/grown: cannot create folders in /dev/null"),
+        *([] if torch.cuda.is_available() else [(["--device", "cuda"], "this PyTorch sees no CUDA device")]),
     ],
 )
 def test_bad_input_is_one_line(model_folder, tmp_path, arguments, message):
@@ -144,15 +148,32 @@ def test_encoder_without_a_masked_lm_head_is_refused(minilm_path, tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
-def test_failed_save_leaves_nothing_behind(model_folder, tmp_path, monkeypatch):
+def test_failed_save_leaves_nothing_behind(model_folder, tmp_path, monkeypatch, capsys):
     def broken_save(self, *args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(GrownGPT2LMHeadModel, "save_pretrained", broken_save)
     output = tmp_path / "grown"
-    with pytest.raises(OSError, match="disk full"):
-        cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--step-size", "0.01", *SMALL])
+    code = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--step-size", "0.01", *SMALL])
+    assert code == 2 and f"writing {output} failed (disk full); nothing was written" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_that_appears_during_the_run_is_kept(model_folder, tmp_path, monkeypatch, capsys):
+    """The output folder is checked again before the rename: a file put there meanwhile survives."""
+    output = tmp_path / "grown"
+    save = GrownGPT2LMHeadModel.save_pretrained
+
+    def save_while_someone_writes_there(self, folder, *args, **kwargs):
+        output.mkdir(exist_ok=True)
+        (output / "precious.txt").write_text("keep me")
+        return save(self, folder, *args, **kwargs)
+
+    monkeypatch.setattr(GrownGPT2LMHeadModel, "save_pretrained", save_while_someone_writes_there)
+    code = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--step-size", "0.0", *SMALL])
+    assert code == 2 and "exists and is not empty" in capsys.readouterr().err
+    assert [path.name for path in output.iterdir()] == ["precious.txt"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["grown"]
 
 
 def test_overwrite_replaces_the_folder(model_folder, tmp_path):
