@@ -52,9 +52,10 @@ def token_windows(
             continue
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] + separator
         buffer.extend(ids)
-        while len(buffer) >= seq_len and len(windows) * seq_len < max_tokens:
-            windows.append(torch.tensor(buffer[:seq_len], dtype=torch.long))
-            buffer = buffer[seq_len:]
+        wanted = -(-max_tokens // seq_len) - len(windows)
+        count = min(len(buffer) // seq_len, wanted)
+        windows.extend(torch.tensor(buffer[: count * seq_len], dtype=torch.long).view(count, seq_len).unbind())
+        del buffer[: count * seq_len]  # once per text: a long document is cut in linear time
         if len(windows) * seq_len >= max_tokens:
             break
     return windows

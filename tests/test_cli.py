@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from hf_grow import GrownGPT2LMHeadModel, cli, load_growth_report
+from hf_grow.data import token_windows
 from quickstart import train_small_gpt2
 
 
@@ -207,3 +208,22 @@ def test_local_dataset_through_the_datasets_library(model_folder, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = load_growth_report(tmp_path / "out")
     assert report.eval_loss_after <= report.eval_loss_before and report.solver == "subspace"
+
+
+class ByteTokenizer:
+    """Bytes as token ids, 256 as the end of text: enough of a tokenizer to cut windows with."""
+
+    eos_token_id = 256
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode())}
+
+
+def test_token_windows_cut_the_concatenated_texts():
+    texts = ["a" * 10, "", "bc" * 40_000, "tail"]
+    stream = [*b"a" * 10, 256, *b"bc" * 40_000, 256, *b"tail", 256]
+    windows = token_windows(texts, ByteTokenizer(), 64, max_tokens=10**9)
+    assert len(windows) == len(stream) // 64
+    assert torch.equal(torch.stack(windows).flatten(), torch.tensor(stream[: len(windows) * 64]))
+    capped = token_windows(texts, ByteTokenizer(), 64, max_tokens=1000)  # windows up to the first past 1000 tokens
+    assert len(capped) == 16 and all(torch.equal(a, b) for a, b in zip(capped, windows))
