@@ -489,7 +489,9 @@ def _write_outputs(args: argparse.Namespace, grown, tokenizer, started: float, a
     def write(folder: Path) -> None:
         grown.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        card = hub.model_card(folder, base_model=args.model, repo_id=args.push_to_hub or output.name, data=data,
+        # A local model is named by its absolute path: the card stays true wherever it is pushed from later.
+        base_model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+        card = hub.model_card(folder, base_model=base_model, repo_id=args.push_to_hub or output.name, data=data,
                               datasets=datasets)
         card.save(folder / hub.CARD_FILENAME)
 

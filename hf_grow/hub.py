@@ -83,12 +83,19 @@ def model_card(
         datasets=list(datasets) or None,
     )
     name = repo_id or folder.name
-    body = _card_body(report, architecture, auto_class, name, base_model, data)
+    tokenizer = (folder / "tokenizer_config.json").is_file()
+    body = _card_body(report, architecture, auto_class, name, base_model, data, tokenizer)
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}")
 
 
 def _card_body(
-    report: GrowthReport, architecture: str, auto_class: str | None, name: str, base_model: str | None, data: str | None
+    report: GrowthReport,
+    architecture: str,
+    auto_class: str | None,
+    name: str,
+    base_model: str | None,
+    data: str | None,
+    tokenizer: bool,
 ) -> str:
     def loss(value: float | None) -> str:
         return "-" if value is None else f"{value:.4f}"
@@ -114,6 +121,9 @@ def _card_body(
         remote = f"from transformers import AutoModel\n\n# the base model, without the {architecture} head\n"
         remote += f'model = AutoModel.from_pretrained("{name}", trust_remote_code=True)'
         installed = f'from hf_grow import {architecture}\n\nmodel = {architecture}.from_pretrained("{name}")'
+    if tokenizer:  # the config's auto_map makes AutoTokenizer ask about remote code too
+        remote = remote.replace("\n\n", ", AutoTokenizer\n\n", 1)
+        remote += f'\ntokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)'
     return f"""# {name.split("/")[-1]}
 
 {grown_from} with the query/key width of its attention heads grown by [hf_grow](https://pypi.org/project/hf_grow/):
@@ -247,6 +257,8 @@ def push_to_hub(
         existing = folder / CARD_FILENAME
         if existing.is_file():
             card = ModelCard.load(existing)
+            # A card written for the folder (by the CLI, say) loads it by the folder's name: use the repository's.
+            card.text = card.text.replace(f'from_pretrained("{folder.name}"', f'from_pretrained("{repo_id}"')
         else:
             card = model_card(folder, base_model=base_model, repo_id=repo_id)
         card_path = Path(staging) / CARD_FILENAME

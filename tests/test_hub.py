@@ -162,8 +162,24 @@ def test_cli_pushes_the_output_folder(model_folder, tmp_path, monkeypatch):
     local, pushed = ModelCard.load(output / "README.md"), ModelCard(api.files["README.md"].decode())
     assert local.text == pushed.text and pushed.data.pipeline_tag == "text-generation"
     # The local card records the local base model; the Hub refuses local paths as metadata, so the pushed one has none.
-    assert local.data.base_model == str(model_folder) and pushed.data.base_model is None
+    assert local.data.base_model == str(model_folder.resolve()) and pushed.data.base_model is None
     assert str(model_folder) in pushed.text and "local text" in pushed.text and 'from_pretrained("me/cli-grown"' in pushed.text
+    assert 'tokenizer = AutoTokenizer.from_pretrained("me/cli-grown", trust_remote_code=True)' in pushed.text
+
+
+def test_a_cli_folder_pushed_later_from_elsewhere(model_folder, tmp_path, monkeypatch):
+    """The CLI names a model given by a relative path by its absolute path, so a push from another folder still
+    leaves it out of the metadata; the card's loading snippets then name the repository, not the folder."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "small").symlink_to(model_folder)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["models/small", "--data", TEXT_GLOB, "--output-dir", "grown", "--step-size", "0.0", *SMALL]) == 0
+    monkeypatch.chdir(tmp_path / "models")  # here, "models/small" would not exist: only the card can tell
+    api = FakeApi()
+    push_to_hub(tmp_path / "grown", "me/later", api=api)
+    card = ModelCard(api.files["README.md"].decode())
+    assert card.data.base_model is None and 'from_pretrained("grown"' not in card.text
+    assert 'AutoModelForCausalLM.from_pretrained("me/later", trust_remote_code=True)' in card.text
 
 
 def test_cli_push_fails_offline_in_one_line_before_any_work(model_folder, tmp_path, monkeypatch, capsys):
