@@ -68,7 +68,8 @@ def evaluate_loss(
     loss_fn: LossFn | None = None,
     accelerator: Accelerator | None = None,
 ) -> tuple[float, int]:
-    """Mean loss over ``batches``, each batch weighted by the number of loss terms it averages over.
+    """Mean loss over ``batches``, each batch weighted by the number of loss terms it averages over (with a
+    ``loss_fn``, whose normalization is unknown, by its number of sequences).
 
     Returns ``(loss, total_weight)``; the model runs in eval mode without gradients and keeps its mode.
     With an ``accelerator``, every process passes its own batches and gets the loss over all of them.
@@ -507,7 +508,8 @@ def grow_model(
             layers with 0 keep their width but still take the step). Default 8; not with ``budget``.
         budget: instead of ``p``, a total of dimensions added per head, summed over layers, allocated from the
             statistics before the line search: greedily, ``multiple_of`` dimensions at a time, to the layer whose
-            next dimensions have the largest expected gain summed over its heads. The gains are first-order in
+            next dimensions have the largest expected gain summed over its heads (in the metric of C, whatever
+            the ``truncation``). The gains are first-order in
             the step lam (`hf_grow.linalg.growth_gain_rates`); all scale with the same lam, so the allocation
             does not depend on it. ``growth_report.budget`` records it.
         multiple_of: the chunk of a budget allocation (e.g. 8 keeps widths multiples of 8 for fused kernels).
