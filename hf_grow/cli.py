@@ -503,7 +503,9 @@ def _write_outputs(args: argparse.Namespace, grown, tokenizer, started: float, a
         try:
             report.to_json_file(args.report)
         except OSError as error:
-            raise CommandError(f"writing --report {args.report} failed ({error}); the grown model is in {output}") from None
+            raise CommandError(
+                f"writing --report {args.report} failed ({error}); the grown model is in {output}"
+            ) from None
     elapsed = time.perf_counter() - started
     print(report.summary())
     processes = f" on {accelerator.num_processes} processes" if accelerator is not None else ""

@@ -58,7 +58,7 @@ QKWeights = dict[int, tuple[Tensor, Tensor]]
 #: loading the same checkpoint in bfloat16 changes it by at most 2^-8.
 WEIGHTS_RTOL = 1e-2
 
-_NO_LOSS_TERMS = "{data} holds no loss terms (no batches, or every label is -100): pass batches with labels to learn from."
+_NO_LOSS_TERMS = "{data} holds no loss terms (no batches, or every label is -100): pass batches with labels."
 
 
 def evaluate_loss(
@@ -690,7 +690,9 @@ def _prepare_growth(
     else:
         _check_statistics(statistics, model, adapter)
         if eval_dataloader is None and step_size is None:
-            raise ValueError("with precomputed statistics, pass an eval_dataloader for the line search (or a step_size).")
+            raise ValueError(
+                "with precomputed statistics, pass an eval_dataloader for the line search (or a step_size)."
+            )
     with processes.failing_together():  # a process without data must not leave the others waiting
         statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
         eval_terms = None

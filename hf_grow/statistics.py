@@ -742,13 +742,14 @@ def collect_statistics(
 
     ``compute_dtype`` is the precision of the per-batch products (float32 or float64, whatever the model
     dtype or autocast); sums are always float64 (a float16 model's backward runs on its loss scaled to the
-    batch's token count, so its score gradients do not underflow). ``method`` is ``"chunked"`` (sdpa attention, M block by block
-    in backward; ``query_block`` queries per block, by default `default_query_block`: 8 MiB per float32 block
-    tensor on a CPU, 256 MiB on a GPU, at least 32 queries),
-    ``"triton"`` (the same with fused kernels; CUDA, float32 products), ``"reference"`` (eager attention, full
-    score gradients) or ``"auto"`` (by device and sequence length, per batch: `choose_method`). ``tf32`` runs the
-    float32 products on TF32 tensor cores (CUDA; ~5e-4 relative error, several times faster); by default on
-    for bfloat16/float16 models.
+    batch's token count, so its score gradients do not underflow).
+
+    ``method`` is ``"chunked"`` (sdpa attention, M block by block in backward; ``query_block`` queries per
+    block, by default `default_query_block`: 8 MiB per float32 block tensor on a CPU, 256 MiB on a GPU, at
+    least 32 queries), ``"triton"`` (the same with fused kernels; CUDA, float32 products), ``"reference"``
+    (eager attention, full score gradients) or ``"auto"`` (by device and sequence length, per batch:
+    `choose_method`). ``tf32`` runs the float32 products on TF32 tensor cores (CUDA; ~5e-4 relative error,
+    several times faster; False forces full float32 precision); by default on for bfloat16/float16 models.
 
     ``memory_budget`` (bytes, or a string such as ``"2GB"``) bounds the float64 accumulators: M is collected
     for as many layers as fit, in several passes over ``dataloader`` (which must then be re-iterable and
