@@ -31,6 +31,7 @@ from .report import GrowthReport, HeadReport, LayerReport, LineSearchPoint
 from .statistics import (
     GrowthStatistics,
     LossFn,
+    batch_loss_weight,
     check_arguments as check_statistics_arguments,
     collect_statistics,
     compute_loss,
@@ -84,7 +85,7 @@ def evaluate_loss(
     try:
         with processes.failing_together(), torch.no_grad():
             for batch in iterate_batches(batches, model):
-                batch_weight = adapter.loss_weight(model, batch) if loss_fn is None else len(next(iter(batch.values())))
+                batch_weight = batch_loss_weight(adapter, model, batch, loss_fn)
                 if batch_weight == 0:
                     continue  # no loss term: the model's loss is 0 / 0
                 total += float(compute_loss(model, batch, loss_fn)) * batch_weight
@@ -696,8 +697,8 @@ def _prepare_growth(
     with processes.failing_together():  # a process without data must not leave the others waiting
         statistics_batches, eval_batches = _split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
         eval_terms = None
-        if eval_batches is not None and loss_fn is None:
-            eval_terms = sum(adapter.loss_weight(model, batch) for batch in eval_batches)
+        if eval_batches is not None:
+            eval_terms = sum(batch_loss_weight(adapter, model, batch, loss_fn) for batch in eval_batches)
     if eval_terms is not None:  # found now, not after the statistics pass
         device = next(model.parameters()).device
         if processes.sum_(torch.tensor(eval_terms, dtype=torch.float64, device=device)).item() == 0:

@@ -275,8 +275,11 @@ def triton_available(device: torch.device) -> bool:
 class GrowthStatistics:
     """Sums over the data: ``second_moments[l]`` (d, d) and ``gradients[l]`` (heads, d, d), d = d_e + 1.
 
-    ``num_tokens`` counts the non-padding tokens in C, ``num_batches`` the loss evaluations summed in M.
-    Sums (not means) so that statistics from several processes or passes add up exactly.
+    ``num_tokens`` counts the non-padding tokens in C, ``num_batches`` the batches in M. M sums each batch's
+    gradient times its ``loss_weight`` (`batch_loss_weight`: the loss terms its loss averages over), so that
+    M / total weight is the gradient of the loss over all terms, the one `evaluate_loss` measures, also for
+    batches of different sizes. Sums (not means) so that statistics from several processes or passes add up
+    exactly.
     """
 
     second_moments: list[Tensor]
@@ -289,14 +292,17 @@ class GrowthStatistics:
     weights: Tensor | None = None
     #: The methods that computed M (`METHODS`), joined by "+" where ``"auto"`` chose differently per batch.
     method: str | None = None
+    #: The loss terms M sums over (None in files of hf_grow 0.x before it: M summed unweighted batch means).
+    loss_weight: int | None = None
 
     def mean_second_moment(self, layer: int) -> Tensor:
         """E[x' x'^T] over tokens, in float64 (whatever dtype the sums were stored in)."""
         return self.second_moments[layer].to(torch.float64) / self.num_tokens
 
     def mean_gradient(self, layer: int) -> Tensor:
-        """The gradient of the mean batch loss with respect to each head's Z, in float64."""
-        return self.gradients[layer].to(torch.float64) / self.num_batches
+        """The gradient of the mean loss (over all loss terms) with respect to each head's Z, in float64."""
+        weight = self.num_batches if self.loss_weight is None else self.loss_weight
+        return self.gradients[layer].to(torch.float64) / weight
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the statistics to a safetensors file (no pickle), atomically."""
@@ -310,6 +316,7 @@ class GrowthStatistics:
             "num_batches": str(self.num_batches),
             "model_type": self.model_type or "",
             "method": self.method or "",
+            "loss_weight": "" if self.loss_weight is None else str(self.loss_weight),
         }
         temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
         safetensors.torch.save_file(tensors, temporary, metadata=metadata)
@@ -335,6 +342,7 @@ class GrowthStatistics:
             model_type=metadata["model_type"] or None,
             weights=tensors.get("weights"),
             method=metadata.get("method") or None,
+            loss_weight=int(metadata["loss_weight"]) if metadata.get("loss_weight") else None,
         )
 
 
@@ -381,6 +389,16 @@ def token_shape(batch: Mapping[str, Tensor]) -> torch.Size | None:
     if isinstance(batch.get("inputs_embeds"), Tensor):
         return batch["inputs_embeds"].shape[:-1]
     return None
+
+
+def batch_loss_weight(
+    adapter: ArchitectureAdapter, model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: LossFn | None
+) -> int:
+    """How many loss terms the batch's loss averages over (`ArchitectureAdapter.loss_weight`); with a custom
+    ``loss_fn``, whose normalization hf_grow cannot see, its number of sequences."""
+    if loss_fn is None:
+        return adapter.loss_weight(model, batch)
+    return len(next(value for value in batch.values() if isinstance(value, Tensor)))
 
 
 def compute_loss(model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: LossFn | None) -> Tensor:
@@ -481,10 +499,7 @@ class _Collector:
         self.embeddings = model.get_input_embeddings()
         parameter = next(model.parameters())
         self.device = device = parameter.device
-        # float16 gradients of a mean loss underflow (each token's share is 1/tokens): backward runs on the
-        # summed loss instead, scaled by a power of two near the batch's token count, divided out exactly in M.
-        self.scales_loss = parameter.dtype == torch.float16
-        self.loss_scale = 1.0
+        self.float16 = parameter.dtype == torch.float16
         num_heads, width = adapter.num_heads(model.config), adapter.hidden_size(model.config) + 1
         self.second_moments = (
             [torch.zeros(width, width, dtype=torch.float64, device=device) for _ in self.attentions]
@@ -497,6 +512,7 @@ class _Collector:
         self.hooked_layers = range(len(self.attentions)) if with_second_moments else sorted(group)
         self.qk_inputs = [adapter.qk_input_module(attention) for attention in self.attentions]
         self.num_tokens = 0
+        self.loss_weight = 0
         self.loss_sum = 0.0
         self.token_mask: Tensor | None = None
         self.batch_index = 0
@@ -614,20 +630,19 @@ class _Collector:
     def _accumulate(self, layer: int, contribution: Tensor) -> None:
         contribution = contribution.to(torch.float64)
         if not torch.isfinite(contribution).all():
-            overflow = (
-                f" (a float16 model's gradients, of the loss times {self.loss_scale:g}, overflowed: load it in "
-                "bfloat16 or float32)"
-                if self.loss_scale > 1
-                else ""
-            )
+            overflow = " (float16 overflows most easily: load the model in bfloat16 or float32)" if self.float16 else ""
             raise FloatingPointError(
                 f"non-finite score gradients in layer {layer} at batch {self.batch_index}{overflow}: "
                 "check the loss and the data of that batch."
             )
-        self.gradients[layer] += contribution / self.loss_scale
+        self.gradients[layer] += contribution
 
-    def step(self, model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: LossFn | None) -> float:
-        """Forward and backward on one batch, accumulating C and M. Returns the batch loss."""
+    def step(self, model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: LossFn | None, weight: int) -> float:
+        """Forward and backward on one batch of ``weight`` loss terms, accumulating C and M. Returns its loss.
+
+        Backward runs on the loss times ``weight``, the sum over its terms: M sums those (see `GrowthStatistics`),
+        and each term's gradient is of order one, which keeps float16 score gradients from underflowing.
+        """
         mask = batch.get("attention_mask")
         self.token_mask = None if mask is None else (mask != 0)
         if self.token_mask is not None:
@@ -654,14 +669,13 @@ class _Collector:
         if not torch.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss.item()} at batch {self.batch_index}")
         anchors = [anchor for anchor in self.anchors if anchor.requires_grad]
-        batch_tokens = int(self.token_mask.sum()) if self.token_mask is not None else tokens.numel()
-        self.loss_scale = 2.0 ** round(math.log2(max(batch_tokens, 1))) if self.scales_loss else 1.0
         self.in_backward = True
         try:
-            torch.autograd.grad(loss * self.loss_scale, anchors, allow_unused=True)
+            torch.autograd.grad(loss * weight, anchors, allow_unused=True)
         finally:
             self.in_backward = False
-        self.num_tokens += batch_tokens
+        self.num_tokens += int(self.token_mask.sum()) if self.token_mask is not None else tokens.numel()
+        self.loss_weight += weight
         self.inputs.clear()
         self.anchors.clear()
         self.batch_index += 1
@@ -778,7 +792,7 @@ def collect_statistics(
     offload = len(groups) > 1
     second_moments: list[Tensor] = []
     gradients: list[Tensor | None] = [None] * num_layers
-    first_pass: tuple[int, int, int, float] | None = None
+    first_pass: tuple[int, int, int, int, float] | None = None
     methods_used: set[str] = set()
     with _statistics_mode(model, tf32):
         for index, group in enumerate(groups):
@@ -789,12 +803,13 @@ def collect_statistics(
                 description = f"statistics {index + 1}/{len(groups)}" if offload else "statistics"
                 show = progress and processes.is_main
                 skipped = _collect_pass(collector, model, dataloader, adapter, loss_fn, max_batches, show, description)
-                counts = (collector.num_tokens, collector.batch_index, skipped, collector.loss_sum)
+                counts = (collector.num_tokens, collector.batch_index, skipped, collector.loss_weight, collector.loss_sum)
                 first_pass = first_pass or counts
                 methods_used |= collector.methods_used
-                if counts[:3] != first_pass[:3] or not math.isclose(counts[3], first_pass[3], rel_tol=1e-6):
+                if counts[:4] != first_pass[:4] or not math.isclose(counts[4], first_pass[4], rel_tol=1e-6):
                     raise ValueError(
-                        f"the data changed between passes over it (tokens, batches, skipped, loss sum: {first_pass} in "
+                        f"the data changed between passes over it (tokens, batches, skipped, loss terms, loss sum: "
+                        f"{first_pass} in "
                         f"pass 1, {counts} in pass {index + 1}): memory_budget needs the same batches on every pass "
                         "(no random masking or cropping in the collator), or a larger budget for a single pass."
                     )
@@ -803,8 +818,8 @@ def collect_statistics(
             if collector.second_moments is not None:
                 second_moments = [processes.sum_(moment) for moment in collector.second_moments]
                 second_moments = [moment.cpu() for moment in second_moments] if offload else second_moments
-    totals = processes.sum_(torch.tensor(first_pass[:3], dtype=torch.float64, device=parameter.device))
-    num_tokens, num_batches, skipped = (int(total) for total in totals)
+    totals = processes.sum_(torch.tensor(first_pass[:4], dtype=torch.float64, device=parameter.device))
+    num_tokens, num_batches, skipped, loss_weight = (int(total) for total in totals)
     if skipped:
         logger.warning(
             "skipped %d batch(es) without loss terms (every label -100, e.g. all padding, or one-token sequences "
@@ -822,7 +837,7 @@ def collect_statistics(
         raise ValueError("every token of the data is padding (attention_mask is all zero): nothing to learn from.")
     return GrowthStatistics(
         second_moments, gradients, num_tokens, num_batches, config.model_type, weight_sample(model),
-        "+".join(sorted(methods_used)),
+        "+".join(sorted(methods_used)), loss_weight,
     )
 
 
@@ -841,10 +856,11 @@ def _collect_pass(
     batches = iterate_batches(dataloader, model)
     with collector.installed():
         for batch in tqdm(batches, desc=description, unit="batch", total=max_batches, disable=not progress):
-            if loss_fn is None and "labels" in batch and adapter.loss_weight(model, batch) == 0:
+            weight = batch_loss_weight(adapter, model, batch, loss_fn)
+            if weight == 0:
                 skipped += 1  # no loss term (every label -100): the model's loss would be 0 / 0
                 continue
-            collector.step(model, batch, loss_fn)
+            collector.step(model, batch, loss_fn, weight)
             if max_batches is not None and collector.batch_index >= max_batches:
                 break
     return skipped

@@ -226,6 +226,7 @@ def test_statistics_round_trip_through_safetensors(trained_gpt2, data, tmp_path)
     statistics.save(path)
     loaded = GrowthStatistics.load(path)
     assert (loaded.num_tokens, loaded.num_batches, loaded.model_type) == (statistics.num_tokens, 3, "gpt2")
+    assert loaded.loss_weight == statistics.loss_weight == 3 * 16 * 63  # every shifted label of 3 full batches
     assert loaded.method == statistics.method == "reference"  # "auto" on a CPU at 64 tokens
     assert all(torch.equal(a, b) for a, b in zip(loaded.gradients + loaded.second_moments, statistics.gradients + statistics.second_moments))
     direct = grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=statistics)
@@ -243,6 +244,12 @@ def test_statistics_round_trip_through_safetensors(trained_gpt2, data, tmp_path)
     save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
     with pytest.raises(ValueError, match="not an hf_grow statistics file"):
         GrowthStatistics.load(tmp_path / "other.safetensors")
+    # Files written before M was weighted by loss terms (no loss_weight) summed batch means: M / batches.
+    unweighted = dataclasses.replace(statistics, gradients=[g / (16 * 63) for g in statistics.gradients], loss_weight=None)
+    unweighted.save(tmp_path / "old.safetensors")
+    old = GrowthStatistics.load(tmp_path / "old.safetensors")
+    assert old.loss_weight is None
+    torch.testing.assert_close(old.mean_gradient(1), statistics.mean_gradient(1), rtol=1e-12, atol=0)
 
 
 def test_batches_without_loss_terms_are_skipped_not_nan(trained_gpt2, data, caplog):

@@ -24,13 +24,20 @@ def padded_batch(batch: dict, pad_from: int, rows: int) -> dict:
 
 
 def test_gradient_statistic_is_dloss_dz(gpt2_copy, stdlib_bytes):
-    """dLoss/dW'_Q = scaling * M W'_K and dLoss/dW'_K = scaling * M^T W'_Q, against plain autograd."""
+    """dLoss/dW'_Q = scaling * M W'_K and dLoss/dW'_K = scaling * M^T W'_Q, against plain autograd, for the
+    loss over every label of two batches with different numbers of them (what `evaluate_loss` measures)."""
     model = gpt2_copy
     adapter = get_adapter(model)
-    batch = padded_batch(lm_batches(stdlib_bytes["stats"], 1, seed=3)[0], pad_from=40, rows=5)
-    statistics = collect_statistics(model, [batch], adapter, compute_dtype=torch.float64)
+    batches = [
+        padded_batch(lm_batches(stdlib_bytes["stats"], 1, seed=3)[0], pad_from=40, rows=5),
+        padded_batch(lm_batches(stdlib_bytes["stats"], 1, seed=4)[0], pad_from=10, rows=12),
+    ]
+    weights = [adapter.loss_weight(model, batch) for batch in batches]
+    assert weights[0] != weights[1]
+    statistics = collect_statistics(model, batches, adapter, compute_dtype=torch.float64)
+    assert statistics.loss_weight == sum(weights)
     model.zero_grad()
-    model(**batch).loss.backward()
+    (sum(model(**batch).loss * weight for batch, weight in zip(batches, weights)) / sum(weights)).backward()
     for layer, attention in enumerate(adapter.attention_modules(model)):
         query, key = adapter.read_qk(attention)
         scaling = adapter.scaling(model.config, layer, query.shape[-1])
@@ -38,7 +45,7 @@ def test_gradient_statistic_is_dloss_dz(gpt2_copy, stdlib_bytes):
         weight_grad, bias_grad = attention.c_attn.weight.grad.double(), attention.c_attn.bias.grad.double()
         query_grad = split_heads(weight_grad[:, :width], bias_grad[:width], query.shape[0])
         key_grad = split_heads(weight_grad[:, width : 2 * width], bias_grad[width : 2 * width], query.shape[0])
-        gradient = statistics.gradients[layer]
+        gradient = statistics.mean_gradient(layer)
         torch.testing.assert_close(scaling * gradient @ key, query_grad, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(scaling * gradient.mT @ query, key_grad, rtol=1e-5, atol=1e-7)
 
