@@ -791,7 +791,7 @@ def _search_and_report(
             def tracked(kind: str, evaluate_at: Callable[[float], float]) -> Callable[[float], float]:
                 def run(step: float) -> float:
                     loss = loss_before if step == 0 else evaluate_at(step)
-                    points.append(LineSearchPoint(step, loss, kind))
+                    points.append(LineSearchPoint(step, loss if math.isfinite(loss) else None, kind))
                     bar.update()
                     bar.set_postfix(step=f"{step:.3g}", loss=f"{loss:.4f}")
                     return loss

@@ -47,7 +47,8 @@ class LayerReport:
 @dataclass
 class LineSearchPoint:
     step_size: float
-    loss: float
+    #: None where the held-out loss was not finite (a step that overflows in low precision): JSON has no NaN.
+    loss: float | None
     #: "rank" for the rank-(d_k+p) truncation, "unconstrained" for the full-rank update Z - lam P.
     kind: str = "rank"
 

@@ -334,7 +334,8 @@ def test_a_step_whose_loss_overflows_in_float16_is_never_taken(trained_gpt2, dat
         model, data["stats"][:3], p=8, eval_dataloader=held_out, initial_step_size=1e4, measure_realized_gains=False
     )
     report = grown.growth_report
-    assert math.isnan(report.line_search[0].loss) and report.line_search[0].step_size == 1e4
+    assert report.line_search[0].loss is None and report.line_search[0].step_size == 1e4  # NaN, JSON's null
+    json.dumps(report.to_dict(), allow_nan=False)  # strict JSON: raises on NaN
     assert math.isfinite(report.step_size) and report.step_size < 1e3
     assert math.isfinite(report.eval_loss_after) and report.eval_loss_after <= report.eval_loss_before
     with torch.no_grad():
