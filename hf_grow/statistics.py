@@ -803,15 +803,17 @@ def collect_statistics(
                 description = f"statistics {index + 1}/{len(groups)}" if offload else "statistics"
                 show = progress and processes.is_main
                 skipped = _collect_pass(collector, model, dataloader, adapter, loss_fn, max_batches, show, description)
-                counts = (collector.num_tokens, collector.batch_index, skipped, collector.loss_weight, collector.loss_sum)
+                counts = (
+                    collector.num_tokens, collector.batch_index, skipped, collector.loss_weight, collector.loss_sum
+                )
                 first_pass = first_pass or counts
                 methods_used |= collector.methods_used
                 if counts[:4] != first_pass[:4] or not math.isclose(counts[4], first_pass[4], rel_tol=1e-6):
                     raise ValueError(
-                        f"the data changed between passes over it (tokens, batches, skipped, loss terms, loss sum: "
-                        f"{first_pass} in "
-                        f"pass 1, {counts} in pass {index + 1}): memory_budget needs the same batches on every pass "
-                        "(no random masking or cropping in the collator), or a larger budget for a single pass."
+                        "the data changed between passes over it (tokens, batches, skipped, loss terms, loss sum: "
+                        f"{first_pass} in pass 1, {counts} in pass {index + 1}): memory_budget needs the same "
+                        "batches on every pass (no random masking or cropping in the collator), or a larger budget "
+                        "for a single pass."
                     )
             for layer, gradient in collector.gradients.items():
                 gradients[layer] = processes.sum_(gradient).cpu() if offload else processes.sum_(gradient)

@@ -155,7 +155,8 @@ def test_failed_save_leaves_nothing_behind(model_folder, tmp_path, monkeypatch, 
 
     monkeypatch.setattr(GrownGPT2LMHeadModel, "save_pretrained", broken_save)
     output = tmp_path / "grown"
-    code = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--step-size", "0.01", *SMALL])
+    arguments = [str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--step-size", "0.01", *SMALL]
+    code = cli.main(arguments)
     assert code == 2 and f"writing {output} failed (disk full); nothing was written" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 

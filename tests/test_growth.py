@@ -245,7 +245,8 @@ def test_statistics_round_trip_through_safetensors(trained_gpt2, data, tmp_path)
     with pytest.raises(ValueError, match="not an hf_grow statistics file"):
         GrowthStatistics.load(tmp_path / "other.safetensors")
     # Files written before M was weighted by loss terms (no loss_weight) summed batch means: M / batches.
-    unweighted = dataclasses.replace(statistics, gradients=[g / (16 * 63) for g in statistics.gradients], loss_weight=None)
+    batch_means = [gradient / (16 * 63) for gradient in statistics.gradients]
+    unweighted = dataclasses.replace(statistics, gradients=batch_means, loss_weight=None)
     unweighted.save(tmp_path / "old.safetensors")
     old = GrowthStatistics.load(tmp_path / "old.safetensors")
     assert old.loss_weight is None
