@@ -6,9 +6,8 @@ from transformers import GPT2DoubleHeadsModel, GPT2LMHeadModel
 
 from hf_grow import collect_statistics, evaluate_loss, get_adapter
 from hf_grow.adapters.base import split_heads
-from hf_grow.statistics import (
-    _COLLECTING, CPU_REFERENCE_MAX_LENGTH, choose_method, default_query_block, score_gradient_products,
-)
+from hf_grow.statistics import CPU_REFERENCE_MAX_LENGTH, choose_method, default_query_block, score_gradient_products
+from hf_grow.statistics.kernels import _COLLECTING
 
 from conftest import lm_batches, tiny_gpt2_config
 

@@ -6,8 +6,9 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from hf_grow import collect_statistics, get_adapter, grow_model
-from hf_grow import statistics as statistics_module
-from hf_grow.statistics import checkpoint, layer_groups, parse_bytes, statistics_bytes
+from hf_grow.statistics import collector as collector_module
+from hf_grow.statistics import layer_groups, parse_bytes, statistics_bytes
+from hf_grow.statistics.collector import checkpoint
 
 from conftest import lm_batches, tiny_gpt2_config
 
@@ -113,7 +114,7 @@ def test_gradient_checkpointing_gives_the_same_statistics(trained_gpt2, stdlib_b
 
         return checkpoint(run, *args, **kwargs)
 
-    monkeypatch.setattr(statistics_module, "checkpoint", counting_checkpoint)
+    monkeypatch.setattr(collector_module, "checkpoint", counting_checkpoint)
     for method in ("chunked", "reference"):
         runs.clear()
         checkpointed = collect_statistics(model, batches, adapter, compute_dtype=torch.float64, method=method)

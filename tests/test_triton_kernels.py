@@ -9,9 +9,9 @@ from transformers import BertConfig, BertForMaskedLM, GPT2LMHeadModel
 pytest.importorskip("triton", reason="triton has wheels for Linux x86_64 only (the `test` extra installs it there)")
 
 from hf_grow import collect_statistics, get_adapter, grow_model  # noqa: E402
-from hf_grow import triton_kernels  # noqa: E402
+from hf_grow.statistics import triton_kernels  # noqa: E402
 from hf_grow.statistics import triton_available  # noqa: E402
-from hf_grow.triton_kernels import score_gradient_products_fused  # noqa: E402
+from hf_grow.statistics.triton_kernels import score_gradient_products_fused  # noqa: E402
 
 from conftest import tiny_gpt2_config  # noqa: E402
 from test_statistics import attention_problem, left_padded_batch_with_every_label, masked_causal_batch
@@ -99,7 +99,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hf_grow import triton_kernels
+from hf_grow.statistics import triton_kernels
 
 pointers = {"max_ptr": "*fp32", "logsum_ptr": "*fp32", "delta_ptr": "*fp32", "out_ptr": "*fp32", "x_ptr": "*fp32"}
 results = []

@@ -1,0 +1,54 @@
+"""First-order statistics of the attention scores, collected over a dataloader.
+
+Per layer, C = sum X'^T X' over non-padding tokens; per head, M_i = sum X'^T G_i X' with G_i = dLoss/dS_i
+the gradient of the loss with respect to the pre-softmax scores S_i (scale included, mask excluded).
+M_i is exactly dLoss/dZ_i for the bilinear form Z_i of `hf_grow.linalg`.
+
+The package, one job a module: `kernels` (the attention under collection and the M products: methods
+"chunked", "triton", "reference"), `collector` (the hooks that accumulate C and M on a batch), `collect`
+(`collect_statistics` over a dataloader, in one or several passes), `container` (`GrowthStatistics` and its
+file format), `memory` (the accumulators' bytes and the layer groups of a memory budget), `batches` (batches,
+loss terms and losses as the statistics and the line search see them).
+"""
+
+from .batches import LossFn, batch_loss_weight, compute_loss, iterate_batches, module_modes, restore_modes, token_shape
+from .collect import check_arguments, collect_statistics
+from .container import STATISTICS_FORMAT, GrowthStatistics, weight_sample
+from .kernels import (
+    CPU_REFERENCE_MAX_LENGTH,
+    METHODS,
+    STATISTICS_ATTENTION,
+    choose_method,
+    default_query_block,
+    score_gradient_products,
+    statistics_attention,
+    triton_available,
+)
+from .memory import layer_groups, parse_bytes, statistics_bytes
+
+
+__all__ = [
+    "CPU_REFERENCE_MAX_LENGTH",
+    "METHODS",
+    "STATISTICS_ATTENTION",
+    "STATISTICS_FORMAT",
+    "GrowthStatistics",
+    "LossFn",
+    "batch_loss_weight",
+    "check_arguments",
+    "choose_method",
+    "collect_statistics",
+    "compute_loss",
+    "default_query_block",
+    "iterate_batches",
+    "layer_groups",
+    "module_modes",
+    "parse_bytes",
+    "restore_modes",
+    "score_gradient_products",
+    "statistics_attention",
+    "statistics_bytes",
+    "token_shape",
+    "triton_available",
+    "weight_sample",
+]

@@ -1,0 +1,192 @@
+"""`collect_statistics`: C and M over a dataloader, in one pass or in several within a memory budget.
+
+The sums add up across processes (`hf_grow.distributed`) and across passes over the data: with a
+``memory_budget``, each pass accumulates M for one group of layers only (C for all layers in the first).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ..adapters import ArchitectureAdapter
+from ..distributed import Processes, unwrap_model
+from .batches import LossFn, batch_loss_weight, iterate_batches
+from .collector import Collector, statistics_mode
+from .container import GrowthStatistics, weight_sample
+from .kernels import METHODS, triton_available
+from .memory import layer_groups, parse_bytes
+
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+logger = logging.getLogger("hf_grow")
+
+
+def check_arguments(
+    method: str,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    query_block: int | None = None,
+    max_batches: int | None = None,
+    memory_budget: int | str | None = None,
+) -> None:
+    """A ValueError, before any work, for arguments `collect_statistics` cannot run with on ``device``."""
+    invalid_count = isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+    if max_batches is not None and invalid_count:
+        raise ValueError(f"max_batches must be a positive int (or None for all batches), got {max_batches!r}")
+    if memory_budget is not None:
+        parse_bytes(memory_budget)
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if query_block is not None and query_block <= 0:
+        raise ValueError(f"query_block must be positive, got {query_block}")
+    if method == "triton" and not triton_available(device):
+        missing = "" if importlib.util.find_spec("triton") else " and triton is not installed"
+        raise ValueError(
+            f"method='triton' needs a CUDA device and the triton package (pip install triton); the model is on "
+            f"{device}{missing}: use method='auto' or 'chunked'."
+        )
+    if method == "triton" and compute_dtype != torch.float32:
+        raise ValueError("method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'.")
+
+
+def collect_statistics(
+    model: PreTrainedModel,
+    dataloader: Iterable[Mapping[str, Tensor]],
+    adapter: ArchitectureAdapter,
+    loss_fn: LossFn | None = None,
+    max_batches: int | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+    method: str = "auto",
+    query_block: int | None = None,
+    tf32: bool | None = None,
+    memory_budget: int | str | None = None,
+    accelerator: Accelerator | None = None,
+) -> GrowthStatistics:
+    """Accumulate C and M over ``dataloader`` (at most ``max_batches``), leaving the model as it was.
+
+    ``compute_dtype`` is the precision of the per-batch products (float32 or float64, whatever the model
+    dtype or autocast); sums are always float64. Backward runs on each batch's loss times its loss terms
+    (see `GrowthStatistics`), so a float16 model's score gradients do not underflow.
+
+    ``method`` is ``"chunked"`` (sdpa attention, M block by block in backward; ``query_block`` queries per
+    block, by default `default_query_block`: 8 MiB per float32 block tensor on a CPU, 256 MiB on a GPU, at
+    least 32 queries), ``"triton"`` (the same with fused kernels; CUDA, float32 products), ``"reference"``
+    (eager attention, full score gradients) or ``"auto"`` (by device and sequence length, per batch:
+    `choose_method`). ``tf32`` runs the float32 products on TF32 tensor cores (CUDA; ~5e-4 relative error,
+    several times faster; False forces full float32 precision); by default on for bfloat16/float16 models.
+
+    ``memory_budget`` (bytes, or a string such as ``"2GB"``) bounds the float64 accumulators: M is collected
+    for as many layers as fit, in several passes over ``dataloader`` (which must then be re-iterable and
+    yield the same batches each time), and finished layers move to the CPU. The result equals one pass.
+
+    ``accelerator``: an `accelerate.Accelerator`; every process passes its own shard of the data (e.g. a
+    DataLoader prepared by it) and gets the sums over all processes. ``model`` may be wrapped by it or by
+    DistributedDataParallel. Raises ValueError on empty data, FloatingPointError on non-finite losses or
+    statistics (naming the layer and batch).
+    """
+    model = unwrap_model(model, accelerator)
+    processes = Processes(accelerator)
+    config = model.config
+    parameter = next(model.parameters())
+    check_arguments(method, parameter.device, compute_dtype, query_block, max_batches, memory_budget)
+    eager_model = config._attn_implementation == "eager"
+    num_layers = len(adapter.attention_modules(model))
+    groups = layer_groups(num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget)
+    if len(groups) > 1 and iter(dataloader) is dataloader:
+        raise ValueError(
+            f"memory_budget needs {len(groups)} passes over the data, but the dataloader is a one-shot iterator: "
+            "pass a list of batches or a DataLoader, or a larger memory_budget."
+        )
+    if tf32 is None:
+        tf32 = parameter.dtype in (torch.bfloat16, torch.float16)
+    offload = len(groups) > 1
+    second_moments: list[Tensor] = []
+    gradients: list[Tensor | None] = [None] * num_layers
+    first_pass: tuple[int, int, int, int, float] | None = None
+    methods_used: set[str] = set()
+    with statistics_mode(model, tf32):
+        for index, group in enumerate(groups):
+            with processes.failing_together():
+                collector = Collector(
+                    model, adapter, compute_dtype, method, query_block, group, index == 0, eager_model
+                )
+                description = f"statistics {index + 1}/{len(groups)}" if offload else "statistics"
+                show = progress and processes.is_main
+                skipped = _collect_pass(collector, model, dataloader, adapter, loss_fn, max_batches, show, description)
+                sums = collector.sums
+                counts = (sums.num_tokens, sums.batch_index, skipped, sums.loss_weight, sums.loss_sum)
+                first_pass = first_pass or counts
+                methods_used |= collector.methods_used
+                if counts[:4] != first_pass[:4] or not math.isclose(counts[4], first_pass[4], rel_tol=1e-6):
+                    raise ValueError(
+                        "the data changed between passes over it (tokens, batches, skipped, loss terms, loss sum: "
+                        f"{first_pass} in pass 1, {counts} in pass {index + 1}): memory_budget needs the same "
+                        "batches on every pass (no random masking or cropping in the collator), or a larger budget "
+                        "for a single pass."
+                    )
+            for layer, gradient in sums.gradients.items():
+                gradients[layer] = processes.sum_(gradient).cpu() if offload else processes.sum_(gradient)
+            if sums.second_moments is not None:
+                second_moments = [processes.sum_(moment) for moment in sums.second_moments]
+                second_moments = [moment.cpu() for moment in second_moments] if offload else second_moments
+    totals = processes.sum_(torch.tensor(first_pass[:4], dtype=torch.float64, device=parameter.device))
+    num_tokens, num_batches, skipped, loss_weight = (int(total) for total in totals)
+    if skipped:
+        logger.warning(
+            "skipped %d batch(es) without loss terms (every label -100, e.g. all padding, or one-token sequences "
+            "for a causal LM)",
+            skipped,
+        )
+    if num_batches == 0 and skipped:
+        raise ValueError(
+            f"none of the {skipped} batches has a loss term (every label is -100): nothing to learn from. "
+            "Use longer sequences or fewer masked labels."
+        )
+    if num_batches == 0:
+        raise ValueError("the dataloader yielded no batches: statistics need at least one batch of data.")
+    if num_tokens == 0:
+        raise ValueError("every token of the data is padding (attention_mask is all zero): nothing to learn from.")
+    return GrowthStatistics(
+        second_moments, gradients, num_tokens, num_batches, config.model_type, weight_sample(model),
+        "+".join(sorted(methods_used)), loss_weight,
+    )
+
+
+def _collect_pass(
+    collector: Collector,
+    model: PreTrainedModel,
+    dataloader: Iterable[Mapping[str, Tensor]],
+    adapter: ArchitectureAdapter,
+    loss_fn: LossFn | None,
+    max_batches: int | None,
+    progress: bool,
+    description: str,
+) -> int:
+    """One pass over the data with ``collector`` installed; returns the number of batches skipped."""
+    skipped = 0
+    batches = iterate_batches(dataloader, model)
+    with collector.installed():
+        for batch in tqdm(batches, desc=description, unit="batch", total=max_batches, disable=not progress):
+            weight = batch_loss_weight(adapter, model, batch, loss_fn)
+            if weight == 0:
+                skipped += 1  # no loss term (every label -100): the model's loss would be 0 / 0
+                continue
+            collector.step(model, batch, loss_fn, weight)
+            if max_batches is not None and collector.sums.batch_index >= max_batches:
+                break
+    return skipped

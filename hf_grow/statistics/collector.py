@@ -1,0 +1,316 @@
+"""The collector: hooks that accumulate C and M while the model runs forward and backward on a batch.
+
+Padding tokens are zeroed out of X', so they contribute exactly nothing to C or M. Backward runs with
+`torch.autograd.grad` towards the input embeddings only, so no parameter `.grad` is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from ..adapters import ArchitectureAdapter
+from .batches import LossFn, compute_loss, module_modes, restore_modes, token_shape
+from .kernels import (
+    _COLLECTING,
+    STATISTICS_ATTENTION,
+    _without_autocast,
+    choose_method,
+    default_query_block,
+    score_gradient_products,
+)
+
+
+@contextlib.contextmanager
+def statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
+    """Eval mode, the statistics attention and the float32 matmul precision; restored on exit, also on error.
+
+    Layers with gradient checkpointing enabled keep it: transformers checkpoints only layers in training mode,
+    so those layers (not their submodules: dropout stays off) are switched to training, with a non-reentrant
+    checkpoint (the only kind that supports `torch.autograd.grad`). No KV cache (``config.use_cache``): the
+    statistics need none, and a recomputed layer would append to it twice.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("statistics need gradients: call hf_grow outside torch.inference_mode().")
+    original_attention = model.config._attn_implementation
+    original_precision = torch.get_float32_matmul_precision()
+    checkpointed = [
+        module
+        for module in model.modules()
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing
+    ]
+    checkpoint_functions = {module: module.__dict__.get("_gradient_checkpointing_func") for module in checkpointed}
+    use_cache = getattr(model.config, "use_cache", None)
+    modes = module_modes(model)
+    model.eval()
+    model.config.use_cache = False
+    model.set_attn_implementation(STATISTICS_ATTENTION)
+    for module in checkpointed:
+        module.training = True
+        module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        torch.set_float32_matmul_precision(original_precision)
+        for module, function in checkpoint_functions.items():
+            if function is None:
+                del module._gradient_checkpointing_func
+            else:
+                module._gradient_checkpointing_func = function
+        model.set_attn_implementation(original_attention)
+        if use_cache is None:
+            del model.config.use_cache
+        else:
+            model.config.use_cache = use_cache
+        restore_modes(modes)
+
+
+def augmented_input(hidden: Tensor, token_mask: Tensor | None, dtype: torch.dtype, layer: int) -> Tensor:
+    """X' = [X | 1] in ``dtype``, with the rows of padding tokens (``token_mask`` False) zeroed."""
+    ones = torch.ones_like(hidden[..., :1])
+    augmented = torch.cat([hidden, ones], dim=-1).to(dtype)
+    if token_mask is None:
+        return augmented
+    if token_mask.shape != augmented.shape[:-1]:
+        raise ValueError(
+            f"attention_mask of shape {tuple(token_mask.shape)} does not match the "
+            f"{tuple(augmented.shape[:-1])} tokens reaching layer {layer}"
+        )
+    return augmented * token_mask[..., None].to(augmented.dtype)
+
+
+class Sums:
+    """The float64 sums of one pass: C for every layer (``with_second_moments``), M for the layers of ``group``,
+    and the counts of tokens, batches, loss terms and losses they were summed over."""
+
+    def __init__(
+        self, num_layers: int, num_heads: int, width: int, group: Sequence[int], with_second_moments: bool,
+        device: torch.device, float16: bool,
+    ):
+        self.second_moments = (
+            [torch.zeros(width, width, dtype=torch.float64, device=device) for _ in range(num_layers)]
+            if with_second_moments
+            else None
+        )
+        self.gradients = {
+            layer: torch.zeros(num_heads, width, width, dtype=torch.float64, device=device) for layer in group
+        }
+        self.float16 = float16
+        self.num_tokens = 0
+        self.batch_index = 0
+        self.loss_weight = 0
+        self.loss_sum = 0.0
+
+    def add_second_moment(self, layer: int, augmented: Tensor) -> None:
+        """C of ``layer`` += X'^T X' over the batch's tokens (``augmented``: X' with padding rows zeroed)."""
+        flat = augmented.reshape(-1, augmented.shape[-1]).to(torch.float64)
+        product = flat.mT @ flat
+        if not torch.isfinite(product).all():
+            raise FloatingPointError(
+                f"non-finite inputs to the attention of layer {layer} at batch {self.batch_index}: "
+                "check the data of that batch and the model's weights."
+            )
+        self.second_moments[layer] += product
+
+    def add_gradient(self, layer: int, contribution: Tensor) -> None:
+        """M of ``layer`` += one batch's per-head products."""
+        contribution = contribution.to(torch.float64)
+        if not torch.isfinite(contribution).all():
+            overflow = " (float16 overflows most easily: load the model in bfloat16 or float32)" if self.float16 else ""
+            raise FloatingPointError(
+                f"non-finite score gradients in layer {layer} at batch {self.batch_index}{overflow}: "
+                "check the loss and the data of that batch."
+            )
+        self.gradients[layer] += contribution
+
+    def add_batch(self, tokens: int, loss_weight: int, loss: float) -> None:
+        """Count a batch whose products were added: its non-padding tokens, loss terms and loss."""
+        self.num_tokens += tokens
+        self.batch_index += 1
+        self.loss_weight += loss_weight
+        self.loss_sum += loss
+
+
+class Collector:
+    """Hooks that accumulate C for every layer (``with_second_moments``) and M for the layers of ``group``.
+
+    ``eager_model``: the model normally runs eager attention, whose fully masked rows the statistics keep.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        adapter: ArchitectureAdapter,
+        compute_dtype: torch.dtype,
+        method: str,
+        query_block: int | None,
+        group: Sequence[int],
+        with_second_moments: bool,
+        eager_model: bool,
+    ):
+        self.attentions = adapter.attention_modules(model)
+        self.compute_dtype = compute_dtype
+        self.method = method
+        self.eager_model = eager_model
+        #: The method of the batch under way (``method``, or what ``"auto"`` chose for it).
+        self.batch_method = method
+        self.methods_used: set[str] = set()
+        self.query_block = query_block
+        self.embeddings = model.get_input_embeddings()
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        self.sums = Sums(
+            len(self.attentions), adapter.num_heads(model.config), adapter.hidden_size(model.config) + 1, group,
+            with_second_moments, parameter.device, float16=parameter.dtype == torch.float16,
+        )
+        self.hooked_layers = range(len(self.attentions)) if with_second_moments else sorted(group)
+        self.qk_inputs = [adapter.qk_input_module(attention) for attention in self.attentions]
+        self.token_mask: Tensor | None = None
+        self.inputs: dict[int, Tensor] = {}
+        self.layers_run: set[int] = set()
+        self.anchors: list[Tensor] = []
+        # True while backward runs: checkpointed layers then run their forward again, which adds nothing.
+        self.in_backward = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        handles = [self.embeddings.register_forward_hook(self._keep_anchor)]
+        for layer in self.hooked_layers:
+            handles.append(self.qk_inputs[layer].register_forward_pre_hook(self._input_hook(layer)))
+        for layer, attention in enumerate(self.attentions):
+            _COLLECTING[attention] = (self, layer)
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for attention in self.attentions:
+                _COLLECTING.pop(attention, None)
+            self.inputs.clear()
+            self.anchors.clear()
+
+    def _keep_anchor(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        # Backward runs towards the embeddings' output, so it must be part of the graph even if they are frozen.
+        if not output.requires_grad:
+            output = output.detach().requires_grad_(True)
+        self.anchors.append(output)
+        return output
+
+    def _input_hook(self, layer: int) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self.in_backward:
+                return  # gradient checkpointing recomputes the layer: its inputs were taken in the forward pass
+            if layer in self.layers_run:
+                raise ValueError(
+                    f"layer {layer} ran twice on batch {self.sums.batch_index}: loss_fn must call the model once "
+                    "per batch (each forward pass is paired with its backward); concatenate the inputs into one call."
+                )
+            augmented = augmented_input(args[0].detach(), self.token_mask, self.compute_dtype, layer)
+            self.layers_run.add(layer)
+            if layer in self.sums.gradients:
+                self.inputs[layer] = augmented
+            if self.sums.second_moments is not None:
+                self.sums.add_second_moment(layer, augmented)
+
+        return hook
+
+    def score_hook(self, layer: int) -> Callable[[Tensor], None]:
+        """The reference method: receives G = dLoss/dS of ``layer`` as a whole."""
+
+        def hook(grad: Tensor) -> None:
+            augmented = self.inputs.pop(layer)
+            if grad.shape[-1] != augmented.shape[-2] or grad.shape[-2] != augmented.shape[-2]:
+                raise ValueError("statistics need full self-attention scores: run the model without a KV cache")
+            # M_i = X'^T G_i X' summed over the batch: (b, s, d)^T (b, h, s, s) (b, s, d) -> (h, d, d)
+            with _without_autocast(grad.device):
+                projected = torch.matmul(grad.to(self.compute_dtype), augmented[:, None])
+                self.sums.add_gradient(layer, torch.einsum("bqd,bhqe->hde", augmented, projected))
+
+        return hook
+
+    def on_attention_output(
+        self, layer: int, output: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+        scaling: float, is_causal: bool,
+    ) -> None:
+        """The chunked and triton methods: M of ``layer`` is computed when dLoss/dO reaches ``output``."""
+        if self.in_backward:
+            return  # a checkpointed layer's recomputation: the hook of its first forward pass receives dLoss/dO
+        augmented = self.inputs.pop(layer)
+        if query.shape[-2] != key.shape[-2] or query.shape[-2] != augmented.shape[-2]:
+            raise ValueError("statistics need full self-attention scores: run the model without a KV cache")
+        saved = [tensor.detach() for tensor in (query, key, value)]
+        batch, heads, length = query.shape[:3]
+        block = self.query_block or default_query_block(query.device, batch, heads, length)
+        method = self.batch_method
+
+        def on_backward(grad_output: Tensor) -> None:
+            with _without_autocast(grad_output.device):
+                if method == "triton":
+                    from .triton_kernels import score_gradient_products_fused
+
+                    tf32 = torch.get_float32_matmul_precision() != "highest"
+                    products = score_gradient_products_fused(
+                        *saved, grad_output.transpose(1, 2), augmented, mask, scaling, is_causal, tf32
+                    )
+                else:
+                    products = score_gradient_products(
+                        *saved, grad_output.transpose(1, 2), augmented, mask, scaling, is_causal, block,
+                        self.compute_dtype,
+                    )
+                self.sums.add_gradient(layer, products)
+
+        output.register_hook(on_backward)
+
+    def step(self, model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: LossFn | None, weight: int) -> float:
+        """Forward and backward on one batch of ``weight`` loss terms, accumulating C and M. Returns its loss.
+
+        Backward runs on the loss times ``weight``, the sum over its terms: M sums those (see `GrowthStatistics`),
+        and each term's gradient is of order one, which keeps float16 score gradients from underflowing.
+        """
+        mask = batch.get("attention_mask")
+        self.token_mask = None if mask is None else (mask != 0)
+        if self.token_mask is not None:
+            self.token_mask = self.token_mask.reshape(-1, self.token_mask.shape[-1])
+        self.inputs.clear()
+        self.layers_run.clear()
+        self.anchors.clear()
+        tokens = token_shape(batch)
+        if tokens is None:
+            raise ValueError(
+                f"batch {self.sums.batch_index} holds neither input_ids nor inputs_embeds: pass one of them."
+            )
+        if self.method == "auto":
+            self.batch_method = choose_method(self.device, tokens[-1], self.eager_model)
+        self.methods_used.add(self.batch_method)
+        embeddings = batch.get("inputs_embeds")
+        if isinstance(embeddings, Tensor):
+            # Inputs given as embeddings skip the embedding layer: backward runs towards them instead.
+            if not embeddings.requires_grad:
+                embeddings = embeddings.detach().requires_grad_(True)
+                batch = {**batch, "inputs_embeds": embeddings}
+            self.anchors.append(embeddings)
+        loss = compute_loss(model, batch, loss_fn)
+        if loss.dim() != 0:
+            raise ValueError(f"the loss must be a scalar, got shape {tuple(loss.shape)}")
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the loss is {loss.item()} at batch {self.sums.batch_index}")
+        anchors = [anchor for anchor in self.anchors if anchor.requires_grad]
+        self.in_backward = True
+        try:
+            torch.autograd.grad(loss * weight, anchors, allow_unused=True)
+        finally:
+            self.in_backward = False
+        self.inputs.clear()
+        self.anchors.clear()
+        self.sums.add_batch(int(self.token_mask.sum()) if self.token_mask is not None else tokens.numel(), weight,
+                            float(loss.detach()))
+        return float(loss.detach())

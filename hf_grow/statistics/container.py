@@ -1,0 +1,107 @@
+"""The statistics container and its file format (safetensors with the counts in the metadata)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+
+STATISTICS_FORMAT = "hf_grow.statistics.v1"
+
+
+@dataclass
+class GrowthStatistics:
+    """Sums over the data: ``second_moments[l]`` (d, d) and ``gradients[l]`` (heads, d, d), d = d_e + 1.
+
+    ``num_tokens`` counts the non-padding tokens in C, ``num_batches`` the batches in M. M sums each batch's
+    gradient times its ``loss_weight`` (`batch_loss_weight`: the loss terms its loss averages over), so that
+    M / total weight is the gradient of the loss over all terms, the one `evaluate_loss` measures, also for
+    batches of different sizes. Sums (not means) so that statistics from several processes or passes add up
+    exactly.
+    """
+
+    second_moments: list[Tensor]
+    gradients: list[Tensor]
+    num_tokens: int
+    num_batches: int
+    #: The `config.model_type` of the model the statistics were collected on.
+    model_type: str | None = None
+    #: `weight_sample` of that model, so that statistics of other weights can be refused.
+    weights: Tensor | None = None
+    #: The methods that computed M (`METHODS`), joined by "+" where ``"auto"`` chose differently per batch.
+    method: str | None = None
+    #: The loss terms M sums over (None in files of hf_grow 0.x before it: M summed unweighted batch means).
+    loss_weight: int | None = None
+
+    def mean_second_moment(self, layer: int) -> Tensor:
+        """E[x' x'^T] over tokens, in float64 (whatever dtype the sums were stored in)."""
+        return self.second_moments[layer].to(torch.float64) / self.num_tokens
+
+    def mean_gradient(self, layer: int) -> Tensor:
+        """The gradient of the mean loss (over all loss terms) with respect to each head's Z, in float64."""
+        weight = self.num_batches if self.loss_weight is None else self.loss_weight
+        return self.gradients[layer].to(torch.float64) / weight
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the statistics to a safetensors file (no pickle), atomically."""
+        tensors = {
+            f"{name}.{layer}": tensor.detach().cpu().contiguous()
+            for name, sums in (("second_moments", self.second_moments), ("gradients", self.gradients))
+            for layer, tensor in enumerate(sums)
+        }
+        if self.weights is not None:
+            tensors["weights"] = self.weights.detach().cpu().contiguous()
+        metadata = {
+            "format": STATISTICS_FORMAT,
+            "num_tokens": str(self.num_tokens),
+            "num_batches": str(self.num_batches),
+            "model_type": self.model_type or "",
+            "method": self.method or "",
+            "loss_weight": "" if self.loss_weight is None else str(self.loss_weight),
+        }
+        temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
+        safetensors.torch.save_file(tensors, temporary, metadata=metadata)
+        os.replace(temporary, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> GrowthStatistics:
+        """Read statistics written by `save`; a ValueError for any other file."""
+        try:
+            with safetensors.safe_open(os.fspath(path), framework="pt", device=str(device)) as handle:
+                metadata = handle.metadata() or {}
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        except (OSError, safetensors.SafetensorError) as error:
+            raise ValueError(f"cannot read statistics from {path}: {error}") from None
+        if metadata.get("format") != STATISTICS_FORMAT:
+            raise ValueError(f"{path} is not an hf_grow statistics file (format {metadata.get('format')!r})")
+        layers = sum(name.startswith("second_moments.") for name in tensors)
+        return cls(
+            second_moments=[tensors[f"second_moments.{layer}"] for layer in range(layers)],
+            gradients=[tensors[f"gradients.{layer}"] for layer in range(layers)],
+            num_tokens=int(metadata["num_tokens"]),
+            num_batches=int(metadata["num_batches"]),
+            model_type=metadata["model_type"] or None,
+            weights=tensors.get("weights"),
+            method=metadata.get("method") or None,
+            loss_weight=int(metadata["loss_weight"]) if metadata.get("loss_weight") else None,
+        )
+
+
+def weight_sample(model: PreTrainedModel, per_parameter: int = 8) -> Tensor:
+    """A few evenly spaced entries of every parameter, in float64: a fingerprint of the weights.
+
+    Compared with a tolerance (not hashed), so that the same checkpoint loaded in another dtype still matches.
+    """
+    samples = []
+    with torch.no_grad():
+        for parameter in model.parameters():
+            flat = parameter.detach().reshape(-1)
+            positions = torch.linspace(0, flat.numel() - 1, min(per_parameter, flat.numel()), device=flat.device)
+            samples.append(flat[positions.round().long()].to(torch.float64).cpu())
+    return torch.cat(samples)
