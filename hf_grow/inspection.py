@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from . import linalg
 from .adapters import get_adapter
-from .growth import _check_statistics, _GrowthProblem, _merged_if_peft
+from .growth import GrowthProblem, check_statistics, merged_if_peft
 from .statistics import GrowthStatistics, LossFn, collect_statistics
 
 
@@ -175,7 +175,7 @@ def inspect_growth(
     if isinstance(max_dims, bool) or not isinstance(max_dims, int) or max_dims <= 0:
         raise ValueError(f"max_dims must be a positive int, got {max_dims!r}")
     linalg.check_rtol(rtol)
-    model = _merged_if_peft(model)
+    model = merged_if_peft(model)
     adapter = get_adapter(model)
     qk_dims = adapter.qk_head_dims(model.config)
     if statistics is None:
@@ -193,8 +193,8 @@ def inspect_growth(
             query_block=query_block,
         )
     else:
-        _check_statistics(statistics, model, adapter)
-    problem = _GrowthProblem(model, adapter, statistics, qk_dims, "whitened", rtol, "eigh")
+        check_statistics(statistics, model, adapter)
+    problem = GrowthProblem(model, adapter, statistics, qk_dims, "whitened", rtol, "eigh")
     layers = []
     for layer, qk_dim in enumerate(qk_dims):
         rates = problem.gain_rates(layer)

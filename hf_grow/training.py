@@ -38,10 +38,10 @@ from .adapters import ArchitectureAdapter, get_adapter
 from .growth import (
     DEFAULT_TRUNCATION,
     QKWeights,
-    _prepare_growth,
-    _resolve_growth,
-    _search_and_report,
-    _write_weights,
+    prepare_growth,
+    resolve_growth,
+    search_and_report,
+    write_weights,
 )
 from .report import GrowthReport
 from .statistics import GrowthStatistics, LossFn
@@ -251,7 +251,7 @@ def grow_in_training(
     torch_optimizer = _torch_optimizer(optimizer)
     _check_growable(model, adapter, torch_optimizer)
     if mode in ("zero", "random"):
-        added = _resolve_growth(p, len(adapter.attention_modules(model)))
+        added = resolve_growth(p, len(adapter.attention_modules(model)))
         std = getattr(model.config, "initializer_range", 0.02) if init_std is None else init_std
         if not math.isfinite(std) or std < 0:
             raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
@@ -260,7 +260,7 @@ def grow_in_training(
         return None
 
     started = time.perf_counter()
-    prepared = _prepare_growth(
+    prepared = prepare_growth(
         model,
         dataloader,
         p,
@@ -290,7 +290,7 @@ def grow_in_training(
         at_zero = {layer: w for layer, w in at_zero.items() if prepared.qk_after[layer] > prepared.qk_before[layer]}
     resize_qk_(model, at_zero, torch_optimizer, keep_moments=mode == "append")
     try:
-        report = _search_and_report(
+        report = search_and_report(
             prepared,
             model,
             step_size=step_size,
@@ -302,7 +302,7 @@ def grow_in_training(
             started=started,
         )
     except BaseException:
-        _write_weights(adapter, model, at_zero)  # the old function, at the new width: training can go on
+        write_weights(adapter, model, at_zero)  # the old function, at the new width: training can go on
         raise
     model.growth_report = report
     return report

@@ -18,7 +18,7 @@ from hf_grow import (
     grow_model,
     inspect_growth,
 )
-from hf_grow.growth import _line_search
+from hf_grow.growth import search_step_size
 
 from conftest import lm_batches, tiny_gpt2_config
 
@@ -316,10 +316,10 @@ def test_line_search_ranks_non_finite_losses_last():
     def overflowing(step: float) -> float:
         return float("nan") if step > 1.0 else (step - 0.1) ** 2
 
-    losses = _line_search(overflowing, start=100.0)
+    losses = search_step_size(overflowing, start=100.0)
     best = min(losses, key=losses.get)
     assert losses[100.0] == math.inf and 0.05 < best < 0.2
-    assert _line_search(lambda step: 0.0 if step == 0 else float("nan"), start=0.03) == {
+    assert search_step_size(lambda step: 0.0 if step == 0 else float("nan"), start=0.03) == {
         **{0.03 / 4**k: math.inf for k in range(12)}, 0.0: 0.0
     }
 

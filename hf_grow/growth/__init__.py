@@ -1,0 +1,49 @@
+"""`grow_model`: statistics, solve, line search and the grown model, with its report.
+
+The step: per head, Z_new = best rank-(d_k + p) approximation of Z - lam * P with P = C^+ M C^+ (see
+`hf_grow.linalg`), one lam for the whole model, chosen on held-out batches. Step sizes are searched in
+relative units, ``step_size = lam / lam_unit`` with ``lam_unit = sqrt(sum ||C^1/2 Z C^1/2||^2 / sum
+||C^1/2 P C^1/2||^2)`` over all heads: at step size 1 the update moves the scores by about their own RMS size.
+
+The package, one job a module: `problem` (the solve: weights at any step size), `head_reports` (what each
+head is expected to gain), `line_search` (held-out loss and the search over step sizes), `prepare`
+(validation before any work, statistics, the solved problem), `search` (the line search on the grown model
+and its report), `api` (`grow_model`).
+"""
+
+from .api import grow_model
+from .line_search import best_step, evaluate_loss, search_step_size, split_batches
+from .prepare import (
+    DEFAULT_TRUNCATION,
+    SEARCHES,
+    WEIGHTS_RTOL,
+    PreparedGrowth,
+    check_statistics,
+    merged_if_peft,
+    prepare_growth,
+    resolve_growth,
+)
+from .problem import MODES, GrowthProblem, QKWeights, write_weights
+from .search import search_and_report
+
+
+__all__ = [
+    "DEFAULT_TRUNCATION",
+    "MODES",
+    "SEARCHES",
+    "WEIGHTS_RTOL",
+    "GrowthProblem",
+    "PreparedGrowth",
+    "QKWeights",
+    "best_step",
+    "check_statistics",
+    "evaluate_loss",
+    "grow_model",
+    "search_step_size",
+    "merged_if_peft",
+    "prepare_growth",
+    "resolve_growth",
+    "search_and_report",
+    "split_batches",
+    "write_weights",
+]

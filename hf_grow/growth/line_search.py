@@ -1,0 +1,142 @@
+"""The held-out loss, the held-out batches, and the search over step sizes that minimizes the loss."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from ..adapters import ArchitectureAdapter, get_adapter
+from ..distributed import Processes, unwrap_model
+from ..statistics import LossFn, batch_loss_weight, compute_loss, iterate_batches, module_modes, restore_modes
+
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+_NO_LOSS_TERMS = "{data} holds no loss terms (no batches, or every label is -100): pass batches with labels."
+
+
+def evaluate_loss(
+    model: PreTrainedModel,
+    batches: Iterable[Mapping[str, Tensor]],
+    adapter: ArchitectureAdapter | None = None,
+    loss_fn: LossFn | None = None,
+    accelerator: Accelerator | None = None,
+) -> tuple[float, int]:
+    """Mean loss over ``batches``, each batch weighted by the number of loss terms it averages over (with a
+    ``loss_fn``, whose normalization is unknown, by its number of sequences).
+
+    Returns ``(loss, total_weight)``; the model runs in eval mode without gradients and keeps its mode.
+    With an ``accelerator``, every process passes its own batches and gets the loss over all of them.
+    """
+    model = unwrap_model(model, accelerator)
+    adapter = adapter or get_adapter(model)
+    processes = Processes(accelerator)
+    device = next(model.parameters()).device
+    modes = module_modes(model)
+    model.eval()
+    total, weight = 0.0, 0
+    try:
+        with processes.failing_together(), torch.no_grad():
+            for batch in iterate_batches(batches, model):
+                batch_weight = batch_loss_weight(adapter, model, batch, loss_fn)
+                if batch_weight == 0:
+                    continue  # no loss term: the model's loss is 0 / 0
+                total += float(compute_loss(model, batch, loss_fn)) * batch_weight
+                weight += batch_weight
+    finally:
+        restore_modes(modes)
+    if processes.world_size > 1:
+        total, weight = processes.sum_(torch.tensor([total, weight], dtype=torch.float64, device=device)).tolist()
+        weight = int(weight)
+    if weight == 0:
+        raise ValueError(_NO_LOSS_TERMS.format(data="the evaluation data"))
+    return total / weight, weight
+
+
+def split_batches(
+    dataloader: Iterable,
+    eval_dataloader: Iterable | None,
+    eval_fraction: float,
+    needs_eval: bool,
+) -> tuple[Iterable, list[dict[str, Tensor]] | None]:
+    """Statistics batches and held-out batches (materialized: the line search reads them many times)."""
+    if eval_dataloader is not None:
+        eval_batches = list(eval_dataloader)
+        if not eval_batches:
+            raise ValueError("eval_dataloader yielded no batches.")
+        return dataloader, eval_batches
+    if not needs_eval:
+        return dataloader, None
+    if not 0 < eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    batches = list(dataloader)
+    if len(batches) < 2:
+        raise ValueError(
+            f"the dataloader yielded {len(batches)} batch(es): the line search holds out the last "
+            f"{eval_fraction:.0%} of at least 2 batches. Pass more data, an eval_dataloader, or a step_size."
+        )
+    num_eval = max(1, round(eval_fraction * len(batches)))
+    if num_eval >= len(batches):
+        raise ValueError(
+            f"eval_fraction={eval_fraction} holds out all {len(batches)} batches, leaving none for the statistics: "
+            "lower eval_fraction, pass more data or an eval_dataloader."
+        )
+    return batches[:-num_eval], batches[-num_eval:]
+
+
+def search_step_size(
+    evaluate: Callable[[float], float],
+    start: float,
+    factor: float = 4.0,
+    max_expansions: int = 12,
+    refinements: int = 4,
+) -> dict[float, float]:
+    """Losses at the step sizes tried: 0, a log grid from ``start`` followed downhill, then a refined bracket.
+
+    The grid steps down until a step beats step 0, then moves by ``factor`` while the loss falls; the
+    bracket around the best grid point is then halved ``refinements`` times in log space (geometric means).
+    A non-finite loss (a step that overflows in low precision) counts as +inf, so it is never the best.
+    """
+    losses: dict[float, float] = {}
+
+    def loss(step: float) -> float:
+        if step not in losses:
+            value = evaluate(step)
+            losses[step] = value if math.isfinite(value) else math.inf
+        return losses[step]
+
+    step = start
+    for _ in range(max_expansions):
+        if loss(step) < loss(0.0):
+            break
+        step /= factor
+    else:
+        return losses
+    for _ in range(max_expansions):
+        if loss(step * factor) < loss(step):
+            step *= factor
+        elif loss(step / factor) < loss(step):
+            step /= factor
+        else:
+            break
+    low, best, high = step / factor, step, step * factor
+    for _ in range(refinements):
+        probe = math.sqrt(best * high) if high / best >= best / low else math.sqrt(low * best)
+        if loss(probe) < loss(best):
+            low, high = (best, high) if probe > best else (low, best)
+            best = probe
+        else:
+            low, high = (low, probe) if probe > best else (probe, high)
+    return losses
+
+
+def best_step(losses: Mapping[float, float]) -> float:
+    """The step of least loss; of equal losses the smallest step (step 0 wins a tie: nothing is gained)."""
+    return min(losses, key=lambda step: (losses[step], step))

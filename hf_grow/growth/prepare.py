@@ -1,0 +1,260 @@
+"""A growth validated before any work, its statistics collected or checked, and its problem solved."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from .. import linalg
+from ..adapters import ArchitectureAdapter, get_adapter
+from ..budget import allocate_budget, check_budget
+from ..distributed import Processes
+from ..statistics import GrowthStatistics, LossFn, batch_loss_weight, collect_statistics, weight_sample
+from ..statistics import check_arguments as check_statistics_arguments
+from .line_search import _NO_LOSS_TERMS, split_batches
+from .problem import MODES, GrowthProblem
+
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+logger = logging.getLogger("hf_grow")
+
+#: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z.
+DEFAULT_TRUNCATION = "whitened"
+SEARCHES = ("exact", "fast")
+#: Statistics whose weight sample differs from the model's by more than this (relative norm) are refused;
+#: loading the same checkpoint in bfloat16 changes it by at most 2^-8.
+WEIGHTS_RTOL = 1e-2
+
+
+def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
+    """A PEFT-wrapped model's base model with its adapters merged in (on a copy: the input is left unchanged).
+
+    Growth rewrites the full Q/K weights, so LoRA deltas must be part of them; the grown model is a plain
+    grown model. (peft's own target-module tables list Q and V only; where Q/K live is the adapter's business.)
+    """
+    peft = sys.modules.get("peft")  # a PeftModel implies peft is imported; no import cost otherwise
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return model
+    logger.warning(
+        "%s wraps PEFT adapters %s: growing a copy of its base model with the adapters merged in "
+        "(merge_and_unload); the input model is left unchanged.",
+        type(model).__name__,
+        sorted(model.peft_config),
+    )
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def check_statistics(statistics: GrowthStatistics, model: PreTrainedModel, adapter: ArchitectureAdapter) -> None:
+    """Refuse statistics whose layers, heads or input width do not match ``model``, or that are not finite."""
+    config = model.config
+    if statistics.model_type is not None and statistics.model_type not in adapter.model_types:
+        raise ValueError(
+            f"the statistics were collected on a {statistics.model_type!r} model, not {config.model_type!r}: "
+            "collect them on the model you grow."
+        )
+    layers, heads = len(adapter.attention_modules(model)), adapter.num_heads(config)
+    width = adapter.hidden_size(config) + 1
+    expected = (layers, (heads, width, width))
+    found = (len(statistics.gradients), tuple(statistics.gradients[0].shape) if statistics.gradients else ())
+    if found != expected:
+        raise ValueError(
+            f"the statistics were collected for another model: {found[0]} layers of M with shape {found[1]}, but "
+            f"{type(model).__name__} has {layers} layers of {heads} heads over inputs of width {width - 1} (+1)."
+        )
+    for layer, (second_moment, gradient) in enumerate(zip(statistics.second_moments, statistics.gradients)):
+        if not (torch.isfinite(second_moment).all() and torch.isfinite(gradient).all()):
+            raise FloatingPointError(
+                f"the statistics of layer {layer} hold NaN or Inf: collect them again (in float32 or float64)."
+            )
+    if statistics.weights is not None:
+        weights = weight_sample(model)
+        if weights.shape != statistics.weights.shape or float(
+            (weights - statistics.weights).norm()
+        ) > WEIGHTS_RTOL * float(statistics.weights.norm()):
+            raise ValueError(
+                "the statistics were collected on a model with other weights (another checkpoint of the same "
+                "architecture): collect them on the model you grow."
+            )
+
+
+def resolve_growth(p: int | Mapping[int, int], num_layers: int) -> list[int]:
+    """Dimensions added per layer, validated before any work."""
+    if isinstance(p, bool) or not isinstance(p, (int, Mapping)):
+        raise TypeError(f"p must be an int or a mapping {{layer: int}}, got {type(p).__name__}")
+    if isinstance(p, int):
+        if p <= 0:
+            raise ValueError(
+                f"p must be a positive number of query/key dimensions to add per head, got {p}. "
+                "(To take the same step without adding dimensions, pass p={layer: 0, ...}.)"
+            )
+        return [p] * num_layers
+    unknown = [layer for layer in p if not isinstance(layer, int) or not 0 <= layer < num_layers]
+    if unknown:
+        raise ValueError(f"p names layers {unknown} but the model has layers 0..{num_layers - 1}")
+    negative = {layer: value for layer, value in p.items() if not isinstance(value, int) or value < 0}
+    if negative:
+        raise ValueError(f"p must map layers to non-negative ints, got {negative}")
+    return [p.get(layer, 0) for layer in range(num_layers)]
+
+
+def warn_unaligned(qk_after: list[int], growth: list[int]) -> None:
+    unaligned = sorted({dim for dim, extra in zip(qk_after, growth) if extra and dim % 8})
+    if unaligned:
+        warnings.warn(
+            f"query/key widths {unaligned} are not multiples of 8; fused attention kernels are fastest with "
+            "multiples of 8.",
+            stacklevel=3,
+        )
+
+
+@dataclass
+class PreparedGrowth:
+    """A validated growth with its statistics solved: what remains is the target model and the line search."""
+
+    model: PreTrainedModel
+    adapter: ArchitectureAdapter
+    qk_before: list[int]
+    qk_after: list[int]
+    max_rank: int
+    statistics: GrowthStatistics
+    eval_batches: list[dict[str, Tensor]] | None
+    problem: GrowthProblem
+    parameters_before: int
+    seconds: dict[str, float]
+    accelerator: Accelerator | None
+    budget: int | None
+
+
+def prepare_growth(
+    model: PreTrainedModel,
+    dataloader: Iterable[Mapping[str, Tensor]] | None,
+    p: int | Mapping[int, int] | None,
+    *,
+    mode: str,
+    budget: int | None,
+    multiple_of: int,
+    eval_dataloader: Iterable[Mapping[str, Tensor]] | None,
+    step_size: float | None,
+    initial_step_size: float,
+    truncation: str,
+    search: str,
+    loss_fn: LossFn | None,
+    max_batches: int | None,
+    statistics: GrowthStatistics | None,
+    eval_fraction: float,
+    rtol: float,
+    compute_dtype: torch.dtype,
+    solver: str,
+    statistics_method: str,
+    query_block: int | None,
+    memory_budget: int | str | None,
+    accelerator: Accelerator | None,
+    progress: bool,
+) -> PreparedGrowth:
+    """Validate the arguments (before any work), collect or check the statistics and solve the problem."""
+    processes = Processes(accelerator)
+    adapter = get_adapter(model)
+    qk_before = adapter.qk_head_dims(model.config)
+    max_rank = adapter.hidden_size(model.config) + 1
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    growth: list[int] | None = None
+    if budget is not None:
+        if p is not None:
+            raise ValueError("give either p or budget, not both: a budget decides the dimensions added per layer.")
+        check_budget(budget, multiple_of, [max_rank - dim for dim in qk_before])
+    elif multiple_of != 1:
+        raise ValueError("multiple_of applies to a budget allocation: pass budget=N with it, or leave it at 1.")
+    else:
+        growth = resolve_growth(8 if p is None else p, len(qk_before))
+        qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
+        too_wide = {layer: dim for layer, dim in enumerate(qk_after) if dim > max_rank}
+        if too_wide:
+            raise ValueError(
+                f"query/key widths {too_wide} exceed hidden_size + 1 = {max_rank}, the largest rank a head's scores "
+                "can have: choose a smaller p."
+            )
+    if truncation not in linalg.TRUNCATIONS:
+        raise ValueError(f"truncation must be one of {linalg.TRUNCATIONS}, got {truncation!r}")
+    if solver not in linalg.SOLVERS:
+        raise ValueError(f"solver must be one of {linalg.SOLVERS}, got {solver!r}")
+    if search not in SEARCHES:
+        raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
+    if step_size is not None and (not math.isfinite(step_size) or step_size < 0):
+        raise ValueError(f"step_size must be a finite number >= 0, got {step_size}")
+    if not (math.isfinite(initial_step_size) and initial_step_size > 0):
+        raise ValueError(
+            f"initial_step_size must be a finite number > 0 (the first step tried), got {initial_step_size}"
+        )
+    linalg.check_rtol(rtol)
+    if growth is not None:
+        warn_unaligned(qk_after, growth)
+
+    seconds: dict[str, float] = {}
+    tick = time.perf_counter()
+    if statistics is None:
+        if dataloader is None:
+            raise ValueError("growth needs a dataloader, or statistics collected before.")
+        check_statistics_arguments(
+            statistics_method, next(model.parameters()).device, compute_dtype, query_block, max_batches, memory_budget
+        )
+    else:
+        check_statistics(statistics, model, adapter)
+        if eval_dataloader is None and step_size is None:
+            raise ValueError(
+                "with precomputed statistics, pass an eval_dataloader for the line search (or a step_size)."
+            )
+    with processes.failing_together():  # a process without data must not leave the others waiting
+        statistics_batches, eval_batches = split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
+        eval_terms = None
+        if eval_batches is not None:
+            eval_terms = sum(batch_loss_weight(adapter, model, batch, loss_fn) for batch in eval_batches)
+    if eval_terms is not None:  # found now, not after the statistics pass
+        device = next(model.parameters()).device
+        if processes.sum_(torch.tensor(eval_terms, dtype=torch.float64, device=device)).item() == 0:
+            raise ValueError(_NO_LOSS_TERMS.format(data="the held-out data"))
+    if statistics is None:
+        statistics = collect_statistics(
+            model,
+            statistics_batches,
+            adapter,
+            loss_fn,
+            max_batches,
+            compute_dtype=compute_dtype,
+            progress=progress,
+            method=statistics_method,
+            query_block=query_block,
+            memory_budget=memory_budget,
+            accelerator=accelerator,
+        )
+    seconds["statistics"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    if growth is None:
+        problem = GrowthProblem(model, adapter, statistics, qk_before, truncation, rtol, solver, mode)
+        gains = [problem.gain_rates(layer).marginal.sum(dim=0) for layer in range(len(qk_before))]
+        growth = allocate_budget(gains, budget, multiple_of)
+        qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
+        problem.widen(qk_after, adapter, model.config)
+        warn_unaligned(qk_after, growth)
+    else:
+        problem = GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol, solver, mode)
+    seconds["solve"] = time.perf_counter() - tick
+    return PreparedGrowth(
+        model, adapter, qk_before, qk_after, max_rank, statistics, eval_batches, problem, model.num_parameters(),
+        seconds, accelerator, budget,
+    )

@@ -1,0 +1,195 @@
+"""The solve problem: statistics and Q/K weights in, the weights of the grown widths at any step size out.
+
+Per layer, Z = scaling * W'_Q W'_K^T, the direction P = C^+ M C^+ and the metric of C (see `hf_grow.linalg`),
+all in float64; per step, the rank-(d_k + p) truncation of Z - lam P factored into wider W_Q, W_K.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from .. import linalg
+from ..adapters import ArchitectureAdapter
+from ..statistics import GrowthStatistics
+
+
+#: "refactor": the rank-(d_k + p) truncation of Z - lam P rewrites all Q/K weights. "append": the old Q/K
+#: weights are kept and the p new dimensions hold the best rank-p approximation of the step -lam P.
+MODES = ("refactor", "append")
+QKWeights = dict[int, tuple[Tensor, Tensor]]
+
+
+@dataclass
+class LayerProblem:
+    """Everything the step of one layer needs, in float64."""
+
+    query: Tensor
+    key: Tensor
+    scaling_before: float
+    scaling_after: float
+    qk_dim_after: int
+    bilinear: Tensor
+    gradient: Tensor
+    direction: Tensor
+    metric: linalg.Metric
+
+
+class GrowthProblem:
+    """The solved statistics of a model: Q/K weights for any step size, and what they are expected to gain."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        adapter: ArchitectureAdapter,
+        statistics: GrowthStatistics,
+        qk_dims_after: list[int],
+        truncation: str,
+        rtol: float,
+        solver: str,
+        mode: str = "refactor",
+    ):
+        self.truncation = truncation
+        self.solver = solver
+        self.mode = mode
+        self._unit_updates: dict[int, linalg.Factorization] = {}
+        self._whitened_pairs: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        self._starts: dict[tuple, Tensor] = {}
+        #: The decomposition methods the solver ran (``"auto"`` resolves per size).
+        self.methods_used: set[str] = set()
+        self.layers: list[LayerProblem] = []
+        config = model.config
+        with torch.no_grad():
+            for layer, attention in enumerate(adapter.attention_modules(model)):
+                query, key = adapter.read_qk(attention)
+                qk_before = query.shape[-1]
+                scaling_before = adapter.scaling(config, layer, qk_before)
+                device = statistics.gradients[layer].device
+                query, key = query.to(device), key.to(device)
+                metric = linalg.metric_from_second_moment(statistics.mean_second_moment(layer), rtol=rtol)
+                gradient = statistics.mean_gradient(layer)
+                self.layers.append(
+                    LayerProblem(
+                        query=query,
+                        key=key,
+                        scaling_before=scaling_before,
+                        scaling_after=adapter.scaling(config, layer, qk_dims_after[layer]),
+                        qk_dim_after=qk_dims_after[layer],
+                        bilinear=linalg.bilinear_form(query, key, scaling_before),
+                        gradient=gradient,
+                        direction=linalg.solve_direction(gradient, metric),
+                        metric=metric,
+                    )
+                )
+            scores_sq = sum(float(linalg.whitened_norm_sq(p.bilinear, p.metric).sum()) for p in self.layers)
+            step_sq = sum(float(linalg.whitened_norm_sq(p.direction, p.metric).sum()) for p in self.layers)
+        # lam per unit step size: zero when the gradients vanish (nothing to gain); with all-zero Q/K the
+        # unit step has whitened norm 1 instead of the scores' own size.
+        self.lam_unit = math.sqrt((scores_sq or 1.0) / step_sq) if step_sq > 0 else 0.0
+
+    def lam(self, step_size: float) -> float:
+        return step_size * self.lam_unit
+
+    def widen(self, qk_dims_after: list[int], adapter: ArchitectureAdapter, config) -> None:
+        """Set the grown widths (decided after the statistics, e.g. by a budget)."""
+        for layer, problem in enumerate(self.layers):
+            problem.qk_dim_after = qk_dims_after[layer]
+            problem.scaling_after = adapter.scaling(config, layer, qk_dims_after[layer])
+
+    def gain_rates(self, layer: int) -> linalg.GainRates:
+        """First-order expected gains of ``layer`` per unit step size (see `linalg.growth_gain_rates`)."""
+        problem = self.layers[layer]
+        with torch.no_grad():
+            width = problem.query.shape[-1]
+            rates = linalg.growth_gain_rates(problem.bilinear, problem.direction, problem.metric, width)
+        return linalg.GainRates(rates.without_growth * self.lam_unit, rates.marginal * self.lam_unit)
+
+    def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
+        """The decomposition of layer's ``Z - lam P`` (whitened or not) for truncations up to the grown width."""
+        problem = self.layers[layer]
+        base, direction = self._whitened(layer, truncation)
+        metric = problem.metric if truncation == "whitened" else None
+        target = base - self.lam(step_size) * direction
+        return self._decompose(("step", layer, truncation), target, metric, problem.qk_dim_after)
+
+    def unit_update(self, layer: int) -> linalg.Factorization:
+        """The "append" update at lam = 1: the truncation of -P to the p added dimensions (computed once)."""
+        if layer not in self._unit_updates:
+            problem = self.layers[layer]
+            metric = problem.metric if self.truncation == "whitened" else None
+            added = problem.qk_dim_after - problem.query.shape[-1]
+            _, direction = self._whitened(layer, self.truncation)
+            decomposition = self._decompose(("unit", layer, self.truncation), -direction, metric, added)
+            self._unit_updates[layer] = decomposition.truncate(added)
+        return self._unit_updates[layer]
+
+    def _whitened(self, layer: int, truncation: str) -> tuple[Tensor, Tensor]:
+        """Z and P where ``truncation`` truncates them (whitened by C^1/2, or as they are), computed once:
+        each line-search step then only forms ``Z - lam P`` there."""
+        key = (layer, truncation)
+        if key not in self._whitened_pairs:
+            problem = self.layers[layer]
+            pair = (problem.bilinear, problem.direction)
+            if truncation == "whitened":
+                pair = tuple(linalg.whiten(matrix, problem.metric) for matrix in pair)
+            self._whitened_pairs[key] = pair
+        return self._whitened_pairs[key]
+
+    def _decompose(
+        self, key: tuple, whitened: Tensor, metric: linalg.Metric | None, rank: int
+    ) -> linalg.Decomposition:
+        """Decompose with the solver (``"auto"``: by size), the subspace method warm-started from the last
+        decomposition under the same ``key`` (the previous line-search step)."""
+        method = self.solver if self.solver != "auto" else linalg.choose_method(whitened.shape[-1], rank)
+        self.methods_used.add(method)
+        decomposition = linalg.decompose_whitened(whitened, metric, method, rank=rank, start=self._starts.get(key))
+        if decomposition.basis is not None:
+            self._starts[key] = decomposition.basis
+        return decomposition
+
+    def weights(self, step_size: float) -> QKWeights:
+        """Augmented Q/K weights of the grown width for every layer. Step size 0 is exactly the old function:
+        the old weights, zero-padded, with the change of scale folded into the queries (so in a bfloat16 or
+        float16 model, up to the rounding of those queries). In "append" mode the old weights are kept at
+        every step (layers without added dimensions do not change)."""
+        weights = {}
+        with torch.no_grad():
+            for layer, problem in enumerate(self.layers):
+                if self.mode == "append" and problem.qk_dim_after > problem.query.shape[-1]:
+                    update = linalg.rescaled_to_step(self.unit_update(layer), self.lam(step_size))
+                    weights[layer] = linalg.appended_weights(
+                        problem.query, problem.key, problem.scaling_before, problem.scaling_after, update
+                    )
+                    continue
+                if step_size == 0 or self.mode == "append":
+                    padding = problem.qk_dim_after - problem.query.shape[-1]
+                    fold = problem.scaling_before / problem.scaling_after
+                    weights[layer] = (
+                        torch.nn.functional.pad(problem.query * fold, (0, padding)),
+                        torch.nn.functional.pad(problem.key, (0, padding)),
+                    )
+                    continue
+                factors = self.decomposition(layer, step_size, self.truncation).truncate(problem.qk_dim_after)
+                root_scaling = math.sqrt(problem.scaling_after)
+                weights[layer] = (factors.left / root_scaling, factors.right / root_scaling)
+        return weights
+
+    def unconstrained_weights(self, step_size: float, scalings: list[float]) -> QKWeights:
+        """Full-rank weights computing Z - lam P exactly: queries (Z - lam P) / scaling, keys the identity."""
+        weights = {}
+        with torch.no_grad():
+            for layer, problem in enumerate(self.layers):
+                target = problem.bilinear - self.lam(step_size) * problem.direction
+                identity = torch.eye(target.shape[-1], dtype=target.dtype, device=target.device).expand_as(target)
+                weights[layer] = (target / scalings[layer], identity.clone())
+        return weights
+
+
+def write_weights(adapter: ArchitectureAdapter, model: PreTrainedModel, weights: QKWeights) -> None:
+    attentions = adapter.attention_modules(model)
+    for layer, (query, key) in weights.items():
+        adapter.write_qk(attentions[layer], query, key)

@@ -1,0 +1,162 @@
+"""The line search on the grown model, the chosen weights written into it, and the growth report."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ..report import GrowthReport, LayerReport, LineSearchPoint
+from ..statistics import LossFn
+from .head_reports import head_reports
+from .line_search import best_step, evaluate_loss, search_step_size
+from .prepare import PreparedGrowth
+from .problem import write_weights
+
+
+logger = logging.getLogger("hf_grow")
+
+
+def search_and_report(
+    prepared: PreparedGrowth,
+    target: PreTrainedModel,
+    *,
+    step_size: float | None,
+    search: str,
+    loss_fn: LossFn | None,
+    initial_step_size: float,
+    measure_realized_gains: bool,
+    progress: bool,
+    started: float,
+) -> GrowthReport:
+    """Line-search the step on ``target`` (a model of the grown widths), leave the chosen weights in it, report.
+
+    ``target`` computes the old function on entry (the step-0 weights); on exit it holds the chosen step.
+    """
+    model, adapter, problem, eval_batches = prepared.model, prepared.adapter, prepared.problem, prepared.eval_batches
+    qk_after, seconds, accelerator = prepared.qk_after, prepared.seconds, prepared.accelerator
+
+    def evaluate(candidate: PreTrainedModel) -> float:
+        return evaluate_loss(candidate, eval_batches, adapter, loss_fn, accelerator)[0]
+
+    # The best step's weights as evaluated: the solve is warm-started, so solving the same step again could
+    # differ from them by roundoff.
+    evaluated: dict[str, Any] = {}
+
+    def evaluate_step(step: float) -> float:
+        weights = problem.weights(step)
+        write_weights(adapter, target, weights)
+        loss = evaluate(target)
+        if not evaluated or loss < evaluated["loss"]:
+            evaluated.update(loss=loss, step=step, weights=weights)
+        return loss
+
+    tick = time.perf_counter()
+    points: list[LineSearchPoint] = []
+    unconstrained_loss = None
+    eval_weight = 0
+    loss_before = loss_after = None
+    if eval_batches is not None:
+        loss_before, eval_weight = evaluate_loss(target, eval_batches, adapter, loss_fn, accelerator)
+    if step_size is None and not math.isfinite(loss_before):
+        raise FloatingPointError(
+            f"the held-out loss is {loss_before} before any step: the line search needs a finite loss. Check the "
+            "held-out data, or load the model in a wider dtype (float16 overflows most easily)."
+        )
+    if step_size is None and problem.lam_unit == 0:
+        logger.warning("the loss has zero gradient with respect to every head's scores: nothing to gain, step 0.")
+        step_size, loss_after = 0.0, loss_before
+    if step_size is None:
+        with tqdm(desc="line search", unit="eval", disable=not progress) as bar:
+
+            def tracked(kind: str, evaluate_at: Callable[[float], float]) -> Callable[[float], float]:
+                def run(step: float) -> float:
+                    loss = loss_before if step == 0 else evaluate_at(step)
+                    points.append(LineSearchPoint(step, loss if math.isfinite(loss) else None, kind))
+                    bar.update()
+                    bar.set_postfix(step=f"{step:.3g}", loss=f"{loss:.4f}")
+                    return loss
+
+                return run
+
+            start = initial_step_size
+            if search == "fast":
+                max_rank = prepared.max_rank
+                full_rank = [max_rank] * len(qk_after)
+                scalings = [adapter.scaling(model.config, layer, max_rank) for layer in range(len(qk_after))]
+                reference = adapter.build_grown_model(target, full_rank, problem.unconstrained_weights(0.0, scalings))
+
+                def evaluate_unconstrained(step: float) -> float:
+                    write_weights(adapter, reference, problem.unconstrained_weights(step, scalings))
+                    return evaluate(reference)
+
+                unconstrained = search_step_size(tracked("unconstrained", evaluate_unconstrained), start)
+                bracketed = best_step(unconstrained)
+                unconstrained_loss = unconstrained[bracketed]
+                del reference
+                # The rank-constrained optimum sits near the unconstrained one: a finer, shorter search.
+                losses = search_step_size(tracked("rank", evaluate_step), bracketed or start, factor=2.0, refinements=2)
+            else:
+                losses = search_step_size(tracked("rank", evaluate_step), start)
+        step_size = best_step(losses)
+        loss_after = losses[step_size]
+    chosen = evaluated["weights"] if evaluated.get("step") == step_size else problem.weights(step_size)
+    write_weights(adapter, target, chosen)
+    if eval_batches is not None and loss_after is None:
+        loss_after = evaluate(target)
+    seconds["line_search"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    realized: list[float | None] = [None] * len(qk_after)
+    if measure_realized_gains and eval_batches is not None and step_size > 0:
+        unchanged, stepped = problem.weights(0.0), chosen
+        for layer in tqdm(range(len(qk_after)), desc="realized gains", unit="layer", disable=not progress):
+            write_weights(adapter, target, {**unchanged, layer: stepped[layer]})
+            realized[layer] = loss_before - evaluate(target)
+        write_weights(adapter, target, stepped)
+    layers = []
+    for layer in range(len(problem.layers)):
+        heads = head_reports(problem, layer, step_size)
+        layers.append(
+            LayerReport(
+                layer=layer,
+                qk_dim_before=prepared.qk_before[layer],
+                qk_dim_after=qk_after[layer],
+                expected_gain=sum(head.expected_gain for head in heads),
+                realized_gain=realized[layer],
+                heads=heads,
+            )
+        )
+    seconds["report"] = time.perf_counter() - tick
+    seconds["total"] = time.perf_counter() - started
+
+    report = GrowthReport(
+        model_class=type(model).__name__,
+        model_type=model.config.model_type,
+        truncation=problem.truncation,
+        search=search,
+        solver="+".join(sorted(problem.methods_used)) or problem.solver,
+        mode=problem.mode,
+        step_size=step_size,
+        lam=problem.lam(step_size),
+        eval_loss_before=loss_before,
+        eval_loss_after=loss_after,
+        unconstrained_eval_loss=unconstrained_loss,
+        statistics_tokens=prepared.statistics.num_tokens,
+        statistics_batches=prepared.statistics.num_batches,
+        statistics_method=prepared.statistics.method,
+        eval_weight=eval_weight,
+        parameters_before=prepared.parameters_before,
+        parameters_after=target.num_parameters(),
+        seconds=seconds,
+        line_search=points,
+        layers=layers,
+        budget=prepared.budget,
+    )
+    logger.info("grew %s: %s", type(model).__name__, report.summary())
+    return report
