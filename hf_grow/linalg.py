@@ -145,6 +145,15 @@ class Decomposition:
     #: the start for a nearby target, e.g. the next step of a line search.
     basis: Tensor | None = None
 
+    def __post_init__(self) -> None:
+        # Singular vectors are defined up to sign, and which sign a solver returns depends on the BLAS, the
+        # thread count and the process count. Fix it (largest entry of each left vector positive), so that the
+        # same statistics give the same weights everywhere, not only the same function.
+        largest = self.left_vectors.abs().argmax(dim=-2, keepdim=True)
+        signs = torch.where(self.left_vectors.gather(-2, largest) < 0, -1.0, 1.0).to(self.left_vectors.dtype)
+        object.__setattr__(self, "left_vectors", self.left_vectors * signs)
+        object.__setattr__(self, "projected", self.projected * signs)
+
     def truncate(self, rank: int) -> Factorization:
         """Best rank-``rank`` approximation, factored with a balanced sqrt(sigma) split."""
         if rank <= 0:
