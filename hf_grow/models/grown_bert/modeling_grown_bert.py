@@ -93,7 +93,7 @@ class GrownBertSelfAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         kwargs.pop("encoder_hidden_states", None)
@@ -105,10 +105,13 @@ class GrownBertSelfAttention(nn.Module):
         key_layer = self.key(hidden_states).view(qk_shape).transpose(1, 2)
         value_layer = self.value(hidden_states).view(value_shape).transpose(1, 2)
 
-        if past_key_values is not None:
-            if isinstance(past_key_values, EncoderDecoderCache):
-                past_key_values = past_key_values.self_attention_cache
-            key_layer, value_layer = past_key_values.update(key_layer, value_layer, self.layer_idx)
+        # transformers renamed the block's ``past_key_values`` argument to ``cache`` (5.2x); older versions pass
+        # the old name, which would otherwise reach the attention function unused, and the cache would stay empty.
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        if cache is not None:
+            if isinstance(cache, EncoderDecoderCache):
+                cache = cache.self_attention_cache
+            key_layer, value_layer = cache.update(key_layer, value_layer, self.layer_idx)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward

@@ -87,7 +87,7 @@ class GrownGPT2Attention(GPT2Attention):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,10 +103,13 @@ class GrownGPT2Attention(GPT2Attention):
         key_states = key_states.view(*batch_and_seq, self.num_heads, self.qk_head_dim).transpose(1, 2)
         value_states = value_states.view(*batch_and_seq, self.num_heads, self.head_dim).transpose(1, 2)
 
-        if past_key_values is not None:
-            if isinstance(past_key_values, EncoderDecoderCache):
-                past_key_values = past_key_values.self_attention_cache
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        # transformers renamed the block's ``past_key_values`` argument to ``cache`` (5.2x); older versions pass
+        # the old name, which would otherwise reach the attention function unused, and the cache would stay empty.
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        if cache is not None:
+            if isinstance(cache, EncoderDecoderCache):
+                cache = cache.self_attention_cache
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         if self.config._attn_implementation == "eager" and self.reorder_and_upcast_attn:
             attn_output, attn_weights = self._upcast_and_reordered_attn(
