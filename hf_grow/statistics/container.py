@@ -102,6 +102,8 @@ def weight_sample(model: PreTrainedModel, per_parameter: int = 8) -> Tensor:
     with torch.no_grad():
         for parameter in model.parameters():
             flat = parameter.detach().reshape(-1)
-            positions = torch.linspace(0, flat.numel() - 1, min(per_parameter, flat.numel()), device=flat.device)
+            # float64: float32 positions round to the wrong entry (and past the end) beyond 2^24 entries
+            count = min(per_parameter, flat.numel())
+            positions = torch.linspace(0, flat.numel() - 1, count, dtype=torch.float64, device=flat.device)
             samples.append(flat[positions.round().long()].to(torch.float64).cpu())
     return torch.cat(samples)
