@@ -29,6 +29,7 @@ from .distributed import OtherProcessFailed, Processes
 from .growth import DEFAULT_TRUNCATION, SEARCHES, grow_model
 from .inspection import PLOT_EXTRA, inspect_growth
 from .linalg import SOLVERS, TRUNCATIONS
+from .progress import stage
 from .statistics import METHODS as STATISTICS_METHODS
 from .statistics import GrowthStatistics, collect_statistics, parse_bytes
 
@@ -88,7 +89,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (statistics are float32+)")
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.add_argument("--quiet", action="store_true", help="no progress bars (on a terminal) or lines (in a log)")
     return run
 
 
@@ -158,8 +159,8 @@ def build_inspect_parser() -> argparse.ArgumentParser:
 
 
 def _progress(args: argparse.Namespace) -> bool:
-    """Progress bars only for a person watching: not with --quiet, not when stderr is a file or pipe."""
-    return not args.quiet and sys.stderr.isatty()
+    """Progress unless --quiet: bars on a terminal, a line every half minute in a log (`hf_grow.progress`)."""
+    return not args.quiet
 
 
 def _check_data_arguments(args: argparse.Namespace) -> None:
@@ -306,7 +307,7 @@ def _dataset_windows(args: argparse.Namespace, tokenizer, window: int) -> tuple[
     config = args.dataset_config or (None if args.dataset else "wikitext-2-raw-v1")
 
     def windows(split: str, max_tokens: int) -> list:
-        texts = read_dataset(name, config, split, args.text_column, args.streaming, _progress(args))
+        texts = read_dataset(name, config, split, args.text_column, args.streaming, _bars(args))
         return token_windows(texts, tokenizer, window, max_tokens)
 
     try:
@@ -419,12 +420,17 @@ def _shard(batches: list, accelerator, what: str) -> list:
     return batches[accelerator.process_index :: accelerator.num_processes]
 
 
+def _bars(args: argparse.Namespace) -> bool:
+    """Other libraries' progress bars (transformers' loading and saving, datasets'): on a terminal only."""
+    return _progress(args) and sys.stderr.isatty()
+
+
 def _start(args: argparse.Namespace, is_main: bool = True) -> bool:
-    """Seed and logging; whether progress bars show (on the main process only)."""
+    """Seed and logging; whether progress shows (on the main process only)."""
     torch.manual_seed(args.seed)
     show_progress = _progress(args) and is_main
     transformers_logging.set_verbosity_error()
-    if not show_progress:
+    if not (show_progress and _bars(args)):
         transformers_logging.disable_progress_bar()
     return show_progress
 
@@ -476,12 +482,14 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
         # Only the main process writes and pushes; the others wait for it, and learn if it failed.
         with Processes(accelerator).failing_together():
             if is_main:
-                _write_outputs(args, grown, tokenizer, started, accelerator)
+                _write_outputs(args, grown, tokenizer, started, accelerator, show_progress)
     except OtherProcessFailed as error:
         raise CommandError(f"{error}: nothing was written") from None
 
 
-def _write_outputs(args: argparse.Namespace, grown, tokenizer, started: float, accelerator) -> None:
+def _write_outputs(
+    args: argparse.Namespace, grown, tokenizer, started: float, accelerator, show_progress: bool
+) -> None:
     report = grown.growth_report
     output = Path(args.output_dir)
     data, datasets = _data_description(args)
@@ -496,7 +504,8 @@ def _write_outputs(args: argparse.Namespace, grown, tokenizer, started: float, a
         card.save(folder / hub.CARD_FILENAME)
 
     try:
-        _write_atomically(output, write, args.overwrite)
+        with stage(f"writing the grown model to {output}", enabled=show_progress):
+            _write_atomically(output, write, args.overwrite)
     except OSError as error:
         raise CommandError(f"writing {output} failed ({error}); nothing was written") from None
     if args.report:

@@ -58,6 +58,18 @@ def test_grows_a_local_model_on_local_text(model_folder, tmp_path):
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())  # input untouched
 
 
+def test_a_log_file_shows_each_stage_end(model_folder, tmp_path):
+    """stderr is a pipe here, as in a log file: plain progress lines, no bars' carriage returns."""
+    not_quiet = [argument for argument in SMALL if argument != "--quiet"]
+    result = run_cli(str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "grown"), *not_quiet)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    for start in ("statistics: ", "solve: done in ", "line search: ", "realized gains: 2/2 layer, done in ",
+                  f"writing the grown model to {tmp_path / 'grown'}: done in "):
+        assert any(line.startswith(start) for line in lines), (start, lines)
+    assert "\r" not in result.stderr
+
+
 def test_refuses_a_non_empty_output_folder(model_folder, tmp_path):
     (tmp_path / "keep.txt").write_text("precious")
     result = run_cli(str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path), *SMALL)

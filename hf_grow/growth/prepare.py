@@ -20,6 +20,7 @@ from .. import linalg
 from ..adapters import ArchitectureAdapter, get_adapter
 from ..budget import allocate_budget, check_budget
 from ..distributed import Processes
+from ..progress import stage
 from ..statistics import GrowthStatistics, LossFn, batch_loss_weight, collect_statistics, weight_sample
 from ..statistics import check_arguments as check_statistics_arguments
 from .line_search import _NO_LOSS_TERMS, split_batches
@@ -244,15 +245,16 @@ def prepare_growth(
     seconds["statistics"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    if growth is None:
-        problem = GrowthProblem(model, adapter, statistics, qk_before, truncation, rtol, solver, mode)
-        gains = [problem.gain_rates(layer).marginal.sum(dim=0) for layer in range(len(qk_before))]
-        growth = allocate_budget(gains, budget, multiple_of)
-        qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
-        problem.widen(qk_after, adapter, model.config)
-        warn_unaligned(qk_after, growth)
-    else:
-        problem = GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol, solver, mode)
+    with stage("solve", enabled=progress):
+        if growth is None:
+            problem = GrowthProblem(model, adapter, statistics, qk_before, truncation, rtol, solver, mode)
+            gains = [problem.gain_rates(layer).marginal.sum(dim=0) for layer in range(len(qk_before))]
+            growth = allocate_budget(gains, budget, multiple_of)
+            qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
+            problem.widen(qk_after, adapter, model.config)
+            warn_unaligned(qk_after, growth)
+        else:
+            problem = GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol, solver, mode)
     seconds["solve"] = time.perf_counter() - tick
     return PreparedGrowth(
         model, adapter, qk_before, qk_after, max_rank, statistics, eval_batches, problem, model.num_parameters(),

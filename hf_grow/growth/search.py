@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..progress import progress_bar
 from ..report import GrowthReport, LayerReport, LineSearchPoint
 from ..statistics import LossFn
 from .head_reports import head_reports
@@ -72,7 +72,7 @@ def search_and_report(
         logger.warning("the loss has zero gradient with respect to every head's scores: nothing to gain, step 0.")
         step_size, loss_after = 0.0, loss_before
     if step_size is None:
-        with tqdm(desc="line search", unit="eval", disable=not progress) as bar:
+        with progress_bar(desc="line search", unit="eval", enabled=progress) as bar:
 
             def tracked(kind: str, evaluate_at: Callable[[float], float]) -> Callable[[float], float]:
                 def run(step: float) -> float:
@@ -115,7 +115,7 @@ def search_and_report(
     realized: list[float | None] = [None] * len(qk_after)
     if measure_realized_gains and eval_batches is not None and step_size > 0:
         unchanged, stepped = problem.weights(0.0), chosen
-        for layer in tqdm(range(len(qk_after)), desc="realized gains", unit="layer", disable=not progress):
+        for layer in progress_bar(range(len(qk_after)), desc="realized gains", unit="layer", enabled=progress):
             write_weights(adapter, target, {**unchanged, layer: stepped[layer]})
             realized[layer] = loss_before - evaluate(target)
         write_weights(adapter, target, stepped)

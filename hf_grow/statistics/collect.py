@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter
 from ..distributed import Processes, unwrap_model
+from ..progress import progress_bar
 from .batches import LossFn, batch_loss_weight, iterate_batches
 from .collector import Collector, statistics_mode
 from .container import GrowthStatistics, weight_sample
@@ -180,8 +180,11 @@ def _collect_pass(
     """One pass over the data with ``collector`` installed; returns the number of batches skipped."""
     skipped = 0
     batches = iterate_batches(dataloader, model)
+    total = len(dataloader) if hasattr(dataloader, "__len__") else None
+    if max_batches is not None:
+        total = max_batches if total is None else min(total, max_batches)
     with collector.installed():
-        for batch in tqdm(batches, desc=description, unit="batch", total=max_batches, disable=not progress):
+        for batch in progress_bar(batches, desc=description, unit="batch", total=total, enabled=progress):
             weight = batch_loss_weight(adapter, model, batch, loss_fn)
             if weight == 0:
                 skipped += 1  # no loss term (every label -100): the model's loss would be 0 / 0
