@@ -18,27 +18,29 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
     with torch.no_grad():
         if solved.mode == "append":
             # The old form stays: the step is the rank-p update alone, and without growth there is none.
-            delta = torch.zeros_like(problem.bilinear)
+            delta = torch.zeros_like(problem.direction)
             if problem.qk_dim_after > qk_before:
                 delta = linalg.rescaled_to_step(solved.unit_update(layer), lam).product
             delta_kept = torch.zeros_like(delta)
-            _, direction = solved._whitened(layer, "whitened")
+            _, direction = solved.whitened_pair(layer, "whitened")
             added = problem.qk_dim_after - qk_before
-            spectrum = solved._decompose(
+            spectrum = solved.decompose(
                 ("unit", layer, "whitened"), -lam * direction, problem.metric, max(added, 1)
             ).singular_values
             marginal = linalg.rank_gains(spectrum, lam)[:, : problem.qk_dim_after - qk_before]
         else:
             decomposition = solved.decomposition(layer, step_size, solved.truncation)
             grown, kept = decomposition.truncate(problem.qk_dim_after), decomposition.truncate(qk_before)
-            delta, delta_kept = grown.product - problem.bilinear, kept.product - problem.bilinear
+            bilinear = problem.bilinear
+            delta, delta_kept = grown.product - bilinear, kept.product - bilinear
             if solved.truncation != "whitened":
                 decomposition = solved.decomposition(layer, step_size, "whitened")
             spectrum = decomposition.singular_values
             marginal = linalg.rank_gains(spectrum, lam)[:, qk_before : problem.qk_dim_after]
-        expected = linalg.predicted_decrease(problem.gradient, delta, problem.metric, lam)
-        expected_kept = linalg.predicted_decrease(problem.gradient, delta_kept, problem.metric, lam)
-        first_order = -(problem.gradient * delta).sum(dim=(-2, -1))
+        gradient = solved.statistics.mean_gradient(layer)
+        expected = linalg.predicted_decrease(gradient, delta, problem.metric, lam)
+        expected_kept = linalg.predicted_decrease(gradient, delta_kept, problem.metric, lam)
+        first_order = -(gradient * delta).sum(dim=(-2, -1))
     return [
         HeadReport(
             layer=layer,

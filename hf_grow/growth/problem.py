@@ -26,17 +26,24 @@ QKWeights = dict[int, tuple[Tensor, Tensor]]
 
 @dataclass
 class LayerProblem:
-    """Everything the step of one layer needs, in float64."""
+    """Everything the step of one layer needs, in float64.
+
+    Z is formed from the weights when needed and M is read from the statistics (`head_reports`): held for
+    every layer, each would be another (heads, d, d) float64 tensor, 3.2 GB for GPT-2 medium's 24 layers.
+    """
 
     query: Tensor
     key: Tensor
     scaling_before: float
     scaling_after: float
     qk_dim_after: int
-    bilinear: Tensor
-    gradient: Tensor
     direction: Tensor
     metric: linalg.Metric
+
+    @property
+    def bilinear(self) -> Tensor:
+        """Z = scaling * W'_Q W'_K^T of the old weights."""
+        return linalg.bilinear_form(self.query, self.key, self.scaling_before)
 
 
 class GrowthProblem:
@@ -53,6 +60,7 @@ class GrowthProblem:
         solver: str,
         mode: str = "refactor",
     ):
+        self.statistics = statistics
         self.truncation = truncation
         self.solver = solver
         self.mode = mode
@@ -71,7 +79,6 @@ class GrowthProblem:
                 device = statistics.gradients[layer].device
                 query, key = query.to(device), key.to(device)
                 metric = linalg.metric_from_second_moment(statistics.mean_second_moment(layer), rtol=rtol)
-                gradient = statistics.mean_gradient(layer)
                 self.layers.append(
                     LayerProblem(
                         query=query,
@@ -79,9 +86,7 @@ class GrowthProblem:
                         scaling_before=scaling_before,
                         scaling_after=adapter.scaling(config, layer, qk_dims_after[layer]),
                         qk_dim_after=qk_dims_after[layer],
-                        bilinear=linalg.bilinear_form(query, key, scaling_before),
-                        gradient=gradient,
-                        direction=linalg.solve_direction(gradient, metric),
+                        direction=linalg.solve_direction(statistics.mean_gradient(layer), metric),
                         metric=metric,
                     )
                 )
@@ -111,10 +116,10 @@ class GrowthProblem:
     def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
         """The decomposition of layer's ``Z - lam P`` (whitened or not) for truncations up to the grown width."""
         problem = self.layers[layer]
-        base, direction = self._whitened(layer, truncation)
+        base, direction = self.whitened_pair(layer, truncation)
         metric = problem.metric if truncation == "whitened" else None
         target = base - self.lam(step_size) * direction
-        return self._decompose(("step", layer, truncation), target, metric, problem.qk_dim_after)
+        return self.decompose(("step", layer, truncation), target, metric, problem.qk_dim_after)
 
     def unit_update(self, layer: int) -> linalg.Factorization:
         """The "append" update at lam = 1: the truncation of -P to the p added dimensions (computed once)."""
@@ -122,12 +127,12 @@ class GrowthProblem:
             problem = self.layers[layer]
             metric = problem.metric if self.truncation == "whitened" else None
             added = problem.qk_dim_after - problem.query.shape[-1]
-            _, direction = self._whitened(layer, self.truncation)
-            decomposition = self._decompose(("unit", layer, self.truncation), -direction, metric, added)
+            _, direction = self.whitened_pair(layer, self.truncation)
+            decomposition = self.decompose(("unit", layer, self.truncation), -direction, metric, added)
             self._unit_updates[layer] = decomposition.truncate(added)
         return self._unit_updates[layer]
 
-    def _whitened(self, layer: int, truncation: str) -> tuple[Tensor, Tensor]:
+    def whitened_pair(self, layer: int, truncation: str) -> tuple[Tensor, Tensor]:
         """Z and P where ``truncation`` truncates them (whitened by C^1/2, or as they are), computed once:
         each line-search step then only forms ``Z - lam P`` there."""
         key = (layer, truncation)
@@ -139,7 +144,7 @@ class GrowthProblem:
             self._whitened_pairs[key] = pair
         return self._whitened_pairs[key]
 
-    def _decompose(
+    def decompose(
         self, key: tuple, whitened: Tensor, metric: linalg.Metric | None, rank: int
     ) -> linalg.Decomposition:
         """Decompose with the solver (``"auto"``: by size), the subspace method warm-started from the last
