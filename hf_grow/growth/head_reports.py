@@ -13,7 +13,7 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
     """Per head of ``layer`` at ``step_size``: the expected gain with and without growth, the first-order
     gain, and the expected gain of each added dimension (from the whitened spectrum, whatever the truncation)."""
     problem = solved.layers[layer]
-    lam = solved.lam(step_size)
+    lam = solved.lam(step_size, layer)
     qk_before = problem.query.shape[-1]
     with torch.no_grad():
         if solved.mode == "append":

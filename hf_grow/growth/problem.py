@@ -21,6 +21,11 @@ from ..statistics import GrowthStatistics
 #: "refactor": the rank-(d_k + p) truncation of Z - lam P rewrites all Q/K weights. "append": the old Q/K
 #: weights are kept and the p new dimensions hold the best rank-p approximation of the step -lam P.
 MODES = ("refactor", "append")
+#: How one searched step size becomes each layer's lam. "global": one lam for all layers, lam = t * lam_unit
+#: with lam_unit = sqrt(sum ||Z||^2 / sum ||P||^2) over every head (whitened norms). "per_layer": the original
+#: notes' lam_l = t * ||Z_l|| / ||P_l|| for each layer (norms in the truncation's own metric: whitened, or
+#: plain Frobenius), so that layers whose gradient is small against their weights are not under-stepped.
+STEP_MODES = ("global", "per_layer")
 QKWeights = dict[int, tuple[Tensor, Tensor]]
 
 
@@ -59,8 +64,12 @@ class GrowthProblem:
         rtol: float,
         solver: str,
         mode: str = "refactor",
+        step_mode: str = "global",
     ):
+        if step_mode not in STEP_MODES:
+            raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
         self.statistics = statistics
+        self.step_mode = step_mode
         self.truncation = truncation
         self.solver = solver
         self.mode = mode
@@ -90,14 +99,32 @@ class GrowthProblem:
                         metric=metric,
                     )
                 )
-            scores_sq = sum(float(linalg.whitened_norm_sq(p.bilinear, p.metric).sum()) for p in self.layers)
-            step_sq = sum(float(linalg.whitened_norm_sq(p.direction, p.metric).sum()) for p in self.layers)
-        # lam per unit step size: zero when the gradients vanish (nothing to gain); with all-zero Q/K the
-        # unit step has whitened norm 1 instead of the scores' own size.
-        self.lam_unit = math.sqrt((scores_sq or 1.0) / step_sq) if step_sq > 0 else 0.0
+            whitened = [
+                (float(linalg.whitened_norm_sq(p.bilinear, p.metric).sum()),
+                 float(linalg.whitened_norm_sq(p.direction, p.metric).sum()))
+                for p in self.layers
+            ]
+            if step_mode == "global":
+                self.lam_unit = _lam_unit(sum(scores for scores, _ in whitened), sum(step for _, step in whitened))
+                #: lam per unit step size of each layer.
+                self.layer_lam_units = [self.lam_unit] * len(self.layers)
+            else:
+                if truncation == "whitened":
+                    norms = whitened
+                else:
+                    norms = [(float(p.bilinear.square().sum()), float(p.direction.square().sum())) for p in self.layers]
+                self.layer_lam_units = [_lam_unit(scores, step) for scores, step in norms]
+                #: The model-wide scale of the same step (root mean square of the layers' lams), for reports.
+                self.lam_unit = math.sqrt(sum(unit**2 for unit in self.layer_lam_units) / len(self.layers))
 
-    def lam(self, step_size: float) -> float:
-        return step_size * self.lam_unit
+    def lam(self, step_size: float, layer: int | None = None) -> float:
+        """The absolute step of ``layer`` at a relative ``step_size`` (None: the model-wide `lam_unit` scale)."""
+        return step_size * (self.lam_unit if layer is None else self.layer_lam_units[layer])
+
+    @property
+    def has_gradient(self) -> bool:
+        """False when the loss has zero gradient with respect to every head's scores: no step can gain."""
+        return any(self.layer_lam_units)
 
     def widen(self, qk_dims_after: list[int], adapter: ArchitectureAdapter, config) -> None:
         """Set the grown widths (decided after the statistics, e.g. by a budget)."""
@@ -111,14 +138,15 @@ class GrowthProblem:
         with torch.no_grad():
             width = problem.query.shape[-1]
             rates = linalg.growth_gain_rates(problem.bilinear, problem.direction, problem.metric, width)
-        return linalg.GainRates(rates.without_growth * self.lam_unit, rates.marginal * self.lam_unit)
+        unit = self.layer_lam_units[layer]
+        return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit)
 
     def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
         """The decomposition of layer's ``Z - lam P`` (whitened or not) for truncations up to the grown width."""
         problem = self.layers[layer]
         base, direction = self.whitened_pair(layer, truncation)
         metric = problem.metric if truncation == "whitened" else None
-        target = base - self.lam(step_size) * direction
+        target = base - self.lam(step_size, layer) * direction
         return self.decompose(("step", layer, truncation), target, metric, problem.qk_dim_after)
 
     def unit_update(self, layer: int) -> linalg.Factorization:
@@ -165,7 +193,7 @@ class GrowthProblem:
         with torch.no_grad():
             for layer, problem in enumerate(self.layers):
                 if self.mode == "append" and problem.qk_dim_after > problem.query.shape[-1]:
-                    update = linalg.rescaled_to_step(self.unit_update(layer), self.lam(step_size))
+                    update = linalg.rescaled_to_step(self.unit_update(layer), self.lam(step_size, layer))
                     weights[layer] = linalg.appended_weights(
                         problem.query, problem.key, problem.scaling_before, problem.scaling_after, update
                     )
@@ -188,10 +216,16 @@ class GrowthProblem:
         weights = {}
         with torch.no_grad():
             for layer, problem in enumerate(self.layers):
-                target = problem.bilinear - self.lam(step_size) * problem.direction
+                target = problem.bilinear - self.lam(step_size, layer) * problem.direction
                 identity = torch.eye(target.shape[-1], dtype=target.dtype, device=target.device).expand_as(target)
                 weights[layer] = (target / scalings[layer], identity.clone())
         return weights
+
+
+def _lam_unit(scores_sq: float, step_sq: float) -> float:
+    """lam per unit step size, sqrt(||Z||^2 / ||P||^2): zero when the gradients vanish (nothing to gain); with
+    all-zero Q/K the unit step has norm 1 instead of the scores' own size."""
+    return math.sqrt((scores_sq or 1.0) / step_sq) if step_sq > 0 else 0.0
 
 
 def write_weights(adapter: ArchitectureAdapter, model: PreTrainedModel, weights: QKWeights) -> None:
