@@ -4,6 +4,7 @@ Importing hf_grow registers the grown model types with the transformers Auto cla
 """
 
 from .adapters import get_adapter, supported_model_types
+from .config import GrowthConfig
 from .growth import DEFAULT_TRUNCATION, evaluate_loss, grow_model
 from .hub import model_card, push_to_hub
 from .inspection import GrowthInspection, inspect_growth
@@ -36,6 +37,7 @@ __all__ = [
     "DEFAULT_TRUNCATION",
     "GROWTH_MODES",
     "GrowthCallback",
+    "GrowthConfig",
     "GrowthInspection",
     "GrowthReport",
     "GrowthStatistics",

@@ -12,6 +12,7 @@ held-out losses are summed across processes; only the main process writes and pu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -20,17 +21,17 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import HfArgumentParser
 from transformers.utils import logging as transformers_logging
 
 from . import __version__, hub
 from .adapters import get_adapter, supported_model_types
 from .data import causal_lm_batches, masked_lm_batches, read_dataset, read_text_files, token_windows
 from .distributed import OtherProcessFailed, Processes
-from .growth import DEFAULT_TRUNCATION, SEARCHES, grow_model
+from .config import GrowthConfig
+from .growth import grow_model
 from .inspection import PLOT_EXTRA, inspect_growth
-from .linalg import SOLVERS, TRUNCATIONS
 from .progress import stage
-from .statistics import METHODS as STATISTICS_METHODS
 from .statistics import GrowthStatistics, collect_statistics, parse_bytes
 
 
@@ -93,8 +94,11 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> HfArgumentParser:
+    """The growth options come from `GrowthConfig` (flags and help text from its fields); the model, data,
+    output, run and Hub options are the command's own."""
+    parser = HfArgumentParser(
+        GrowthConfig,
         prog="hf-grow",
         description="Grow the query/key dimension of every attention head of a language model (causal LMs "
         "such as GPT-2 on next-token loss, masked LMs such as BERT on masked-LM loss), with weights solved from "
@@ -102,30 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    for action in parser._actions:  # show the dash spelling the README uses (the underscore one works too)
+        action.option_strings.sort(key=lambda option: "_" in option)
+        if action.dest == "eval_fraction":  # the command holds out --eval-tokens of text instead
+            action.help = argparse.SUPPRESS
     _add_model_argument(parser)
-    parser.add_argument("--p", type=int, help="query/key dimensions to add per head (default 8)")
     parser.add_argument("--output-dir", required=True, help="folder for the grown model (must be empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     _add_data_arguments(parser)
-    growth = parser.add_argument_group("growth")
-    growth.add_argument("--budget", type=int, help="instead of --p: added dims per head summed over layers, "
-                        "allocated to the layers by expected gain")
-    growth.add_argument("--multiple-of", type=int, default=1, help="with --budget: allocate in chunks of this many "
-                        "dims (8 suits fused kernels)")
-    growth.add_argument("--stats", metavar="FILE", help="statistics saved by `hf-grow inspect --save-stats` for this "
+    parser.add_argument("--stats", metavar="FILE", help="statistics saved by `hf-grow inspect --save-stats` for this "
                         "model: the statistics text is not read again")
-    growth.add_argument("--step-size", type=float, help="skip the line search and take this (relative) step")
-    growth.add_argument("--truncation", choices=TRUNCATIONS, default=DEFAULT_TRUNCATION)
-    growth.add_argument("--search", choices=SEARCHES, default="exact")
-    growth.add_argument("--solver", choices=SOLVERS, default="auto", help="decomposition at each line-search step "
-                        "(auto: subspace iteration for wide models, eigh otherwise)")
-    growth.add_argument("--statistics-method", choices=STATISTICS_METHODS, default="auto", help="chunked: sdpa "
-                        "forward, M block by block in backward (bounded memory); triton: the same, fused kernels "
-                        "(CUDA); reference: eager attention; auto: reference on CPU up to 256 tokens, else chunked")
-    growth.add_argument(
-        "--memory-budget",
-        help="bytes for the statistics' accumulators, e.g. 2GB: M is collected for groups of layers in several passes",
-    )
     run = _add_run_arguments(parser)
     run.add_argument("--report", help="also write the JSON growth report to this file")
     push = parser.add_argument_group("Hugging Face Hub")
@@ -174,6 +164,8 @@ def _check_data_arguments(args: argparse.Namespace) -> None:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
+    if args.eval_fraction != GrowthConfig.eval_fraction:
+        raise CommandError("--eval-fraction does not apply to the command: its held-out text is --eval-tokens")
     if args.budget is not None and args.p is not None:
         raise CommandError("give either --p or --budget, not both")
     if args.budget is None:
@@ -201,6 +193,15 @@ def _check_arguments(args: argparse.Namespace) -> None:
     _check_device(args)
     _check_output_folder(Path(args.output_dir), args.overwrite)
     _check_file_folders(("--report", args.report))
+    args.config = _growth_config(args)
+
+
+def _growth_config(args: argparse.Namespace) -> GrowthConfig:
+    """The `GrowthConfig` of the growth flags; its checks as one-line errors, before any data is read."""
+    try:
+        return GrowthConfig(**{option.name: getattr(args, option.name) for option in dataclasses.fields(GrowthConfig)})
+    except (TypeError, ValueError) as error:
+        raise CommandError(str(error)) from None
 
 
 def _check_device(args: argparse.Namespace) -> None:
@@ -462,17 +463,9 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
         grown = grow_model(
             model,
             None if statistics else statistics_batches,
-            p=args.p,
-            budget=args.budget,
-            multiple_of=args.multiple_of,
+            config=args.config,
             statistics=statistics,
             eval_dataloader=held_out_batches,
-            step_size=args.step_size,
-            truncation=args.truncation,
-            search=args.search,
-            solver=args.solver,
-            statistics_method=args.statistics_method,
-            memory_budget=args.memory_budget,
             accelerator=accelerator,
             progress=show_progress,
         )

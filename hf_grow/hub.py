@@ -107,11 +107,20 @@ def _card_body(
         f"{'-' if layer.realized_gain is None else f'{layer.realized_gain:.3g}'} |"
         for layer in report.layers
     )
+    step = f"size {report.step_size:.4g} in relative units, λ = {report.lam:.4g}"
+    if report.step_mode != "global":
+        step += " (root mean square of the layers' own λ: `step_mode` per_layer)"
     budget = (
         f" The {report.budget} added dimensions per head were allocated to the layers by expected gain (`budget`)."
         if report.budget is not None
         else ""
     )
+    configuration = ""
+    if report.config is not None:  # reports written before GrowthConfig have none
+        configuration = (
+            "\n\nThe growth options (`hf_grow.GrowthConfig`; `GrowthConfig.from_dict` reads them back):\n\n"
+            f"```json\n{json.dumps(report.config, indent=2, sort_keys=True)}\n```"
+        )
     if auto_class:
         remote = f'from transformers import {auto_class}\n\n'
         remote += f'model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)'
@@ -135,13 +144,13 @@ old one was and takes one step downhill. At step 0 it computes exactly the old f
 - Parameters: {report.parameters_before:,} -> {report.parameters_after:,} ({report.parameters_added:,} added).
 - Statistics: {report.statistics_tokens:,} tokens in {report.statistics_batches} batches{f" of {data}" if data else ""}.
 - Held-out loss: {loss(report.eval_loss_before)} -> {loss(report.eval_loss_after)} (perplexity {perplexity}).
-- Step: size {report.step_size:.4g} in relative units, λ = {report.lam:.4g}; truncation `{report.truncation}`.{budget}
+- Step: {step}; truncation `{report.truncation}`.{budget}
 
 | layer | Q/K dims before | Q/K dims after | expected gain | realized gain |
 |---|---|---|---|---|
 {widths}
 
-The full report (line search, per-head expected gains, timings) is in `{REPORT_FILENAME}`.
+The full report (line search, per-head expected gains, timings) is in `{REPORT_FILENAME}`.{configuration}
 
 ## Load
 

@@ -42,6 +42,8 @@ class LayerReport:
     #: Held-out loss decrease when only this layer takes the chosen step (None when not measured).
     realized_gain: float | None
     heads: list[HeadReport]
+    #: This layer's absolute step, Z_new = Z - lam * P (None in reports written before steps per layer).
+    lam: float | None = None
 
 
 @dataclass
@@ -61,7 +63,8 @@ class GrowthReport:
     search: str
     #: The chosen step in relative units: 1 moves the scores by their own RMS size (see `grow_model`).
     step_size: float
-    #: The same step in absolute units of the mean statistics, Z_new = Z - lam * P.
+    #: The same step in absolute units of the mean statistics, Z_new = Z - lam * P (with ``step_mode``
+    #: "per_layer", each layer has its own: `LayerReport.lam`; this is their root mean square).
     lam: float
     #: Held-out loss of the grown model at step 0, the old function (in bfloat16/float16 up to the rounding of
     #: the rescaled query weights); the line search compares every step with it.
@@ -86,6 +89,10 @@ class GrowthReport:
     budget: int | None = None
     #: How M was collected (`hf_grow.statistics.METHODS`, joined by "+" where ``"auto"`` chose per batch).
     statistics_method: str | None = None
+    #: "global" (one lam for all layers) or "per_layer" (lam_l = step_size * ||Z_l|| / ||P_l||).
+    step_mode: str = "global"
+    #: The `hf_grow.GrowthConfig` that produced the model, as a dict (None in reports written before it).
+    config: dict | None = None
 
     @property
     def qk_dims_before(self) -> list[int]:
@@ -132,8 +139,8 @@ class GrowthReport:
         lines = [
             f"held-out loss  before {fmt(self.eval_loss_before)}  after {fmt(self.eval_loss_after)}",
             f"perplexity     before {fmt(self.perplexity_before)}  after {fmt(self.perplexity_after)}",
-            f"step size {self.step_size:.4g} (lam {self.lam:.4g}), mode {self.mode}, truncation {self.truncation}, "
-            f"search {self.search}",
+            f"step size {self.step_size:.4g} (lam {self.lam:.4g}{', per layer' if self.step_mode != 'global' else ''}),"
+            f" mode {self.mode}, truncation {self.truncation}, search {self.search}",
             f"Q/K dims {self.qk_dims_before} -> {self.qk_dims_after}, parameters added {self.parameters_added:,}",
         ]
         if self.budget is not None:

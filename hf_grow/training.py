@@ -28,6 +28,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,14 +36,8 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from transformers import PreTrainedModel, TrainerCallback
 
 from .adapters import ArchitectureAdapter, get_adapter
-from .growth import (
-    DEFAULT_TRUNCATION,
-    QKWeights,
-    prepare_growth,
-    resolve_growth,
-    search_and_report,
-    write_weights,
-)
+from .config import GrowthConfig, resolve_config
+from .growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
 from .report import GrowthReport
 from .statistics import GrowthStatistics, LossFn
 
@@ -211,20 +206,14 @@ def grow_in_training(
     p: int | Mapping[int, int],
     *,
     mode: str = "append",
+    config: GrowthConfig | None = None,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
-    eval_fraction: float = 0.25,
-    step_size: float | None = None,
-    max_batches: int | None = None,
     statistics: GrowthStatistics | None = None,
     loss_fn: LossFn | None = None,
-    truncation: str = DEFAULT_TRUNCATION,
-    search: str = "exact",
-    solver: str = "auto",
-    initial_step_size: float = 0.03,
-    rtol: float = 1e-6,
     init_std: float | None = None,
     seed: int = 0,
     progress: bool = False,
+    **options: Any,
 ) -> GrowthReport | None:
     """Grow ``model``'s query/key heads by ``p`` in place, mid-training, and remap ``optimizer``'s state.
 
@@ -239,6 +228,8 @@ def grow_in_training(
         init_std: standard deviation of the random new dims of the baselines (default:
             ``config.initializer_range``).
         seed: seed of the baselines' random new dims (the global RNG is not touched).
+        config, options: the growth options as in `grow_model`, with this function's own defaults where they
+            differ: ``eval_fraction=0.25`` and ``measure_realized_gains=False``. A ``budget`` is `grow_model`'s.
         Other arguments as in `grow_model`.
 
     Returns:
@@ -247,11 +238,14 @@ def grow_in_training(
     """
     if mode not in GROWTH_MODES:
         raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
+    config = resolve_config(config, {**options, "p": p}, eval_fraction=0.25, measure_realized_gains=False)
+    if config.budget is not None:
+        raise ValueError("grow_in_training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
     adapter = get_adapter(model)
     torch_optimizer = _torch_optimizer(optimizer)
     _check_growable(model, adapter, torch_optimizer)
     if mode in ("zero", "random"):
-        added = resolve_growth(p, len(adapter.attention_modules(model)))
+        added = resolve_growth(config.p, len(adapter.attention_modules(model)))
         std = getattr(model.config, "initializer_range", 0.02) if init_std is None else init_std
         if not math.isfinite(std) or std < 0:
             raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
@@ -263,25 +257,11 @@ def grow_in_training(
     prepared = prepare_growth(
         model,
         dataloader,
-        p,
+        config,
         mode=mode,
-        budget=None,
-        multiple_of=1,
         eval_dataloader=eval_dataloader,
-        step_size=step_size,
-        initial_step_size=initial_step_size,
-        truncation=truncation,
-        search=search,
         loss_fn=loss_fn,
-        max_batches=max_batches,
         statistics=statistics,
-        eval_fraction=eval_fraction,
-        rtol=rtol,
-        compute_dtype=torch.float32,
-        solver=solver,
-        statistics_method="auto",
-        query_block=None,
-        memory_budget=None,
         accelerator=None,
         progress=progress,
     )
@@ -291,15 +271,7 @@ def grow_in_training(
     resize_qk_(model, at_zero, torch_optimizer, keep_moments=mode == "append")
     try:
         report = search_and_report(
-            prepared,
-            model,
-            step_size=step_size,
-            search=search,
-            loss_fn=loss_fn,
-            initial_step_size=initial_step_size,
-            measure_realized_gains=False,
-            progress=progress,
-            started=started,
+            prepared, model, measure_realized_gains=config.measure_realized_gains, progress=progress, started=started
         )
     except BaseException:
         write_weights(adapter, model, at_zero)  # the old function, at the new width: training can go on
@@ -329,6 +301,7 @@ class GrowthCallback(TrainerCallback):
         statistics_batches, eval_batches: batches drawn for the statistics and for the line search.
         dataloader, eval_dataloader: fixed batches to use instead of drawing from the training set.
         seed: seed of the batch draw (plus the global step) and of the baselines' random dims.
+        config: the growth options (`GrowthConfig`) of every growth, passed to `grow_in_training`.
         growth_kwargs: passed to `grow_in_training` (``step_size``, ``truncation``, ``loss_fn``, ...).
 
     ``reports`` maps each step at which the model grew to its `GrowthReport` (None for the baselines); a
@@ -347,6 +320,7 @@ class GrowthCallback(TrainerCallback):
         dataloader: Iterable[Mapping[str, Tensor]] | None = None,
         eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
         seed: int = 0,
+        config: GrowthConfig | None = None,
         **growth_kwargs,
     ):
         if (grow_at is None) == (qk_dims_at is None):
@@ -372,6 +346,7 @@ class GrowthCallback(TrainerCallback):
         self.dataloader = dataloader
         self.eval_dataloader = eval_dataloader
         self.seed = seed
+        self.config = config
         self.growth_kwargs = growth_kwargs
         self.reports: dict[int, GrowthReport | None] = {}
 
@@ -429,6 +404,7 @@ class GrowthCallback(TrainerCallback):
             mode=self.mode,
             eval_dataloader=eval_dataloader,
             seed=self.seed + step,
+            config=self.config,
             **self.growth_kwargs,
         )
         self.reports[step] = report

@@ -13,9 +13,8 @@ and its report), `api` (`grow_model`).
 
 from .api import grow_model
 from .line_search import best_step, evaluate_loss, search_step_size, split_batches
+from ..config import DEFAULT_TRUNCATION, SEARCHES, STEP_MODES
 from .prepare import (
-    DEFAULT_TRUNCATION,
-    SEARCHES,
     WEIGHTS_RTOL,
     PreparedGrowth,
     check_statistics,
@@ -31,6 +30,7 @@ __all__ = [
     "DEFAULT_TRUNCATION",
     "MODES",
     "SEARCHES",
+    "STEP_MODES",
     "WEIGHTS_RTOL",
     "GrowthProblem",
     "PreparedGrowth",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import sys
 import time
 import warnings
@@ -16,9 +15,9 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from .. import linalg
 from ..adapters import ArchitectureAdapter, get_adapter
 from ..budget import allocate_budget, check_budget
+from ..config import GrowthConfig
 from ..distributed import Processes
 from ..progress import stage
 from ..statistics import GrowthStatistics, LossFn, batch_loss_weight, collect_statistics, weight_sample
@@ -33,9 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hf_grow")
 
-#: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z.
-DEFAULT_TRUNCATION = "whitened"
-SEARCHES = ("exact", "fast")
 #: Statistics whose weight sample differs from the model's by more than this (relative norm) are refused;
 #: loading the same checkpoint in bfloat16 changes it by at most 2^-8.
 WEIGHTS_RTOL = 1e-2
@@ -128,6 +124,8 @@ class PreparedGrowth:
 
     model: PreTrainedModel
     adapter: ArchitectureAdapter
+    config: GrowthConfig
+    loss_fn: LossFn | None
     qk_before: list[int]
     qk_after: list[int]
     max_rank: int
@@ -137,36 +135,22 @@ class PreparedGrowth:
     parameters_before: int
     seconds: dict[str, float]
     accelerator: Accelerator | None
-    budget: int | None
 
 
 def prepare_growth(
     model: PreTrainedModel,
     dataloader: Iterable[Mapping[str, Tensor]] | None,
-    p: int | Mapping[int, int] | None,
+    config: GrowthConfig,
     *,
     mode: str,
-    budget: int | None,
-    multiple_of: int,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None,
-    step_size: float | None,
-    initial_step_size: float,
-    truncation: str,
-    search: str,
     loss_fn: LossFn | None,
-    max_batches: int | None,
     statistics: GrowthStatistics | None,
-    eval_fraction: float,
-    rtol: float,
-    compute_dtype: torch.dtype,
-    solver: str,
-    statistics_method: str,
-    query_block: int | None,
-    memory_budget: int | str | None,
     accelerator: Accelerator | None,
     progress: bool,
 ) -> PreparedGrowth:
-    """Validate the arguments (before any work), collect or check the statistics and solve the problem."""
+    """Check what the config could not check alone (before any work), collect or check the statistics and
+    solve the problem."""
     processes = Processes(accelerator)
     adapter = get_adapter(model)
     qk_before = adapter.qk_head_dims(model.config)
@@ -174,14 +158,10 @@ def prepare_growth(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     growth: list[int] | None = None
-    if budget is not None:
-        if p is not None:
-            raise ValueError("give either p or budget, not both: a budget decides the dimensions added per layer.")
-        check_budget(budget, multiple_of, [max_rank - dim for dim in qk_before])
-    elif multiple_of != 1:
-        raise ValueError("multiple_of applies to a budget allocation: pass budget=N with it, or leave it at 1.")
+    if config.budget is not None:
+        check_budget(config.budget, config.multiple_of, [max_rank - dim for dim in qk_before])
     else:
-        growth = resolve_growth(8 if p is None else p, len(qk_before))
+        growth = resolve_growth(8 if config.p is None else config.p, len(qk_before))
         qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
         too_wide = {layer: dim for layer, dim in enumerate(qk_after) if dim > max_rank}
         if too_wide:
@@ -189,20 +169,6 @@ def prepare_growth(
                 f"query/key widths {too_wide} exceed hidden_size + 1 = {max_rank}, the largest rank a head's scores "
                 "can have: choose a smaller p."
             )
-    if truncation not in linalg.TRUNCATIONS:
-        raise ValueError(f"truncation must be one of {linalg.TRUNCATIONS}, got {truncation!r}")
-    if solver not in linalg.SOLVERS:
-        raise ValueError(f"solver must be one of {linalg.SOLVERS}, got {solver!r}")
-    if search not in SEARCHES:
-        raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
-    if step_size is not None and (not math.isfinite(step_size) or step_size < 0):
-        raise ValueError(f"step_size must be a finite number >= 0, got {step_size}")
-    if not (math.isfinite(initial_step_size) and initial_step_size > 0):
-        raise ValueError(
-            f"initial_step_size must be a finite number > 0 (the first step tried), got {initial_step_size}"
-        )
-    linalg.check_rtol(rtol)
-    if growth is not None:
         warn_unaligned(qk_after, growth)
 
     seconds: dict[str, float] = {}
@@ -211,16 +177,19 @@ def prepare_growth(
         if dataloader is None:
             raise ValueError("growth needs a dataloader, or statistics collected before.")
         check_statistics_arguments(
-            statistics_method, next(model.parameters()).device, compute_dtype, query_block, max_batches, memory_budget
+            config.statistics_method, next(model.parameters()).device, config.torch_compute_dtype, config.query_block,
+            config.max_batches, config.memory_budget,
         )
     else:
         check_statistics(statistics, model, adapter)
-        if eval_dataloader is None and step_size is None:
+        if eval_dataloader is None and config.step_size is None:
             raise ValueError(
                 "with precomputed statistics, pass an eval_dataloader for the line search (or a step_size)."
             )
     with processes.failing_together():  # a process without data must not leave the others waiting
-        statistics_batches, eval_batches = split_batches(dataloader, eval_dataloader, eval_fraction, step_size is None)
+        statistics_batches, eval_batches = split_batches(
+            dataloader, eval_dataloader, config.eval_fraction, config.step_size is None
+        )
         eval_terms = None
         if eval_batches is not None:
             eval_terms = sum(batch_loss_weight(adapter, model, batch, loss_fn) for batch in eval_batches)
@@ -234,29 +203,30 @@ def prepare_growth(
             statistics_batches,
             adapter,
             loss_fn,
-            max_batches,
-            compute_dtype=compute_dtype,
+            config.max_batches,
+            compute_dtype=config.torch_compute_dtype,
             progress=progress,
-            method=statistics_method,
-            query_block=query_block,
-            memory_budget=memory_budget,
+            method=config.statistics_method,
+            query_block=config.query_block,
+            memory_budget=config.memory_budget,
             accelerator=accelerator,
         )
     seconds["statistics"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
     with stage("solve", enabled=progress):
+        problem = GrowthProblem(
+            model, adapter, statistics, qk_before if growth is None else qk_after, config.truncation, config.rtol,
+            config.solver, mode, config.step_mode,
+        )
         if growth is None:
-            problem = GrowthProblem(model, adapter, statistics, qk_before, truncation, rtol, solver, mode)
             gains = [problem.gain_rates(layer).marginal.sum(dim=0) for layer in range(len(qk_before))]
-            growth = allocate_budget(gains, budget, multiple_of)
+            growth = allocate_budget(gains, config.budget, config.multiple_of)
             qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
             problem.widen(qk_after, adapter, model.config)
             warn_unaligned(qk_after, growth)
-        else:
-            problem = GrowthProblem(model, adapter, statistics, qk_after, truncation, rtol, solver, mode)
     seconds["solve"] = time.perf_counter() - tick
     return PreparedGrowth(
-        model, adapter, qk_before, qk_after, max_rank, statistics, eval_batches, problem, model.num_parameters(),
-        seconds, accelerator, budget,
+        model, adapter, config, loss_fn, qk_before, qk_after, max_rank, statistics, eval_batches, problem,
+        model.num_parameters(), seconds, accelerator,
     )

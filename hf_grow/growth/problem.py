@@ -15,17 +15,13 @@ from transformers import PreTrainedModel
 
 from .. import linalg
 from ..adapters import ArchitectureAdapter
+from ..config import STEP_MODES
 from ..statistics import GrowthStatistics
 
 
 #: "refactor": the rank-(d_k + p) truncation of Z - lam P rewrites all Q/K weights. "append": the old Q/K
 #: weights are kept and the p new dimensions hold the best rank-p approximation of the step -lam P.
 MODES = ("refactor", "append")
-#: How one searched step size becomes each layer's lam. "global": one lam for all layers, lam = t * lam_unit
-#: with lam_unit = sqrt(sum ||Z||^2 / sum ||P||^2) over every head (whitened norms). "per_layer": the original
-#: notes' lam_l = t * ||Z_l|| / ||P_l|| for each layer (norms in the truncation's own metric: whitened, or
-#: plain Frobenius), so that layers whose gradient is small against their weights are not under-stepped.
-STEP_MODES = ("global", "per_layer")
 QKWeights = dict[int, tuple[Tensor, Tensor]]
 
 

@@ -12,7 +12,6 @@ from transformers import PreTrainedModel
 
 from ..progress import progress_bar
 from ..report import GrowthReport, LayerReport, LineSearchPoint
-from ..statistics import LossFn
 from .head_reports import head_reports
 from .line_search import best_step, evaluate_loss, search_step_size
 from .prepare import PreparedGrowth
@@ -26,10 +25,6 @@ def search_and_report(
     prepared: PreparedGrowth,
     target: PreTrainedModel,
     *,
-    step_size: float | None,
-    search: str,
-    loss_fn: LossFn | None,
-    initial_step_size: float,
     measure_realized_gains: bool,
     progress: bool,
     started: float,
@@ -40,6 +35,7 @@ def search_and_report(
     """
     model, adapter, problem, eval_batches = prepared.model, prepared.adapter, prepared.problem, prepared.eval_batches
     qk_after, seconds, accelerator = prepared.qk_after, prepared.seconds, prepared.accelerator
+    config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
 
     def evaluate(candidate: PreTrainedModel) -> float:
         return evaluate_loss(candidate, eval_batches, adapter, loss_fn, accelerator)[0]
@@ -84,8 +80,8 @@ def search_and_report(
 
                 return run
 
-            start = initial_step_size
-            if search == "fast":
+            start = config.initial_step_size
+            if config.search == "fast":
                 max_rank = prepared.max_rank
                 full_rank = [max_rank] * len(qk_after)
                 scalings = [adapter.scaling(model.config, layer, max_rank) for layer in range(len(qk_after))]
@@ -130,6 +126,7 @@ def search_and_report(
                 expected_gain=sum(head.expected_gain for head in heads),
                 realized_gain=realized[layer],
                 heads=heads,
+                lam=problem.lam(step_size, layer),
             )
         )
     seconds["report"] = time.perf_counter() - tick
@@ -139,7 +136,7 @@ def search_and_report(
         model_class=type(model).__name__,
         model_type=model.config.model_type,
         truncation=problem.truncation,
-        search=search,
+        search=config.search,
         solver="+".join(sorted(problem.methods_used)) or problem.solver,
         mode=problem.mode,
         step_size=step_size,
@@ -156,7 +153,9 @@ def search_and_report(
         seconds=seconds,
         line_search=points,
         layers=layers,
-        budget=prepared.budget,
+        budget=config.budget,
+        step_mode=problem.step_mode,
+        config=config.to_dict(),
     )
     logger.info("grew %s: %s", type(model).__name__, report.summary())
     return report

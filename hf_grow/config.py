@@ -1,0 +1,223 @@
+"""`GrowthConfig`: how a model grows, in one place, for `grow_model`, `grow_in_training`, `GrowthCallback` and
+the command line.
+
+Like peft's ``LoraConfig`` or transformers' ``TrainingArguments``: a dataclass with each option's default and
+help text, validated once when it is made (before any data is read), saved with the grown model's report and
+card, and read back from JSON. The runtime objects of a growth (the model, the data, ``loss_fn``, precomputed
+statistics, an accelerator) are arguments of the functions, not options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Optional
+
+import torch
+
+from . import linalg
+from .statistics import METHODS as STATISTICS_METHODS
+from .statistics import parse_bytes
+
+
+#: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z.
+DEFAULT_TRUNCATION = "whitened"
+SEARCHES = ("exact", "fast")
+#: How one searched step size becomes each layer's lam. "global": one lam for all layers, lam = t * lam_unit
+#: with lam_unit = sqrt(sum ||Z||^2 / sum ||P||^2) over every head (whitened norms). "per_layer": the original
+#: notes' lam_l = t * ||Z_l|| / ||P_l|| for each layer (norms in the truncation's own metric: whitened, or
+#: plain Frobenius), so that layers whose gradient is small against their weights are not under-stepped.
+STEP_MODES = ("global", "per_layer")
+COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class GrowthConfig:
+    """How a model grows. Every option has the default `grow_model` has always had.
+
+    ``GrowthConfig(p=16, truncation="frobenius")``; ``config.replace(step_size=0.0)`` for a checked variant;
+    ``config.to_json_file(path)`` / ``GrowthConfig.from_json_file(path)`` to keep it. Each field's help text
+    (also the command line's) says what it does; in more detail:
+
+    - ``budget``: instead of ``p``, a total of dimensions added per head, summed over layers, allocated from the
+      statistics before the line search: greedily, ``multiple_of`` dimensions at a time, to the layer whose
+      next dimensions have the largest expected gain summed over its heads (in the metric of C, whatever the
+      ``truncation``). The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`) per unit of
+      the searched step size, each layer at its own lam (``step_mode``). ``growth_report.budget`` records it.
+    - ``step_size``: relative units, ``step_size = lam / lam_unit`` (see `hf_grow.growth`): 1 moves the scores
+      by about their own RMS size. ``0.0`` gives a grown model that computes exactly the old function.
+    - ``search``: ``"exact"`` searches the rank-constrained update; ``"fast"`` first brackets the step with the
+      full-rank update Z - lam P (no SVD per step, also reported as an upper reference), then refines the
+      rank-constrained step from there.
+    - ``solver``: how truncations are computed at every line-search step: ``"subspace"`` (top singular
+      directions by subspace iteration, warm-started from the previous step), ``"eigh"`` (eigendecomposition of
+      A A^T), ``"svd"`` (full SVD, several times slower), ``"auto"`` (subspace where the grown width plus 16 is
+      at most a sixth of the hidden size, eigh otherwise); see `hf_grow.linalg.decompose`.
+    - ``statistics_method``, ``compute_dtype``, ``query_block``, ``memory_budget``, ``max_batches``: how the
+      statistics are collected; see `hf_grow.collect_statistics`.
+    """
+
+    #: The section of `hf-grow --help` that lists these options (`transformers.HfArgumentParser`).
+    _argument_group_name: ClassVar[str] = "growth (hf_grow.GrowthConfig)"
+
+    p: Optional[int] = field(
+        default=None,
+        metadata={"help": "query/key dimensions to add per head (default 8); in Python also a mapping {layer: p} "
+                  "(missing layers get 0: they keep their width but still take the step); not with budget"},
+    )
+    budget: Optional[int] = field(
+        default=None,
+        metadata={"help": "instead of p: added dims per head summed over layers, allocated to the layers by "
+                  "expected gain"},
+    )
+    multiple_of: int = field(
+        default=1,
+        metadata={"help": "with budget: allocate in chunks of this many dims (8 suits fused kernels)"},
+    )
+    step_size: Optional[float] = field(
+        default=None,
+        metadata={"help": "skip the line search and take this (relative) step; 0 keeps exactly the old function"},
+    )
+    step_mode: Literal["global", "per_layer"] = field(
+        default="global",
+        metadata={"help": "global: one step lam for all layers; per_layer: each layer steps by t * ||Z_l|| / ||P_l|| "
+                  "with one t searched (the original notes' step)"},
+    )
+    truncation: Literal["whitened", "frobenius"] = field(
+        default=DEFAULT_TRUNCATION,
+        metadata={"help": "rank truncation in the metric of C (whitened) or in the plain Frobenius norm of Z"},
+    )
+    search: Literal["exact", "fast"] = field(
+        default="exact",
+        metadata={"help": "exact: search the rank-constrained update; fast: bracket with the full-rank update first"},
+    )
+    solver: Literal["auto", "eigh", "svd", "subspace"] = field(
+        default="auto",
+        metadata={"help": "decomposition at each line-search step (auto: subspace iteration for wide models, eigh "
+                  "otherwise)"},
+    )
+    initial_step_size: float = field(default=0.03, metadata={"help": "where the log-grid line search starts"})
+    rtol: float = field(
+        default=1e-6, metadata={"help": "relative eigenvalue tolerance of C for pseudo-inverse and whitening"}
+    )
+    eval_fraction: float = field(
+        default=0.1,
+        metadata={"help": "without held-out batches: the share of the batches held out for the line search"},
+    )
+    max_batches: Optional[int] = field(default=None, metadata={"help": "use at most this many statistics batches"})
+    measure_realized_gains: bool = field(
+        default=True,
+        metadata={"help": "evaluate the held-out loss with each layer's step alone (one pass per layer)"},
+    )
+    statistics_method: Literal["auto", "chunked", "reference", "triton"] = field(
+        default="auto",
+        metadata={"help": "chunked: sdpa forward, M block by block in backward (bounded memory); triton: the same, "
+                  "fused kernels (CUDA); reference: eager attention; auto: reference on CPU up to 256 tokens, "
+                  "else chunked"},
+    )
+    compute_dtype: Literal["float32", "float64"] = field(
+        default="float32",
+        metadata={"help": "precision of the per-batch statistics products (the sums are float64 always)"},
+    )
+    query_block: Optional[int] = field(
+        default=None,
+        metadata={"help": "queries per block of the chunked statistics (default: sized to the memory of one block)"},
+    )
+    memory_budget: Optional[str] = field(
+        default=None,
+        metadata={"help": "bytes for the statistics' accumulators, e.g. 2GB (in Python also an int): M is "
+                  "collected for groups of layers in several passes"},
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.compute_dtype, torch.dtype):
+            names = {dtype: name for name, dtype in COMPUTE_DTYPES.items()}
+            if self.compute_dtype not in names:
+                raise ValueError(f"compute_dtype must be float32 or float64, got {self.compute_dtype}")
+            self.compute_dtype = names[self.compute_dtype]
+        if isinstance(self.p, Mapping):
+            self.p = {int(layer): value for layer, value in self.p.items()}  # JSON keys are strings
+        self._check()
+
+    def _check(self) -> None:
+        """Today's errors for options no model or data is needed to refuse, raised before any work."""
+        if self.budget is not None:
+            if self.p is not None:
+                raise ValueError("give either p or budget, not both: a budget decides the dimensions added per layer.")
+        elif self.multiple_of != 1:
+            raise ValueError("multiple_of applies to a budget allocation: pass budget=N with it, or leave it at 1.")
+        if self.p is not None and not isinstance(self.p, Mapping):
+            if isinstance(self.p, bool) or not isinstance(self.p, int):
+                raise TypeError(f"p must be an int or a mapping {{layer: int}}, got {type(self.p).__name__}")
+        _choose("truncation", self.truncation, linalg.TRUNCATIONS)
+        _choose("solver", self.solver, linalg.SOLVERS)
+        _choose("search", self.search, SEARCHES)
+        _choose("step_mode", self.step_mode, STEP_MODES)
+        _choose("statistics method", self.statistics_method, STATISTICS_METHODS, name="method")
+        if self.step_size is not None and (not math.isfinite(self.step_size) or self.step_size < 0):
+            raise ValueError(f"step_size must be a finite number >= 0, got {self.step_size}")
+        if not (math.isfinite(self.initial_step_size) and self.initial_step_size > 0):
+            raise ValueError(
+                f"initial_step_size must be a finite number > 0 (the first step tried), got {self.initial_step_size}"
+            )
+        linalg.check_rtol(self.rtol)
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        invalid_count = isinstance(self.max_batches, bool) or not isinstance(self.max_batches, int)
+        if self.max_batches is not None and (invalid_count or self.max_batches < 1):
+            raise ValueError(f"max_batches must be a positive int (or None for all batches), got {self.max_batches!r}")
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)
+        _choose("compute_dtype", self.compute_dtype, tuple(COMPUTE_DTYPES))
+        if self.query_block is not None and self.query_block <= 0:
+            raise ValueError(f"query_block must be positive, got {self.query_block}")
+        if self.statistics_method == "triton" and self.compute_dtype != "float32":
+            raise ValueError(
+                "method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'."
+            )
+
+    @property
+    def torch_compute_dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPES[self.compute_dtype]
+
+    def replace(self, **overrides: Any) -> GrowthConfig:
+        """A copy with ``overrides`` applied and checked; an unknown option is a TypeError naming the known ones."""
+        known = {option.name for option in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown growth option(s) {unknown}; GrowthConfig has {sorted(known)}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def to_json_file(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(self.to_json_string())
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> GrowthConfig:
+        return cls().replace(**values)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> GrowthConfig:
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_dict(json.load(handle))
+
+
+def _choose(what: str, value: Any, choices: tuple[str, ...], name: str | None = None) -> None:
+    if value not in choices:
+        raise ValueError(f"{name or what} must be one of {choices}, got {value!r}")
+
+
+def resolve_config(config: GrowthConfig | None, overrides: Mapping[str, Any], **defaults: Any) -> GrowthConfig:
+    """``config`` (or a default one, with an entry point's own ``defaults``) with keyword ``overrides`` applied."""
+    base = GrowthConfig(**defaults) if config is None else config
+    return base.replace(**overrides) if overrides else base

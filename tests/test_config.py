@@ -1,0 +1,124 @@
+"""GrowthConfig: one growth configuration for grow_model, grow_in_training, GrowthCallback and the command line."""
+
+import dataclasses
+import inspect
+import json
+
+import pytest
+import torch
+
+from hf_grow import GrowthCallback, GrowthConfig, grow_in_training, grow_model, load_growth_report, model_card
+from hf_grow.cli import build_parser
+
+from conftest import lm_batches, tiny_gpt2_config
+
+
+class Untouchable:
+    """A dataloader that fails the test if anything reads it: options are checked before any data."""
+
+    def __iter__(self):
+        raise AssertionError("the data was read before the options were checked")
+
+
+def test_defaults_are_the_ones_grow_model_always_had():
+    config = GrowthConfig()
+    assert (config.p, config.budget, config.multiple_of, config.step_size) == (None, None, 1, None)
+    assert (config.truncation, config.search, config.solver, config.step_mode) == ("whitened", "exact", "auto", "global")
+    assert (config.initial_step_size, config.rtol, config.eval_fraction) == (0.03, 1e-6, 0.1)
+    assert (config.max_batches, config.measure_realized_gains, config.statistics_method) == (None, True, "auto")
+    assert (config.compute_dtype, config.query_block, config.memory_budget) == ("float32", None, None)
+    assert config.torch_compute_dtype == torch.float32
+    # every option has help text (the command line's --help)
+    assert all(option.metadata.get("help") for option in dataclasses.fields(GrowthConfig))
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"p": 8, "budget": 16}, ValueError, "either p or budget"),
+        ({"multiple_of": 8}, ValueError, "multiple_of applies to a budget"),
+        ({"p": "8"}, TypeError, "p must be an int or a mapping"),
+        ({"truncation": "nuclear"}, ValueError, "truncation must be one of"),
+        ({"step_mode": "per_head"}, ValueError, "step_mode must be one of"),
+        ({"step_size": float("nan")}, ValueError, "step_size must be a finite number"),
+        ({"initial_step_size": 0.0}, ValueError, "initial_step_size must be a finite number > 0"),
+        ({"rtol": 2.0}, ValueError, "rtol must be in"),
+        ({"eval_fraction": 1.0}, ValueError, "eval_fraction must be in"),
+        ({"max_batches": 0}, ValueError, "max_batches must be a positive int"),
+        ({"memory_budget": "lots"}, ValueError, "is not a size"),
+        ({"compute_dtype": torch.float16}, ValueError, "compute_dtype must be float32 or float64"),
+        ({"statistics_method": "triton", "compute_dtype": "float64"}, ValueError, "computes in float32"),
+        ({"query_block": 0}, ValueError, "query_block must be positive"),
+    ],
+)
+def test_bad_options_are_refused_when_made_and_before_any_data(options, error, message, trained_gpt2):
+    with pytest.raises(error, match=message):
+        GrowthConfig(**options)
+    with pytest.raises(error, match=message):
+        grow_model(trained_gpt2, Untouchable(), **options)
+
+
+def test_unknown_options_name_the_known_ones(trained_gpt2):
+    with pytest.raises(TypeError, match="unknown growth option.*'stepsize'.*'step_size'"):
+        grow_model(trained_gpt2, Untouchable(), stepsize=0.0)
+    with pytest.raises(TypeError, match="unknown growth option"):
+        GrowthConfig().replace(learning_rate=1.0)
+
+
+def test_json_round_trip_keeps_every_option(tmp_path):
+    config = GrowthConfig(p={0: 8, 1: 0}, step_size=0.5, truncation="frobenius", step_mode="per_layer",
+                          compute_dtype=torch.float64, memory_budget="2GB", measure_realized_gains=False)
+    assert config.compute_dtype == "float64"
+    config.to_json_file(tmp_path / "growth.json")
+    loaded = GrowthConfig.from_json_file(tmp_path / "growth.json")
+    assert loaded == config and loaded.p == {0: 8, 1: 0}  # JSON's string keys come back as layers
+    assert GrowthConfig.from_dict(json.loads(config.to_json_string())) == config
+
+
+def test_a_config_and_its_overrides_grow_as_the_keywords_do(trained_gpt2, stdlib_bytes, tmp_path):
+    stats, held_out = lm_batches(stdlib_bytes["stats"], 3, seed=41), lm_batches(stdlib_bytes["eval"], 2, seed=42)
+    by_keywords = grow_model(trained_gpt2, stats, p=8, eval_dataloader=held_out, truncation="frobenius",
+                             measure_realized_gains=False)
+    config = GrowthConfig(p=4, truncation="frobenius", measure_realized_gains=False)
+    by_config = grow_model(trained_gpt2, stats, config=config, eval_dataloader=held_out, p=8)  # p overrides
+    assert by_config.growth_report.step_size == by_keywords.growth_report.step_size
+    for (name, a), b in zip(by_keywords.state_dict().items(), by_config.state_dict().values()):
+        assert torch.equal(a, b), name
+    report = by_config.growth_report
+    assert GrowthConfig.from_dict(report.config) == config.replace(p=8)  # the report records what ran
+    by_config.save_pretrained(tmp_path / "grown")
+    assert load_growth_report(tmp_path / "grown").config == report.config
+    card = str(model_card(tmp_path / "grown", base_model="tiny-gpt2"))
+    assert '"truncation": "frobenius"' in card and "GrowthConfig" in card
+
+
+def test_grow_in_training_keeps_its_own_defaults_and_takes_a_config(stdlib_bytes):
+    from hf_grow import to_grown_model
+    from transformers import GPT2LMHeadModel
+
+    signature = inspect.signature(grow_in_training)
+    assert "config" in signature.parameters
+    torch.manual_seed(0)
+    model = to_grown_model(GPT2LMHeadModel(tiny_gpt2_config()))
+    batches = lm_batches(stdlib_bytes["stats"], 4, seed=43)
+    report = grow_in_training(model, None, batches, 8, mode="refactor", step_size=0.0)
+    assert report.config["eval_fraction"] == 0.25 and report.config["measure_realized_gains"] is False
+    assert report.config["p"] == 8 and report.config["step_size"] == 0.0
+    with pytest.raises(ValueError, match="budget allocation is grow_model's"):
+        grow_in_training(model, None, batches, None, mode="refactor", config=GrowthConfig(budget=8))
+    callback = GrowthCallback(grow_at={10: 8}, config=GrowthConfig(step_mode="per_layer"))
+    assert callback.config.step_mode == "per_layer"
+
+
+def test_the_command_line_builds_its_growth_flags_from_the_config():
+    parser = build_parser()
+    args = parser.parse_args(["gpt2", "--output-dir", "out", "--p", "16", "--multiple-of", "1", "--step-mode",
+                              "per_layer", "--truncation", "frobenius", "--memory-budget", "2GB", "--step-size", "0"])
+    assert (args.p, args.step_mode, args.truncation, args.memory_budget, args.step_size) == (
+        16, "per_layer", "frobenius", "2GB", 0.0
+    )
+    help_text = parser.format_help()
+    for option in dataclasses.fields(GrowthConfig):
+        if option.name != "eval_fraction":  # the command holds out --eval-tokens instead
+            assert "--" + option.name.replace("_", "-") in help_text
+    assert "--eval-fraction" not in help_text
