@@ -1,0 +1,149 @@
+"""Benchmark: the `hf-grow` command at the real size of the models it names, stage by stage.
+
+Builds a model of the GPT-2 small (124M parameters) or GPT-2 medium (355M) shape with random weights and a
+byte-level BPE tokenizer trained on a few standard-library files, saves them to a folder, then runs
+
+    hf-grow FOLDER --p 8 --data <standard-library text> --max-tokens N --eval-tokens M --seq-len 256 ...
+
+as a new user would, with stderr going to a pipe (as in a log file). It samples the command's resident memory
+every 0.2 s and splits the run at the command's own progress lines: model and data loading, statistics, solve,
+line search, realized gains, writing the grown model.
+Prints one table row per stage (seconds and peak resident memory within it) and the total.
+
+    python recipes/benchmarks/bench_cli_size.py --shape small            # ~4 minutes on 2 CPU cores
+    python recipes/benchmarks/bench_cli_size.py --shape medium           # ~12 minutes, ~16 GB
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as transformers_logging
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from quickstart import stdlib_files, train_tokenizer  # noqa: E402
+
+SHAPES = {
+    "small": dict(n_embd=768, n_layer=12, n_head=12),
+    "medium": dict(n_embd=1024, n_layer=24, n_head=16),
+}
+STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def build_model(folder: Path, shape: str) -> int:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**SHAPES[shape]))
+    model.save_pretrained(folder)
+    train_tokenizer(stdlib_files()[:20], vocab_size=2000).save_pretrained(folder)
+    return model.num_parameters()
+
+
+def run_command(command: list[str]) -> tuple[list[tuple[float, str]], list[tuple[float, int]], int]:
+    """Run ``command``; its stderr lines and resident-memory samples (bytes, children included), timestamped."""
+    started = time.monotonic()
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines: list[tuple[float, str]] = []
+    samples: list[tuple[float, int]] = []
+
+    def read_stderr() -> None:
+        for line in process.stderr:
+            lines.append((time.monotonic() - started, line.rstrip()))
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    watched = psutil.Process(process.pid)
+    while process.poll() is None:
+        try:
+            samples.append((time.monotonic() - started, watched.memory_info().rss))
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    reader.join()
+    samples.append((time.monotonic() - started, 0))
+    print(process.stdout.read())
+    return lines, samples, process.returncode
+
+
+def split_stages(lines: list[tuple[float, str]], total: float) -> list[tuple[str, float, float]]:
+    """(stage, start, end) from the command's closing lines ``STAGE: ... done in DURATION[, ...]``; the time
+    before the first stage is model and data loading, other gaps are "other" (reports, summaries)."""
+    stages = []
+    cursor = 0.0
+    for at, line in lines:
+        if "done in " not in line or ": " not in line:
+            continue
+        stage = line.split(": ", 1)[0].split(" to ")[0]  # "writing the grown model to DIR" -> its first words
+        begin = at - _seconds(line.rsplit("done in ", 1)[1].split(",")[0])
+        if begin > cursor + 0.5:
+            stages.append(("load model and data" if not stages else "other", cursor, begin))
+        stages.append((stage, begin, at))
+        cursor = at
+    stages.append(("exit", cursor, total))
+    return stages
+
+
+def _seconds(text: str) -> float:
+    """Read back `hf_grow.progress.format_seconds`: ``7.4 s``, ``3 min 05 s``, ``1 h 02 min``."""
+    parts = text.replace(",", " ").split()
+    seconds = 0.0
+    for value, unit in zip(parts[::2], parts[1::2]):
+        seconds += float(value) * {"s": 1, "min": 60, "h": 3600}[unit]
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="statistics tokens")
+    parser.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens of the line search")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--p", type=int, default=8)
+    parser.add_argument("--workdir", help="folder for the model and the output (default: a temporary one)")
+    args = parser.parse_args()
+    transformers_logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as temporary:
+        workdir = Path(args.workdir or temporary)
+        model_folder, output = workdir / f"gpt2-{args.shape}", workdir / f"gpt2-{args.shape}-grown"
+        parameters = build_model(model_folder, args.shape)
+        text = [os.path.join(STDLIB, folder, "*.py") for folder in ("json", "email", "asyncio", "unittest")]
+        command = [sys.executable, "-m", "hf_grow", str(model_folder), "--p", str(args.p), "--data", *text,
+                   "--max-tokens", str(args.max_tokens), "--eval-tokens", str(args.eval_tokens),
+                   "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+                   "--output-dir", str(output), "--overwrite", "--device", "cpu"]
+        print(f"# bench_cli_size {datetime.date.today()} torch {torch.__version__} "
+              f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+              f"{psutil.virtual_memory().total / 2**30:.0f} GiB; GPT-2 {args.shape} shape ({parameters / 1e6:.0f}M "
+              f"parameters, random weights), {args.max_tokens} + {args.eval_tokens} tokens at seq {args.seq_len}, "
+              f"batch {args.batch_size}, p {args.p}", flush=True)
+        print("$ hf-grow " + " ".join(command[3:]), flush=True)
+        lines, samples, returncode = run_command(command)
+    total = samples[-1][0]
+    if returncode != 0:
+        print("\n".join(line for _, line in lines[-20:]))
+        raise SystemExit(f"hf-grow exited with {returncode} after {total:.0f} s "
+                         f"(peak {max(rss for _, rss in samples) / 2**30:.1f} GiB)")
+    print(f"{'stage':<22}{'seconds':>9}{'share':>8}{'peak GiB':>10}")
+    for stage, begin, end in split_stages(lines, total):
+        peak = max((rss for at, rss in samples if begin <= at <= end), default=0)
+        print(f"{stage:<22}{end - begin:>9.1f}{(end - begin) / total:>8.0%}{peak / 2**30:>10.2f}")
+    print(f"{'total':<22}{total:>9.1f}{1:>8.0%}{max(rss for _, rss in samples) / 2**30:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
