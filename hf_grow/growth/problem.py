@@ -95,23 +95,9 @@ class GrowthProblem:
                         metric=metric,
                     )
                 )
-            whitened = [
-                (float(linalg.whitened_norm_sq(p.bilinear, p.metric).sum()),
-                 float(linalg.whitened_norm_sq(p.direction, p.metric).sum()))
-                for p in self.layers
-            ]
-            if step_mode == "global":
-                self.lam_unit = _lam_unit(sum(scores for scores, _ in whitened), sum(step for _, step in whitened))
-                #: lam per unit step size of each layer.
-                self.layer_lam_units = [self.lam_unit] * len(self.layers)
-            else:
-                if truncation == "whitened":
-                    norms = whitened
-                else:
-                    norms = [(float(p.bilinear.square().sum()), float(p.direction.square().sum())) for p in self.layers]
-                self.layer_lam_units = [_lam_unit(scores, step) for scores, step in norms]
-                #: The model-wide scale of the same step (root mean square of the layers' lams), for reports.
-                self.lam_unit = math.sqrt(sum(unit**2 for unit in self.layer_lam_units) / len(self.layers))
+        #: The model-wide lam per unit step size (with steps per layer, the root mean square of the layers'),
+        #: and each layer's own.
+        self.lam_unit, self.layer_lam_units = _lam_units(self.layers, truncation, step_mode)
 
     def lam(self, step_size: float, layer: int | None = None) -> float:
         """The absolute step of ``layer`` at a relative ``step_size`` (None: the model-wide `lam_unit` scale)."""
@@ -216,6 +202,24 @@ class GrowthProblem:
                 identity = torch.eye(target.shape[-1], dtype=target.dtype, device=target.device).expand_as(target)
                 weights[layer] = (target / scalings[layer], identity.clone())
         return weights
+
+
+def _lam_units(layers: list[LayerProblem], truncation: str, step_mode: str) -> tuple[float, list[float]]:
+    """lam per unit step size, of the model and of each layer (see `hf_grow.config.STEP_MODES`)."""
+    with torch.no_grad():
+        whitened = [
+            (float(linalg.whitened_norm_sq(p.bilinear, p.metric).sum()),
+             float(linalg.whitened_norm_sq(p.direction, p.metric).sum()))
+            for p in layers
+        ]
+        if step_mode == "global":
+            unit = _lam_unit(sum(scores for scores, _ in whitened), sum(step for _, step in whitened))
+            return unit, [unit] * len(layers)
+        norms = whitened
+        if truncation != "whitened":
+            norms = [(float(p.bilinear.square().sum()), float(p.direction.square().sum())) for p in layers]
+    units = [_lam_unit(scores, step) for scores, step in norms]
+    return math.sqrt(sum(unit**2 for unit in units) / len(layers)), units
 
 
 def _lam_unit(scores_sq: float, step_sq: float) -> float:
