@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 from . import linalg
 from .adapters import get_adapter
+from .config import DEFAULT_STEP_MODE
 from .growth import GrowthProblem, check_statistics, merged_if_peft
 from .statistics import GrowthStatistics, LossFn, collect_statistics
 
@@ -164,13 +165,16 @@ def inspect_growth(
     compute_dtype: torch.dtype = torch.float32,
     statistics_method: str = "auto",
     query_block: int | None = None,
+    step_mode: str = DEFAULT_STEP_MODE,
     progress: bool = False,
 ) -> GrowthInspection:
     """Expected gains of growing every head by 1..``max_dims`` dimensions, from one pass of statistics.
 
     Collects the statistics over ``dataloader`` (or takes ``statistics`` collected on this model, e.g. loaded
     with `GrowthStatistics.load`), solves the step direction of every head and reports the first-order gains
-    (see the module docstring). Needs no held-out data and leaves the model unchanged.
+    (see the module docstring), per unit of the relative step size with each layer's lam as ``step_mode``
+    sets it (the same as `grow_model`'s, so that rankings agree). Needs no held-out data and leaves the model
+    unchanged.
     """
     if isinstance(max_dims, bool) or not isinstance(max_dims, int) or max_dims <= 0:
         raise ValueError(f"max_dims must be a positive int, got {max_dims!r}")
@@ -194,7 +198,7 @@ def inspect_growth(
         )
     else:
         check_statistics(statistics, model, adapter)
-    problem = GrowthProblem(model, adapter, statistics, qk_dims, "whitened", rtol, "eigh")
+    problem = GrowthProblem(model, adapter, statistics, qk_dims, "whitened", rtol, "eigh", step_mode=step_mode)
     layers = []
     for layer, qk_dim in enumerate(qk_dims):
         rates = problem.gain_rates(layer)

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from .. import linalg
 from ..adapters import ArchitectureAdapter
-from ..config import STEP_MODES
+from ..config import DEFAULT_STEP_MODE, STEP_MODES
 from ..statistics import GrowthStatistics
 
 
@@ -60,7 +60,7 @@ class GrowthProblem:
         rtol: float,
         solver: str,
         mode: str = "refactor",
-        step_mode: str = "global",
+        step_mode: str = DEFAULT_STEP_MODE,
     ):
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
