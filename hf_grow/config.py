@@ -161,7 +161,7 @@ class GrowthConfig:
         _choose("solver", self.solver, linalg.SOLVERS)
         _choose("search", self.search, SEARCHES)
         _choose("step_mode", self.step_mode, STEP_MODES)
-        _choose("statistics method", self.statistics_method, STATISTICS_METHODS, name="method")
+        _choose("method", self.statistics_method, STATISTICS_METHODS)  # collect_statistics' name for it
         if self.step_size is not None and (not math.isfinite(self.step_size) or self.step_size < 0):
             raise ValueError(f"step_size must be a finite number >= 0, got {self.step_size}")
         if not (math.isfinite(self.initial_step_size) and self.initial_step_size > 0):
@@ -216,9 +216,9 @@ class GrowthConfig:
             return cls.from_dict(json.load(handle))
 
 
-def _choose(what: str, value: Any, choices: tuple[str, ...], name: str | None = None) -> None:
+def _choose(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name or what} must be one of {choices}, got {value!r}")
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def resolve_config(config: GrowthConfig | None, overrides: Mapping[str, Any], **defaults: Any) -> GrowthConfig:
