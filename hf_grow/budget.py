@@ -12,20 +12,25 @@ from collections.abc import Sequence
 from torch import Tensor
 
 
+def check_budget_chunks(budget: int, multiple_of: int) -> None:
+    """Refuse a budget that is not a positive number of whole chunks (no model needed: `GrowthConfig` checks it)."""
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of <= 0:
+        raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise ValueError(f"budget must be a positive number of query/key dimensions per head, got {budget!r}")
+    if budget % multiple_of:
+        raise ValueError(
+            f"budget {budget} is not a multiple of multiple_of={multiple_of}: allocation is in whole chunks"
+        )
+
+
 def check_budget(budget: int, multiple_of: int, max_added: Sequence[int]) -> None:
     """Refuse a budget that cannot be allocated, before any statistics are collected.
 
     ``max_added[l]``: the most dimensions layer l can take; it takes them in whole chunks of ``multiple_of``.
     """
-    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of <= 0:
-        raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"budget must be a positive number of query/key dimensions per head, got {budget!r}")
+    check_budget_chunks(budget, multiple_of)
     capacities = [most // multiple_of * multiple_of for most in max_added]
-    if budget % multiple_of:
-        raise ValueError(
-            f"budget {budget} is not a multiple of multiple_of={multiple_of}: allocation is in whole chunks"
-        )
     if budget > sum(capacities):
         raise ValueError(
             f"budget {budget} exceeds the {sum(capacities)} dimensions the layers can take (per layer at most "

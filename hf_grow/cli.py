@@ -78,7 +78,9 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--eval-split", default="validation", help="split for held-out text (default validation)")
     data.add_argument("--text-column", default="text", help="column holding the text (default text)")
     data.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it")
-    data.add_argument("--seq-len", type=int, help="tokens per sequence (default 512, or the model's positions if fewer)")
+    data.add_argument(
+        "--seq-len", type=int, help="tokens per sequence (default 512, or the model's positions if fewer)"
+    )
     data.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
     data.add_argument("--max-tokens", type=int, default=500_000, help="tokens for the statistics")
     data.add_argument("--eval-tokens", type=int, default=50_000, help="held-out tokens for the line search")
@@ -108,8 +110,8 @@ def build_parser() -> HfArgumentParser:
     )
     for action in parser._actions:  # show the dash spelling the README uses (the underscore one works too)
         action.option_strings.sort(key=lambda option: "_" in option)
-        if action.dest == "eval_fraction":  # the command holds out --eval-tokens of text instead
-            action.help = argparse.SUPPRESS
+        if action.dest == "eval_fraction":  # the command holds out --eval-tokens of text instead: refused if given
+            action.help, action.default = argparse.SUPPRESS, None
     _add_model_argument(parser)
     parser.add_argument("--output-dir", required=True, help="folder for the grown model (must be empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
@@ -164,7 +166,7 @@ def _check_data_arguments(args: argparse.Namespace) -> None:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    if args.eval_fraction != GrowthConfig.eval_fraction:
+    if args.eval_fraction is not None:
         raise CommandError("--eval-fraction does not apply to the command: its held-out text is --eval-tokens")
     if args.budget is not None and args.p is not None:
         raise CommandError("give either --p or --budget, not both")
@@ -198,8 +200,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 def _growth_config(args: argparse.Namespace) -> GrowthConfig:
     """The `GrowthConfig` of the growth flags; its checks as one-line errors, before any data is read."""
+    names = [option.name for option in dataclasses.fields(GrowthConfig) if option.name != "eval_fraction"]
     try:
-        return GrowthConfig(**{option.name: getattr(args, option.name) for option in dataclasses.fields(GrowthConfig)})
+        return GrowthConfig(**{name: getattr(args, name) for name in names})
     except (TypeError, ValueError) as error:
         raise CommandError(str(error)) from None
 

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal, Optional
 import torch
 
 from . import linalg
+from .budget import check_budget_chunks
 from .statistics import METHODS as STATISTICS_METHODS
 from .statistics import parse_bytes
 
@@ -144,7 +145,7 @@ class GrowthConfig:
                 raise ValueError(f"compute_dtype must be float32 or float64, got {self.compute_dtype}")
             self.compute_dtype = names[self.compute_dtype]
         if isinstance(self.p, Mapping):
-            self.p = {int(layer): value for layer, value in self.p.items()}  # JSON keys are strings
+            self.p = dict(self.p)  # a plain dict: to_dict copies it
         self._check()
 
     def _check(self) -> None:
@@ -152,11 +153,11 @@ class GrowthConfig:
         if self.budget is not None:
             if self.p is not None:
                 raise ValueError("give either p or budget, not both: a budget decides the dimensions added per layer.")
+            check_budget_chunks(self.budget, self.multiple_of)  # what the layers can take needs the model
         elif self.multiple_of != 1:
             raise ValueError("multiple_of applies to a budget allocation: pass budget=N with it, or leave it at 1.")
-        if self.p is not None and not isinstance(self.p, Mapping):
-            if isinstance(self.p, bool) or not isinstance(self.p, int):
-                raise TypeError(f"p must be an int or a mapping {{layer: int}}, got {type(self.p).__name__}")
+        if self.p is not None:
+            check_p(self.p)  # which layers there are needs the model
         _choose("truncation", self.truncation, linalg.TRUNCATIONS)
         _choose("solver", self.solver, linalg.SOLVERS)
         _choose("search", self.search, SEARCHES)
@@ -208,12 +209,37 @@ class GrowthConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> GrowthConfig:
+        """The config of `to_dict` (or of its JSON, whose layer keys of ``p`` are strings: they become ints)."""
+        values = dict(values)
+        if isinstance(values.get("p"), Mapping):
+            values["p"] = {_layer(key): value for key, value in values["p"].items()}
         return cls().replace(**values)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> GrowthConfig:
         with open(path, encoding="utf-8") as handle:
             return cls.from_dict(json.load(handle))
+
+
+def check_p(p: Any) -> None:
+    """Refuse a ``p`` that is not a positive int or a mapping to non-negative ints (its layers need the model)."""
+    if isinstance(p, bool) or not isinstance(p, (int, Mapping)):
+        raise TypeError(f"p must be an int or a mapping {{layer: int}}, got {type(p).__name__}")
+    if isinstance(p, int):
+        if p <= 0:
+            raise ValueError(
+                f"p must be a positive number of query/key dimensions to add per head, got {p}. "
+                "(To take the same step without adding dimensions, pass p={layer: 0, ...}.)"
+            )
+        return
+    negative = {layer: value for layer, value in p.items() if not isinstance(value, int) or value < 0}
+    if negative:
+        raise ValueError(f"p must map layers to non-negative ints, got {negative}")
+
+
+def _layer(key: Any) -> Any:
+    """A layer key of ``p`` read back from JSON: ``"3"`` is layer 3 (anything else is left for the model to refuse)."""
+    return int(key) if isinstance(key, str) and key.isdecimal() else key
 
 
 def _choose(name: str, value: Any, choices: tuple[str, ...]) -> None:

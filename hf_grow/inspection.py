@@ -19,9 +19,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from . import linalg
 from .adapters import get_adapter
-from .config import DEFAULT_STEP_MODE
+from .config import GrowthConfig, resolve_config
 from .growth import GrowthProblem, check_statistics, merged_if_peft
 from .statistics import GrowthStatistics, LossFn, collect_statistics
 
@@ -157,15 +156,16 @@ def inspect_growth(
     model: PreTrainedModel,
     dataloader: Iterable[Mapping[str, Tensor]] | None = None,
     *,
+    config: GrowthConfig | None = None,
     statistics: GrowthStatistics | None = None,
     loss_fn: LossFn | None = None,
     max_batches: int | None = None,
     max_dims: int = 16,
-    rtol: float = 1e-6,
-    compute_dtype: torch.dtype = torch.float32,
-    statistics_method: str = "auto",
+    rtol: float | None = None,
+    compute_dtype: torch.dtype | str | None = None,
+    statistics_method: str | None = None,
     query_block: int | None = None,
-    step_mode: str = DEFAULT_STEP_MODE,
+    step_mode: str | None = None,
     progress: bool = False,
 ) -> GrowthInspection:
     """Expected gains of growing every head by 1..``max_dims`` dimensions, from one pass of statistics.
@@ -175,10 +175,20 @@ def inspect_growth(
     (see the module docstring), per unit of the relative step size with each layer's lam as ``step_mode``
     sets it (the same as `grow_model`'s, so that rankings agree). Needs no held-out data and leaves the model
     unchanged.
+
+    The statistics and solve options are those of a `GrowthConfig` (``config``, default ``GrowthConfig()``,
+    e.g. the one you grow with): its ``rtol``, ``step_mode``, ``max_batches``, ``compute_dtype``,
+    ``statistics_method``, ``query_block`` and ``memory_budget``; the keywords of the same names, when not
+    None, replace them. The gains are in the metric of C whatever the ``truncation`` (as a budget allocates
+    them); the other options do not apply here.
     """
     if isinstance(max_dims, bool) or not isinstance(max_dims, int) or max_dims <= 0:
         raise ValueError(f"max_dims must be a positive int, got {max_dims!r}")
-    linalg.check_rtol(rtol)
+    overrides = dict(
+        max_batches=max_batches, rtol=rtol, compute_dtype=compute_dtype, statistics_method=statistics_method,
+        query_block=query_block, step_mode=step_mode,
+    )
+    config = resolve_config(config, {name: value for name, value in overrides.items() if value is not None})
     model = merged_if_peft(model)
     adapter = get_adapter(model)
     qk_dims = adapter.qk_head_dims(model.config)
@@ -190,15 +200,18 @@ def inspect_growth(
             dataloader,
             adapter,
             loss_fn,
-            max_batches,
-            compute_dtype=compute_dtype,
+            config.max_batches,
+            compute_dtype=config.torch_compute_dtype,
             progress=progress,
-            method=statistics_method,
-            query_block=query_block,
+            method=config.statistics_method,
+            query_block=config.query_block,
+            memory_budget=config.memory_budget,
         )
     else:
         check_statistics(statistics, model, adapter)
-    problem = GrowthProblem(model, adapter, statistics, qk_dims, "whitened", rtol, "eigh", step_mode=step_mode)
+    problem = GrowthProblem(
+        model, adapter, statistics, qk_dims, "whitened", config.rtol, "eigh", step_mode=config.step_mode
+    )
     layers = []
     for layer, qk_dim in enumerate(qk_dims):
         rates = problem.gain_rates(layer)

@@ -73,7 +73,9 @@ def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
 
 def _torch_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
     """The torch optimizer inside an accelerate ``AcceleratedOptimizer`` (or the optimizer itself)."""
-    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+    while (
+        optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer")
+    ):
         optimizer = optimizer.optimizer
     return optimizer
 
@@ -135,7 +137,9 @@ def resize_qk_(
             attention = attentions[layer]
             new_dim = query.shape[-1]
             if new_dim < dims[layer]:
-                raise ValueError(f"layer {layer} has {dims[layer]} query/key dims: growth cannot shrink it to {new_dim}")
+                raise ValueError(
+                    f"layer {layer} has {dims[layer]} query/key dims: growth cannot shrink it to {new_dim}"
+                )
             parameters = dict(attention.named_parameters())
             names = adapter.qk_parameter_names(attention)
             fold = adapter.scaling(config, layer, dims[layer]) / adapter.scaling(config, layer, new_dim)
@@ -203,7 +207,7 @@ def grow_in_training(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer | None,
     dataloader: Iterable[Mapping[str, Tensor]] | None,
-    p: int | Mapping[int, int],
+    p: int | Mapping[int, int] | None,
     *,
     mode: str = "append",
     config: GrowthConfig | None = None,
@@ -213,7 +217,7 @@ def grow_in_training(
     init_std: float | None = None,
     seed: int = 0,
     progress: bool = False,
-    **options: Any,
+    **overrides: Any,
 ) -> GrowthReport | None:
     """Grow ``model``'s query/key heads by ``p`` in place, mid-training, and remap ``optimizer``'s state.
 
@@ -228,8 +232,11 @@ def grow_in_training(
         init_std: standard deviation of the random new dims of the baselines (default:
             ``config.initializer_range``).
         seed: seed of the baselines' random new dims (the global RNG is not touched).
-        config, options: the growth options as in `grow_model`, with this function's own defaults where they
-            differ: ``eval_fraction=0.25`` and ``measure_realized_gains=False``. A ``budget`` is `grow_model`'s.
+        p: dimensions added per head, in every layer, or ``{layer: p}``; None takes ``config.p`` (default 8,
+            for the solved modes).
+        config, overrides: the growth options as in `grow_model`. Without a config, this function's defaults
+            differ from `GrowthConfig`'s: ``eval_fraction=0.25`` and ``measure_realized_gains=False`` (keyword
+            overrides apply on top of them); a config passed is used as it is. A ``budget`` is `grow_model`'s.
         Other arguments as in `grow_model`.
 
     Returns:
@@ -238,7 +245,8 @@ def grow_in_training(
     """
     if mode not in GROWTH_MODES:
         raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
-    config = resolve_config(config, {**options, "p": p}, eval_fraction=0.25, measure_realized_gains=False)
+    overrides = overrides if p is None else {**overrides, "p": p}
+    config = resolve_config(config, overrides, eval_fraction=0.25, measure_realized_gains=False)
     if config.budget is not None:
         raise ValueError("grow_in_training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
     adapter = get_adapter(model)
@@ -301,7 +309,8 @@ class GrowthCallback(TrainerCallback):
         statistics_batches, eval_batches: batches drawn for the statistics and for the line search.
         dataloader, eval_dataloader: fixed batches to use instead of drawing from the training set.
         seed: seed of the batch draw (plus the global step) and of the baselines' random dims.
-        config: the growth options (`GrowthConfig`) of every growth, passed to `grow_in_training`.
+        config: the growth options (`GrowthConfig`) of every growth, passed to `grow_in_training` (used as it
+            is: `grow_in_training`'s own defaults apply without one); ``p`` comes from the schedule.
         growth_kwargs: passed to `grow_in_training` (``step_size``, ``truncation``, ``loss_fn``, ...).
 
     ``reports`` maps each step at which the model grew to its `GrowthReport` (None for the baselines); a
@@ -375,7 +384,9 @@ class GrowthCallback(TrainerCallback):
         else:
             generator = torch.Generator().manual_seed(self.seed + step)
             sampler = RandomSampler(dataset, generator=generator)
-            loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator)
+            loader = DataLoader(
+                dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator
+            )
         return list(itertools.islice(loader, count))
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):

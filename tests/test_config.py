@@ -7,8 +7,19 @@ import json
 import pytest
 import torch
 
-from hf_grow import GrowthCallback, GrowthConfig, grow_in_training, grow_model, load_growth_report, model_card
-from hf_grow.cli import build_parser
+from hf_grow import (
+    GrowthCallback,
+    GrowthConfig,
+    GrowthReport,
+    get_adapter,
+    grow_in_training,
+    grow_model,
+    inspect_growth,
+    load_growth_report,
+    model_card,
+)
+from hf_grow.cli import build_parser, main
+from hf_grow.statistics import collect_statistics
 
 from conftest import lm_batches, tiny_gpt2_config
 
@@ -39,6 +50,12 @@ def test_defaults_are_the_ones_grow_model_always_had_but_the_measured_step_mode(
         ({"p": 8, "budget": 16}, ValueError, "either p or budget"),
         ({"multiple_of": 8}, ValueError, "multiple_of applies to a budget"),
         ({"p": "8"}, TypeError, "p must be an int or a mapping"),
+        ({"p": 0}, ValueError, "p must be a positive number"),
+        ({"p": -3}, ValueError, "p must be a positive number"),
+        ({"p": {0: 8, 1: -1}}, ValueError, "p must map layers to non-negative ints"),
+        ({"budget": 0}, ValueError, "budget must be a positive"),
+        ({"budget": 12, "multiple_of": 8}, ValueError, "not a multiple"),
+        ({"budget": 8, "multiple_of": 0}, ValueError, "multiple_of must be a positive"),
         ({"truncation": "nuclear"}, ValueError, "truncation must be one of"),
         ({"step_mode": "per_head"}, ValueError, "step_mode must be one of"),
         ({"step_size": float("nan")}, ValueError, "step_size must be a finite number"),
@@ -74,6 +91,16 @@ def test_json_round_trip_keeps_every_option(tmp_path):
     loaded = GrowthConfig.from_json_file(tmp_path / "growth.json")
     assert loaded == config and loaded.p == {0: 8, 1: 0}  # JSON's string keys come back as layers
     assert GrowthConfig.from_dict(json.loads(config.to_json_string())) == config
+    assert GrowthConfig.from_dict({"p": {"3": 8}}).p == {3: 8}
+    assert GrowthConfig(memory_budget=2**31).memory_budget == 2**31  # an int of bytes works in Python
+
+
+def test_layers_of_p_are_not_guessed_in_python(trained_gpt2):
+    """Only JSON's string layer keys become ints (in from_dict): other keys are refused as before."""
+    with pytest.raises(ValueError, match=r"names layers \[1.5\]"):
+        grow_model(trained_gpt2, Untouchable(), p={1.5: 8})
+    with pytest.raises(ValueError, match=r"names layers \['x'\]"):
+        grow_model(trained_gpt2, Untouchable(), config=GrowthConfig.from_dict({"p": {"x": 8}}))
 
 
 def test_a_config_and_its_overrides_grow_as_the_keywords_do(trained_gpt2, stdlib_bytes, tmp_path):
@@ -91,6 +118,12 @@ def test_a_config_and_its_overrides_grow_as_the_keywords_do(trained_gpt2, stdlib
     assert load_growth_report(tmp_path / "grown").config == report.config
     card = str(model_card(tmp_path / "grown", base_model="tiny-gpt2"))
     assert '"truncation": "frobenius"' in card and "GrowthConfig" in card
+    # a report written before GrowthConfig (no config, no step_mode) still loads, and its card has no options
+    old = {key: value for key, value in json.loads((tmp_path / "grown" / "growth_report.json").read_text()).items()
+           if key not in ("config", "step_mode")}
+    assert GrowthReport.from_dict(old).config is None
+    (tmp_path / "grown" / "growth_report.json").write_text(json.dumps(old))
+    assert "GrowthConfig" not in str(model_card(tmp_path / "grown", base_model="tiny-gpt2"))
 
 
 def test_grow_in_training_keeps_its_own_defaults_and_takes_a_config(stdlib_bytes):
@@ -109,6 +142,38 @@ def test_grow_in_training_keeps_its_own_defaults_and_takes_a_config(stdlib_bytes
         grow_in_training(model, None, batches, None, mode="refactor", config=GrowthConfig(budget=8))
     callback = GrowthCallback(grow_at={10: 8}, config=GrowthConfig(step_mode="per_layer"))
     assert callback.config.step_mode == "per_layer"
+    # p=None takes the config's p; a config is used as given (its own eval_fraction, not 0.25)
+    report = grow_in_training(model, None, batches, None, mode="refactor",
+                              config=GrowthConfig(p=4, step_size=0.0, measure_realized_gains=False))
+    assert report.config["p"] == 4 and report.config["eval_fraction"] == 0.1
+    assert model.config.qk_head_dims == [model.config.n_embd // model.config.n_head + 12] * model.config.n_layer
+
+
+def test_the_callback_passes_its_config_and_keywords_on(monkeypatch):
+    import types
+
+    import hf_grow.training as training
+
+    calls = []
+    monkeypatch.setattr(training, "grow_in_training", lambda *args, **kwargs: calls.append((args, kwargs)))
+    config = GrowthConfig(truncation="frobenius")
+    callback = GrowthCallback(grow_at={10: 8}, mode="zero", config=config, step_size=0.0)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(qk_head_dims=[16]))
+    callback.on_step_end(None, types.SimpleNamespace(global_step=10, log_history=[]), None, model=model)
+    (args, kwargs), = calls
+    assert args[3] == 8 and kwargs["config"] is config and kwargs["step_size"] == 0.0 and kwargs["mode"] == "zero"
+
+
+def test_inspect_growth_takes_the_config_it_would_grow_with(trained_gpt2, stdlib_bytes):
+    batches = lm_batches(stdlib_bytes["stats"], 2, seed=44)
+    statistics = collect_statistics(trained_gpt2, batches, get_adapter(trained_gpt2))
+    by_config = inspect_growth(trained_gpt2, statistics=statistics, max_dims=4,
+                               config=GrowthConfig(p=16, step_mode="global", rtol=1e-5))
+    by_keywords = inspect_growth(trained_gpt2, statistics=statistics, max_dims=4, step_mode="global", rtol=1e-5)
+    assert dataclasses.asdict(by_config) == dataclasses.asdict(by_keywords)
+    assert by_config.lam_unit != inspect_growth(trained_gpt2, statistics=statistics, max_dims=4).lam_unit
+    with pytest.raises(ValueError, match="rtol must be in"):  # a keyword replaces the config's, checked first
+        inspect_growth(trained_gpt2, Untouchable(), config=GrowthConfig(), rtol=2.0)
 
 
 def test_the_command_line_builds_its_growth_flags_from_the_config():
@@ -123,3 +188,25 @@ def test_the_command_line_builds_its_growth_flags_from_the_config():
         if option.name != "eval_fraction":  # the command holds out --eval-tokens instead
             assert "--" + option.name.replace("_", "-") in help_text
     assert "--eval-fraction" not in help_text
+    # HfArgumentParser's underscore spellings work too, and build the same config
+    underscored = parser.parse_args(["gpt2", "--output-dir", "out", "--budget", "16", "--multiple_of", "8",
+                                     "--no_measure_realized_gains", "--statistics_method", "chunked"])
+    assert (underscored.budget, underscored.multiple_of, underscored.measure_realized_gains) == (16, 8, False)
+    assert underscored.statistics_method == "chunked"
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--eval-fraction", "0.1"], "--eval-fraction does not apply to the command"),
+        (["--p", "8", "--budget", "16"], "give either --p or --budget, not both"),
+        (["--p", "8", "--multiple-of", "8"], "--multiple-of applies to --budget"),
+        (["--initial-step-size", "0"], "initial_step_size must be a finite number > 0"),
+        (["--statistics-method", "triton", "--compute-dtype", "float64"], "computes in float32"),
+    ],
+)
+def test_the_command_refuses_bad_growth_flags_in_one_line_before_any_data(arguments, message, tmp_path, capsys):
+    status = main(["no-such-model-is-loaded", "--output-dir", str(tmp_path / "out"), *arguments])
+    error = capsys.readouterr().err
+    assert status == 2 and message in error and len(error.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

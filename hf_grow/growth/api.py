@@ -31,13 +31,13 @@ def grow_model(
     statistics: GrowthStatistics | None = None,
     accelerator: Accelerator | None = None,
     progress: bool = False,
-    **options: Any,
+    **overrides: Any,
 ) -> PreTrainedModel:
     """Grow the query/key width of every attention head by ``p``, with weights solved from the loss.
 
-    How it grows is a `GrowthConfig` (``config``, default ``GrowthConfig()``); ``p`` and keyword ``options``
-    (``step_size=0.0``, ``truncation="frobenius"``, ... any `GrowthConfig` field) override its fields, and are
-    checked before any data is read.
+    How it grows is a `GrowthConfig` (``config``, default ``GrowthConfig()``); ``p`` and keyword ``overrides``
+    (``step_size=0.0``, ``truncation="frobenius"``, ... any `GrowthConfig` field) replace its fields, and are
+    checked before any data is read (an unknown keyword is a TypeError naming the fields).
 
     Args:
         model: a supported transformers model (GPT-2 or BERT classes, or a model grown by hf_grow), or a
@@ -62,7 +62,7 @@ def grow_model(
         `GrowthReport` as ``grown.growth_report`` (which records the config); `save_pretrained` writes it as
         ``growth_report.json``.
     """
-    config = resolve_config(config, options if p is None else {**options, "p": p})
+    config = resolve_config(config, overrides if p is None else {**overrides, "p": p})
     started = time.perf_counter()
     model = merged_if_peft(unwrap_model(model, accelerator))
     progress = progress and Processes(accelerator).is_main

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter, get_adapter
 from ..budget import allocate_budget, check_budget
-from ..config import GrowthConfig
+from ..config import GrowthConfig, check_p
 from ..distributed import Processes
 from ..progress import stage
 from ..statistics import GrowthStatistics, LossFn, batch_loss_weight, collect_statistics, weight_sample
@@ -89,22 +89,13 @@ def check_statistics(statistics: GrowthStatistics, model: PreTrainedModel, adapt
 
 
 def resolve_growth(p: int | Mapping[int, int], num_layers: int) -> list[int]:
-    """Dimensions added per layer, validated before any work."""
-    if isinstance(p, bool) or not isinstance(p, (int, Mapping)):
-        raise TypeError(f"p must be an int or a mapping {{layer: int}}, got {type(p).__name__}")
+    """Dimensions added per layer, validated before any work (`check_p`, then the model's layers)."""
+    check_p(p)
     if isinstance(p, int):
-        if p <= 0:
-            raise ValueError(
-                f"p must be a positive number of query/key dimensions to add per head, got {p}. "
-                "(To take the same step without adding dimensions, pass p={layer: 0, ...}.)"
-            )
         return [p] * num_layers
     unknown = [layer for layer in p if not isinstance(layer, int) or not 0 <= layer < num_layers]
     if unknown:
         raise ValueError(f"p names layers {unknown} but the model has layers 0..{num_layers - 1}")
-    negative = {layer: value for layer, value in p.items() if not isinstance(value, int) or value < 0}
-    if negative:
-        raise ValueError(f"p must map layers to non-negative ints, got {negative}")
     return [p.get(layer, 0) for layer in range(num_layers)]
 
 
