@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from transformers import HfArgumentParser
 from transformers.utils import logging as transformers_logging
 
@@ -306,6 +306,7 @@ def _objective(args: argparse.Namespace) -> str:
             f"hf_grow cannot grow {args.model!r} (model_type={config.model_type!r}); "
             f"supported model types: {', '.join(supported_model_types())}"
         )
+    _check_local_weights(args.model)
     positions = getattr(config, "max_position_embeddings", None)
     args.vocab_size = getattr(config, "vocab_size", None)  # for the tokenizer's ids (`_check_token_ids`)
     if args.seq_len is None:
@@ -320,6 +321,19 @@ def _objective(args: argparse.Namespace) -> str:
         f"{args.model!r} ({config.model_type}) is neither a causal nor a masked language model: the command line "
         "only knows those losses; use the Python API: grow_model(model, batches, loss_fn=...)"
     )
+
+
+def _check_local_weights(model: str) -> None:
+    """A local folder's safetensors files have whole headers and data (a truncated copy or download is found
+    before any text is read; reading the headers costs nothing)."""
+    for path in sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []:
+        try:
+            safe_open(path, framework="pt").keys()
+        except SafetensorError as error:
+            raise CommandError(
+                f"cannot load model {model!r}: its weights file {path.name} is damaged or incomplete ({error}); "
+                "download or save it again"
+            ) from None
 
 
 def _load_model(args: argparse.Namespace, objective: str):
