@@ -270,6 +270,8 @@ def _check_file_folders(*options: tuple[str, str | None]) -> None:
     for option, path in options:
         if path and not Path(path).resolve().parent.is_dir():
             raise CommandError(f"{option}: the folder of {path} does not exist")
+        if path and Path(path).is_dir():
+            raise CommandError(f"{option} {path} is a folder: give a file name")
 
 
 def _load_tokenizer(args: argparse.Namespace):

@@ -147,17 +147,24 @@ def bad_inputs(model_folder, corpus, tmp_path):
         "a text file as --stats": (
             [str(model_folder), "--data", str(corpus), "--stats", str(corpus)], "cannot read statistics from"
         ),
+        "a weights file as the model": (
+            [str(model_folder / "model.safetensors"), "--data", str(corpus)], "cannot load model"
+        ),
+        "a folder as --report": ([str(model_folder), "--data", str(corpus), "--report", str(folder)], "is a folder"),
+        "a folder as --json": ([str(model_folder), "--data", str(corpus), "--json", str(folder)], "is a folder"),
     }
 
 
 BAD_INPUTS = ["truncated weights", "binary --data", "UTF-16 --data", "empty --data", "a folder as --data",
               "a missing file", "another model's tokenizer", "a broken config.json", "--eval-tokens over the text",
-              "a text file as --stats"]
+              "a text file as --stats", "a weights file as the model", "a folder as --report", "a folder as --json"]
+MAIN_ONLY, INSPECT_ONLY = ("--stats", "--report"), ("--json",)
 
 
 @pytest.mark.parametrize(
     "command, name",
-    [("grow", name) for name in BAD_INPUTS] + [("inspect", name) for name in BAD_INPUTS if "--stats" not in name],
+    [("grow", name) for name in BAD_INPUTS if not any(option in name for option in INSPECT_ONLY)]
+    + [("inspect", name) for name in BAD_INPUTS if not any(option in name for option in MAIN_ONLY)],
 )
 def test_bad_input_is_one_line_and_writes_nothing(model_folder, corpus, tmp_path, capsys, command, name):
     arguments, message = bad_inputs(model_folder, corpus, tmp_path)[name]
