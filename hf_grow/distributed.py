@@ -128,9 +128,9 @@ def refuse_sharded_training(model: nn.Module, accelerator: Accelerator | None = 
     if mode in _SHARDED_MODES:
         found = _SHARDED_MODES[mode]
     while found is None and isinstance(model, nn.Module):
-        names = {cls.__name__ for cls in type(model).__mro__}
+        names = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
         found = next((what for name, what in _SHARDED.items() if name in names), None)
-        if found is None and any(type(p).__name__ == "DTensor" for p in model.parameters(recurse=False)):
+        if found is None and any(type(p).__name__ in ("DTensor", "FlatParameter") for p in model.parameters()):
             found = "FSDP"
         model = getattr(model, "module", None)
     if found is not None:

@@ -168,3 +168,59 @@ def test_trainer_grows_under_ddp_like_one_process_and_resumes(stdlib_bytes, tmp_
     assert resumed["qk_head_dims"] == [16, 16] and resumed["report"] is None
     assert [resumed["losses"][step] for step in (5, 6)] == pytest.approx([two["losses"][step] for step in (5, 6)], rel=1e-6)
     assert_same_on_every_process([result["resumed"] for result in results], "final")
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo process group of this process alone (for DDP and FSDP wrappers in the test process)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddp_wrapper_keeps_training_after_growth_and_solved_modes_need_the_accelerator(
+    one_process_group, stdlib_bytes
+):
+    torch.manual_seed(0)
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=3e-3)
+    batches = lm_batches(stdlib_bytes["train"], 4, batch_size=4, seed=45)
+    train_steps(wrapped, optimizer, batches[:2], 0, 1)
+    with pytest.raises(ValueError, match="pass accelerator="):
+        grow_in_training(wrapped, optimizer, batches[:2], 8, step_size=0.0)
+    assert model.config.qk_head_dims == [8, 8]  # refused before any change
+    grow_in_training(wrapped, optimizer, None, 8, mode="zero")  # the baselines draw the same dims everywhere
+    assert model.config.qk_head_dims == [16, 16]
+    losses = train_steps(wrapped, optimizer, batches[2:], 0, 1)
+    assert all(math.isfinite(loss) for loss in losses)
+
+
+def test_fsdp_and_deepspeed_are_refused_with_what_works(one_process_group, stdlib_bytes):
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = GrownGPT2LMHeadModel(grown_config(8))
+    fully_shard(sharded)
+    with pytest.raises(ValueError, match="not FSDP.*Train with DDP, or grow a saved checkpoint"):
+        grow_in_training(sharded, None, None, 8, mode="zero")
+
+    class DeepSpeedEngine(torch.nn.Module):  # DeepSpeed is recognized by name: it need not be installed
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    with pytest.raises(ValueError, match="DistributedDataParallel.*not DeepSpeed"):
+        grow_in_training(DeepSpeedEngine(model), None, None, 8, mode="zero")
+    accelerator = type("Accelerator", (), {"distributed_type": type("Mode", (), {"name": "FSDP"})()})()
+    with pytest.raises(ValueError, match="not FSDP"):
+        grow_in_training(model, None, None, 8, mode="zero", accelerator=accelerator)
+    assert model.config.qk_head_dims == [8, 8]
+
+    callback = GrowthCallback({3: 8})
+    args = type("Args", (), {"world_size": 2, "deepspeed": None, "fsdp": ""})()
+    with pytest.raises(ValueError, match=r"trainer.add_callback\(GrowthCallback\(..., trainer=trainer\)\)"):
+        callback.on_train_begin(args, None, None, model=model)
+    args.deepspeed = "ds_config.json"
+    with pytest.raises(ValueError, match="not DeepSpeed"):
+        callback.on_train_begin(args, None, None, model=model)
