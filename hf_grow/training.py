@@ -377,8 +377,8 @@ class GrowthCallback(TrainerCallback):
             ``accelerate launch``): the callback then grows the Trainer's DDP-wrapped model with its accelerator
             (``trainer.add_callback(GrowthCallback(..., trainer=trainer))``). Each process draws the same
             ``(statistics_batches + eval_batches) * world_size`` batches and uses every world_size-th, so the
-            processes together read what one process with ``world_size`` times the batch counts would; fixed
-            ``dataloader``/``eval_dataloader`` are each process's own shard, as in `grow_model`.
+            processes together read the samples that one process whose batch is the global batch would;
+            fixed ``dataloader``/``eval_dataloader`` are each process's own shard, as in `grow_model`.
         growth_kwargs: passed to `grow_in_training` (``step_size``, ``truncation``, ``loss_fn``, ...).
 
     ``reports`` maps each step at which the model grew to its `GrowthReport` (None for the baselines); a
