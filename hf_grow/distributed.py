@@ -147,18 +147,17 @@ def sharded_training_message(found: str) -> str:
     )
 
 
-def ddp_wrappers(model: nn.Module, accelerator: Accelerator | None = None) -> list[nn.parallel.DistributedDataParallel]:
-    """The DistributedDataParallel wrappers around ``model``'s innermost module: those in the chain of ``model``
-    itself, and those the accelerator prepared (so the plain model may be passed too)."""
-    inner = unwrap_model(model, accelerator)
-    candidates = [model, *(getattr(accelerator, "_models", None) or [])]
-    found: list[nn.parallel.DistributedDataParallel] = []
-    for candidate in candidates:
-        while isinstance(candidate, nn.Module) and candidate is not inner:
-            if isinstance(candidate, nn.parallel.DistributedDataParallel) and unwrap_model(candidate) is inner:
-                if all(candidate is not other for other in found):
-                    found.append(candidate)
-            candidate = getattr(candidate, "module", None)
+def ddp_wrappers(model: nn.Module) -> list[nn.parallel.DistributedDataParallel]:
+    """The DistributedDataParallel wrappers in ``model``'s chain of wrappers (``.module``), outermost first.
+
+    A wrapper cannot be found from the plain model inside it (nor from accelerate, which records the plain
+    model), so growth during training must be given the wrapped model.
+    """
+    found = []
+    while isinstance(model, nn.Module):
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            found.append(model)
+        model = getattr(model, "module", None)
     return found
 
 

@@ -239,8 +239,8 @@ def grow_in_training(
     and a `transformers.Trainer` carry on. Call it between optimizer steps (after ``zero_grad``).
 
     With several processes (DDP: torchrun, ``accelerate launch``), call it on every process with that process's
-    own shard of the batches and the ``accelerator``; ``model`` may be the DDP-wrapped model (the plain one
-    works too when the accelerator prepared the wrapper). The statistics and held-out losses are summed across
+    own shard of the batches and the ``accelerator``, passing the DDP-wrapped model (what ``accelerator.prepare``
+    returned: the wrapper cannot be found from the plain model inside it). The statistics and held-out losses are summed across
     processes, every process gets the main process's grown weights, and the DDP wrapper's gradient buckets are
     rebuilt for the new shapes, in place: the wrapped model and the optimizer carry on as they are. FSDP and
     DeepSpeed are refused.
@@ -273,11 +273,17 @@ def grow_in_training(
         raise ValueError("grow_in_training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
     refuse_sharded_training(model, accelerator)
     wrapped, model = model, unwrap_model(model, accelerator)
-    wrappers = ddp_wrappers(wrapped, accelerator)
+    wrappers = ddp_wrappers(wrapped)
     if wrappers and accelerator is None and mode in ("refactor", "append"):
         raise ValueError(
             "the model is wrapped by DistributedDataParallel: pass accelerator=accelerate.Accelerator() on every "
             "process, so that the statistics are summed across processes and every process grows the same way."
+        )
+    if not wrappers and Processes(accelerator).world_size > 1:
+        logger.warning(
+            "growing a model that is not wrapped by DistributedDataParallel on %d processes: if it trains through a "
+            "DDP wrapper, pass the wrapper (what accelerator.prepare returned), whose gradient buckets must be rebuilt.",
+            Processes(accelerator).world_size,
         )
     adapter = get_adapter(model)
     torch_optimizer = _torch_optimizer(optimizer)

@@ -2,7 +2,10 @@
 
 import math
 import os
-import socket
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,10 +48,10 @@ def grow_between_steps(rank, world_size, state_dict, train, stats, search, accel
     if accelerator is not None:
         model, optimizer = accelerator.prepare(model, optimizer)
     losses = train_steps(model, optimizer, train[:3], rank, world_size, accelerator)
+    plain = model.module if accelerator is not None else model
     report = grow_in_training(
         model, optimizer, stats[rank::world_size], 8, eval_dataloader=search[rank::world_size], accelerator=accelerator
     )
-    plain = model.module if accelerator is not None else model
     grown = {name: tensor.clone() for name, tensor in plain.state_dict().items()}
     losses += train_steps(model, optimizer, train[3:], rank, world_size, accelerator)
     return {"losses": losses, "grown": grown, "final": plain.state_dict(), "report": report.to_dict()}
@@ -224,3 +227,18 @@ def test_fsdp_and_deepspeed_are_refused_with_what_works(one_process_group, stdli
     args.deepspeed = "ds_config.json"
     with pytest.raises(ValueError, match="not DeepSpeed"):
         callback.on_train_begin(args, None, None, model=model)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_the_trainer_recipe_runs_under_torchrun(tmp_path):
+    """README's runnable example, shortened: 2 CPU processes grow once and save the grown model."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "grow_with_trainer.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    options = ["--output-dir", str(tmp_path), "--steps", "6", "--grow-at", "3", "--batch-size", "4", "--cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([*torchrun, str(recipe), *options], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 3: grew to qk_head_dims [16, 16]" in result.stdout
+    assert "2 process(es): final held-out loss" in result.stdout
+    assert (tmp_path / "final" / "model.safetensors").is_file()
