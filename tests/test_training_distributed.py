@@ -1,5 +1,6 @@
 """Growth during training with 2 CPU processes (gloo, DDP): equal weights everywhere, one process's loss curve."""
 
+import copy
 import math
 import os
 import shutil
@@ -181,22 +182,38 @@ def one_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_ddp_wrapper_keeps_training_after_growth_and_solved_modes_need_the_accelerator(
-    one_process_group, stdlib_bytes
-):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"static_graph": True}, {"find_unused_parameters": True, "gradient_as_bucket_view": True, "comm_hook": True}],
+)
+def test_ddp_wrapper_trains_on_after_growth_like_the_plain_model(one_process_group, stdlib_bytes, options):
+    """The rebuilt buckets (with DDP's options and communication hooks) pass every gradient, at the new shapes."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     torch.manual_seed(0)
-    model = GrownGPT2LMHeadModel(grown_config(8))
-    wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=3e-3)
+    plain = GrownGPT2LMHeadModel(grown_config(8))
+    model = copy.deepcopy(plain)
+    options = dict(options)
+    comm_hook = options.pop("comm_hook", False)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, **options)
+    if comm_hook:
+        wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
     batches = lm_batches(stdlib_bytes["train"], 4, batch_size=4, seed=45)
-    train_steps(wrapped, optimizer, batches[:2], 0, 1)
-    with pytest.raises(ValueError, match="pass accelerator="):
-        grow_in_training(wrapped, optimizer, batches[:2], 8, step_size=0.0)
-    assert model.config.qk_head_dims == [8, 8]  # refused before any change
-    grow_in_training(wrapped, optimizer, None, 8, mode="zero")  # the baselines draw the same dims everywhere
-    assert model.config.qk_head_dims == [16, 16]
-    losses = train_steps(wrapped, optimizer, batches[2:], 0, 1)
-    assert all(math.isfinite(loss) for loss in losses)
+    curves = []
+    for trained in (wrapped, plain):
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=3e-3)
+        losses = train_steps(trained, optimizer, batches[:2], 0, 1)
+        if trained is wrapped:
+            with pytest.raises(ValueError, match="pass accelerator="):
+                grow_in_training(wrapped, optimizer, batches[:2], 8, step_size=0.0)
+            assert model.config.qk_head_dims == [8, 8]  # refused before any change
+        grow_in_training(trained, optimizer, None, 8, mode="zero")  # the baselines draw the same dims everywhere
+        losses += train_steps(trained, optimizer, batches[2:], 0, 1)
+        curves.append(losses)
+    assert model.config.qk_head_dims == plain.config.qk_head_dims == [16, 16]
+    assert curves[0] == pytest.approx(curves[1], rel=1e-6)
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_fsdp_and_deepspeed_are_refused_with_what_works(one_process_group, stdlib_bytes):
