@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -159,6 +159,33 @@ def ddp_wrappers(model: nn.Module) -> list[nn.parallel.DistributedDataParallel]:
             found.append(model)
         model = getattr(model, "module", None)
     return found
+
+
+def synchronize_after_growth(
+    parameters: Iterable[Tensor],
+    wrappers: Iterable[nn.parallel.DistributedDataParallel],
+    accelerator: Accelerator | None,
+) -> None:
+    """Make several processes consistent again after the in-place growth of ``parameters`` (on every process).
+
+    The grown Parameters take the main process's values (the solve gives the same on every process from the
+    summed statistics; the broadcast rules out a last-bit difference between devices), and every DDP wrapper
+    gets gradient buckets for the new shapes. The optimizer state needs nothing: it was remapped on every
+    process from equal state by the same rule.
+    """
+    processes = Processes(accelerator)
+    if processes.world_size > 1:
+        with torch.no_grad():
+            for parameter in parameters:
+                processes.broadcast_(parameter.data)
+    wrappers = list(wrappers)
+    if not wrappers and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        logger.warning(
+            "grew a model that is not wrapped by DistributedDataParallel in a process group: if it trains through a "
+            "DDP wrapper, pass the wrapper (what accelerator.prepare returned), whose buckets must be rebuilt."
+        )
+    for wrapper in wrappers:
+        rebuild_ddp_buckets_(wrapper)
 
 
 def rebuild_ddp_buckets_(ddp: nn.parallel.DistributedDataParallel) -> None:

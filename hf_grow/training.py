@@ -40,9 +40,9 @@ from .config import GrowthConfig, resolve_config
 from .distributed import (
     Processes,
     ddp_wrappers,
-    rebuild_ddp_buckets_,
     refuse_sharded_training,
     sharded_training_message,
+    synchronize_after_growth,
     unwrap_model,
 )
 from .growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
@@ -240,10 +240,10 @@ def grow_in_training(
 
     With several processes (DDP: torchrun, ``accelerate launch``), call it on every process with that process's
     own shard of the batches and the ``accelerator``, passing the DDP-wrapped model (what ``accelerator.prepare``
-    returned: the wrapper cannot be found from the plain model inside it). The statistics and held-out losses are summed across
-    processes, every process gets the main process's grown weights, and the DDP wrapper's gradient buckets are
-    rebuilt for the new shapes, in place: the wrapped model and the optimizer carry on as they are. FSDP and
-    DeepSpeed are refused.
+    returned: the wrapper cannot be found from the model inside it). The statistics and held-out losses are
+    summed across processes, every process gets the main process's grown weights, and the DDP wrapper's gradient
+    buckets are rebuilt for the new shapes, in place: the wrapped model and the optimizer carry on as they are.
+    FSDP and DeepSpeed are refused.
 
     Args:
         mode: ``"refactor"`` or ``"append"`` (solved from statistics over ``dataloader``, line search on
@@ -272,18 +272,11 @@ def grow_in_training(
     if config.budget is not None:
         raise ValueError("grow_in_training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
     refuse_sharded_training(model, accelerator)
-    wrapped, model = model, unwrap_model(model, accelerator)
-    wrappers = ddp_wrappers(wrapped)
+    wrappers, model, is_main = ddp_wrappers(model), unwrap_model(model, accelerator), Processes(accelerator).is_main
     if wrappers and accelerator is None and mode in ("refactor", "append"):
         raise ValueError(
             "the model is wrapped by DistributedDataParallel: pass accelerator=accelerate.Accelerator() on every "
             "process, so that the statistics are summed across processes and every process grows the same way."
-        )
-    if not wrappers and Processes(accelerator).world_size > 1:
-        logger.warning(
-            "growing a model that is not wrapped by DistributedDataParallel on %d processes: if it trains through a "
-            "DDP wrapper, pass the wrapper (what accelerator.prepare returned), whose gradient buckets must be rebuilt.",
-            Processes(accelerator).world_size,
         )
     adapter = get_adapter(model)
     torch_optimizer = _torch_optimizer(optimizer)
@@ -295,7 +288,7 @@ def grow_in_training(
             raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
         weights = _initialized_weights(model, adapter, added, mode, std, seed)
         resize_qk_(model, weights, torch_optimizer, keep_moments=True)
-        synchronize_after_growth(model, adapter, list(weights), wrappers, accelerator)
+        synchronize_after_growth(_qk_parameters(model, adapter, weights), wrappers, accelerator)
         return None
 
     started = time.perf_counter()
@@ -308,7 +301,7 @@ def grow_in_training(
         loss_fn=loss_fn,
         statistics=statistics,
         accelerator=accelerator,
-        progress=progress and Processes(accelerator).is_main,
+        progress=progress and is_main,
     )
     at_zero = prepared.problem.weights(0.0)
     if mode == "append":  # layers that do not grow keep their weights and moments untouched
@@ -316,44 +309,25 @@ def grow_in_training(
     resize_qk_(model, at_zero, torch_optimizer, keep_moments=mode == "append")
     try:
         report = search_and_report(
-            prepared,
-            model,
-            measure_realized_gains=config.measure_realized_gains,
-            progress=progress and Processes(accelerator).is_main,
+            prepared, model, measure_realized_gains=config.measure_realized_gains, progress=progress and is_main,
             started=started,
         )
     except BaseException:
         write_weights(adapter, model, at_zero)  # the old function, at the new width: a single process can go on
         raise
-    synchronize_after_growth(model, adapter, list(at_zero), wrappers, accelerator)
+    synchronize_after_growth(_qk_parameters(model, adapter, at_zero), wrappers, accelerator)
     model.growth_report = report
     return report
 
 
-def synchronize_after_growth(
-    model: PreTrainedModel,
-    adapter: ArchitectureAdapter,
-    layers: Sequence[int],
-    wrappers: Sequence[torch.nn.parallel.DistributedDataParallel],
-    accelerator: Accelerator | None,
-) -> None:
-    """Make several processes consistent again after an in-place growth of ``layers``.
-
-    The grown Q/K Parameters take the main process's values (the solve gives the same on every process from
-    the summed statistics; the broadcast rules out a last-bit difference between devices), and every DDP
-    wrapper gets gradient buckets for the new shapes. The optimizer state needs nothing: it was remapped on
-    every process from equal state by the same rule.
-    """
-    processes = Processes(accelerator)
-    if processes.world_size > 1:
-        attentions = adapter.attention_modules(model)
-        with torch.no_grad():
-            for layer in layers:
-                parameters = dict(attentions[layer].named_parameters())
-                for name in adapter.qk_parameter_names(attentions[layer]):
-                    processes.broadcast_(parameters[name].data)
-    for wrapper in wrappers:
-        rebuild_ddp_buckets_(wrapper)
+def _qk_parameters(model: PreTrainedModel, adapter: ArchitectureAdapter, layers: Iterable[int]) -> list[Tensor]:
+    """The Parameters that hold the query/key weights of ``layers``."""
+    attentions = adapter.attention_modules(model)
+    return [
+        dict(attentions[layer].named_parameters())[name]
+        for layer in layers
+        for name in adapter.qk_parameter_names(attentions[layer])
+    ]
 
 
 class GrowthCallback(TrainerCallback):
@@ -472,9 +446,8 @@ class GrowthCallback(TrainerCallback):
             loader = DataLoader(
                 dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator
             )
-        drawn = list(itertools.islice(loader, count))
-        split = self.statistics_batches * args.world_size
-        return drawn[:split][args.process_index :: args.world_size], drawn[split:][args.process_index :: args.world_size]
+        drawn = list(itertools.islice(loader, count))[args.process_index :: args.world_size]
+        return drawn[: self.statistics_batches], drawn[self.statistics_batches :]
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at

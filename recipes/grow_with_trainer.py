@@ -73,7 +73,8 @@ def main() -> None:
         train_dataset=byte_windows(train, 64 * args.steps, args.seq_len, seed=1),
         eval_dataset=byte_windows(held_out, 256, args.seq_len, seed=2),
     )
-    growth = GrowthCallback({step: args.p for step in args.grow_at}, statistics_batches=8, eval_batches=4, trainer=trainer)
+    schedule = {step: args.p for step in args.grow_at}
+    growth = GrowthCallback(schedule, statistics_batches=8, eval_batches=4, trainer=trainer)
     trainer.add_callback(growth)
     trainer.train()
     final_loss = trainer.evaluate()["eval_loss"]

@@ -170,7 +170,8 @@ def test_trainer_grows_under_ddp_like_one_process_and_resumes(stdlib_bytes, tmp_
     # The checkpoint after growth carries the grown widths and resumes on 2 processes without growing again.
     resumed = results[0]["resumed"]
     assert resumed["qk_head_dims"] == [16, 16] and resumed["report"] is None
-    assert [resumed["losses"][step] for step in (5, 6)] == pytest.approx([two["losses"][step] for step in (5, 6)], rel=1e-6)
+    after_resume = [two["losses"][step] for step in (5, 6)]
+    assert [resumed["losses"][step] for step in (5, 6)] == pytest.approx(after_resume, rel=1e-6)
     assert_same_on_every_process([result["resumed"] for result in results], "final")
 
 
