@@ -206,6 +206,7 @@ def rebuild_ddp_buckets_(ddp: nn.parallel.DistributedDataParallel) -> None:
         raise ValueError("growth during training does not support DDP's own mixed_precision: use autocast instead")
     parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
     _verify_param_shape_across_processes(ddp.process_group, parameters)
+    ddp.reducer._remove_autograd_hooks()  # the old reducer must not fire, even if something keeps it alive
     static_graph, ddp.static_graph = ddp.static_graph, False
     ddp._ddp_init_helper(
         parameters, expect_sparse_gradient, ddp._build_debug_param_to_name_mapping(parameters), static_graph
