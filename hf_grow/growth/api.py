@@ -70,7 +70,7 @@ def grow_model(
         model,
         dataloader,
         config,
-        mode="refactor",
+        mode=None,  # the architecture's own: "refactor" for GPT-2 and BERT, "append" for rotary models
         eval_dataloader=eval_dataloader,
         loss_fn=loss_fn,
         statistics=statistics,

@@ -42,9 +42,16 @@ class LayerProblem:
     metric: linalg.Metric
 
     @property
+    def groups(self) -> int:
+        """Key heads: fewer than query heads under grouped-query attention (each shared by a group)."""
+        return self.key.shape[0]
+
+    @property
     def bilinear(self) -> Tensor:
-        """Z = scaling * W'_Q W'_K^T of the old weights."""
-        return linalg.bilinear_form(self.query, self.key, self.scaling_before)
+        """Z = scaling * W'_Q W'_K^T of the old weights, each query head with its group's key head. (With rotary
+        position embeddings this is the form at relative position 0, a measure of the scores' size.)"""
+        key = self.key.repeat_interleave(self.query.shape[0] // self.groups, dim=0)
+        return linalg.bilinear_form(self.query, key, self.scaling_before)
 
 
 class GrowthProblem:
@@ -83,7 +90,9 @@ class GrowthProblem:
                 scaling_before = adapter.scaling(config, layer, qk_before)
                 device = statistics.gradients[layer].device
                 query, key = query.to(device), key.to(device)
-                metric = linalg.metric_from_second_moment(statistics.mean_second_moment(layer), rtol=rtol)
+                inputs = query.shape[-2]
+                second_moment = statistics.mean_second_moment(layer)[:inputs, :inputs]
+                metric = linalg.metric_from_second_moment(second_moment, rtol=rtol)
                 self.layers.append(
                     LayerProblem(
                         query=query,
@@ -91,13 +100,19 @@ class GrowthProblem:
                         scaling_before=scaling_before,
                         scaling_after=adapter.scaling(config, layer, qk_dims_after[layer]),
                         qk_dim_after=qk_dims_after[layer],
-                        direction=linalg.solve_direction(statistics.mean_gradient(layer), metric),
+                        direction=linalg.solve_direction(self.gradient(layer, inputs), metric),
                         metric=metric,
                     )
                 )
         #: The model-wide lam per unit step size (with steps per layer, the root mean square of the layers'),
         #: and each layer's own.
         self.lam_unit, self.layer_lam_units = _lam_units(self.layers, truncation, step_mode)
+
+    def gradient(self, layer: int, inputs: int | None = None) -> Tensor:
+        """M of ``layer`` over the inputs its Q/K weights read: X' = [X | 1], or X alone where Q/K have no bias
+        (the statistics always hold the ones column)."""
+        inputs = self.layers[layer].query.shape[-2] if inputs is None else inputs
+        return self.statistics.mean_gradient(layer)[:, :inputs, :inputs]
 
     def lam(self, step_size: float, layer: int | None = None) -> float:
         """The absolute step of ``layer`` at a relative ``step_size`` (None: the model-wide `lam_unit` scale)."""
@@ -132,14 +147,18 @@ class GrowthProblem:
         return self.decompose(("step", layer, truncation), target, metric, problem.qk_dim_after)
 
     def unit_update(self, layer: int) -> linalg.Factorization:
-        """The "append" update at lam = 1: the truncation of -P to the p added dimensions (computed once)."""
+        """The "append" update at lam = 1: the truncation of -P to the p added dimensions (computed once); under
+        grouped-query attention, the joint truncation of each group's heads with one key (`linalg.grouped_truncation`)."""
         if layer not in self._unit_updates:
             problem = self.layers[layer]
             metric = problem.metric if self.truncation == "whitened" else None
             added = problem.qk_dim_after - problem.query.shape[-1]
             _, direction = self.whitened_pair(layer, self.truncation)
-            decomposition = self.decompose(("unit", layer, self.truncation), -direction, metric, added)
-            self._unit_updates[layer] = decomposition.truncate(added)
+            if problem.groups < problem.query.shape[0]:  # grouped-query attention: keys shared within a group
+                self._unit_updates[layer] = linalg.grouped_truncation(-direction, metric, added, problem.groups)
+            else:
+                decomposition = self.decompose(("unit", layer, self.truncation), -direction, metric, added)
+                self._unit_updates[layer] = decomposition.truncate(added)
         return self._unit_updates[layer]
 
     def whitened_pair(self, layer: int, truncation: str) -> tuple[Tensor, Tensor]:
@@ -176,6 +195,9 @@ class GrowthProblem:
             for layer, problem in enumerate(self.layers):
                 if self.mode == "append" and problem.qk_dim_after > problem.query.shape[-1]:
                     update = linalg.rescaled_to_step(self.unit_update(layer), self.lam(step_size, layer))
+                    if problem.groups < problem.query.shape[0]:  # one key per group (repeated in the update)
+                        per_group = problem.query.shape[0] // problem.groups
+                        update = linalg.Factorization(update.left, update.right[::per_group], update.singular_values)
                     weights[layer] = linalg.appended_weights(
                         problem.query, problem.key, problem.scaling_before, problem.scaling_after, update
                     )
