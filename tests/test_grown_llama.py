@@ -5,6 +5,8 @@ step 0, the held-out loss lower after growth, save/load and remote code, generat
 bfloat16, Mistral and Qwen2 checkpoints, and the modes rotary models cannot take refused.
 """
 
+import copy
+import math
 import os
 import subprocess
 import sys
@@ -23,9 +25,12 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Trainer,
+    TrainingArguments,
 )
 
 from hf_grow import (
+    GrowthCallback,
     GrownLlamaConfig,
     GrownLlamaForCausalLM,
     GrownLlamaForSequenceClassification,
@@ -35,6 +40,7 @@ from hf_grow import (
     get_adapter,
     grow_in_training,
     grow_model,
+    to_grown_model,
 )
 
 from conftest import lm_batches, outputs_of, sum_of_outputs
@@ -288,3 +294,69 @@ def test_modes_and_settings_rotary_models_cannot_take_are_refused(llama_gqa, std
         grow_model(sliding, batches, p=8)
     with pytest.raises(Exception, match="qk_nope_dims has 1 entries"):
         GrownLlamaConfig(**tiny_llama_config().to_dict() | {"qk_nope_dims": [4]})
+
+
+def train(model, optimizer, batches) -> list[float]:
+    model.train()
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("mode", ["append", "zero", "random"])
+def test_growth_in_training_keeps_parameters_and_moments(llama_gqa, stdlib_bytes, mode):
+    model = to_grown_model(copy.deepcopy(llama_gqa))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, optimizer, lm_batches(stdlib_bytes["train"], 3, seed=20))
+    batch = lm_batches(stdlib_bytes["eval"], 1, seed=5)[0]
+    model.eval()
+    with torch.no_grad():
+        loss_before = float(model(**batch).loss)
+    parameters_before = [id(p) for p in model.parameters()]
+    key = model.model.layers[0].self_attn.k_proj.weight
+    moments_before = optimizer.state[key]["exp_avg"].clone()
+    report = grow_in_training(model, optimizer, lm_batches(stdlib_bytes["stats"], 3, seed=6), 8, mode=mode,
+                              step_size=0.0)
+    assert (report is None) == (mode != "append")
+    assert [id(p) for p in model.parameters()] == parameters_before
+    assert model.config.qk_nope_dims == [8, 8] and model.config.qk_head_dims == [24, 24]
+    assert model.model.layers[0].self_attn.qk_head_dim == 24 and key.shape == (2 * 24, 64)
+    for parameter in model.parameters():
+        assert optimizer.state[parameter]["exp_avg"].shape == parameter.shape
+    moments = optimizer.state[key]["exp_avg"].view(2, 24, 64)
+    assert torch.equal(moments[:, :16], moments_before.view(2, 16, 64)) and not moments[:, 16:].any()
+    model.eval()
+    with torch.no_grad():
+        loss_after = float(model(**batch).loss)
+    if mode == "random":
+        assert loss_after != pytest.approx(loss_before, abs=1e-6)
+    else:
+        assert loss_after == pytest.approx(loss_before, abs=1e-5)
+    assert all(math.isfinite(loss) for loss in train(model, optimizer, lm_batches(stdlib_bytes["train"], 3, seed=21)))
+
+
+def test_growth_in_training_with_trainer_callback(llama_gqa, stdlib_bytes, tmp_path):
+    dataset = [
+        {"input_ids": batch["input_ids"][0], "labels": batch["input_ids"][0]}
+        for batch in lm_batches(stdlib_bytes["train"], 48, batch_size=1, seed=11)
+    ]
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, learning_rate=1e-3, save_steps=4,
+        logging_steps=1, report_to=[], use_cpu=True, seed=0,
+    )
+    callback = GrowthCallback({3: 8}, statistics_batches=3, eval_batches=2)
+    model = to_grown_model(copy.deepcopy(llama_gqa))
+    trainer = Trainer(model=model, args=arguments, train_dataset=dataset, callbacks=[callback])
+    trainer.train()
+    assert model.config.qk_nope_dims == [8, 8]
+    report = callback.reports[3]
+    assert report.mode == "append" and report.eval_loss_after <= report.eval_loss_before
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
+    resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-4")
+    assert isinstance(resumed, GrownLlamaForCausalLM) and resumed.config.qk_nope_dims == [8, 8]
