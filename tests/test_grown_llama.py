@@ -40,6 +40,7 @@ from hf_grow import (
     get_adapter,
     grow_in_training,
     grow_model,
+    load_growth_report,
     to_grown_model,
 )
 
@@ -360,3 +361,28 @@ def test_growth_in_training_with_trainer_callback(llama_gqa, stdlib_bytes, tmp_p
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
     resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-4")
     assert isinstance(resumed, GrownLlamaForCausalLM) and resumed.config.qk_nope_dims == [8, 8]
+
+
+def test_command_line_grows_a_llama_folder_with_default_arguments(llama_gqa, tmp_path):
+    """``hf-grow LLAMA_FOLDER --p 8``: the architecture's mode (append), a report, a loadable grown model."""
+    import glob
+    import sysconfig
+
+    from quickstart import train_tokenizer
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    tokenizer = train_tokenizer(sorted(glob.glob(os.path.join(stdlib, "json", "*.py"))), vocab_size=256)
+    folder, output = tmp_path / "llama", tmp_path / "grown"
+    llama_gqa.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    arguments = [str(folder), "--p", "8", "--data", os.path.join(stdlib, "json", "*.py"), "--output-dir", str(output),
+                 "--seq-len", "64", "--batch-size", "8", "--max-tokens", "4000", "--eval-tokens", "1500", "--quiet"]
+    result = subprocess.run([sys.executable, "-m", "hf_grow", *arguments], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = load_growth_report(output)
+    assert report.mode == "append" and report.qk_dims_after == [24, 24]
+    assert report.eval_loss_after <= report.eval_loss_before
+    grown = AutoModelForCausalLM.from_pretrained(output)
+    assert isinstance(grown, GrownLlamaForCausalLM) and grown.config.qk_nope_dims == [8, 8]
