@@ -40,6 +40,7 @@ from hf_grow import (
     get_adapter,
     grow_in_training,
     grow_model,
+    inspect_growth,
     load_growth_report,
     to_grown_model,
 )
@@ -150,6 +151,23 @@ def test_grouped_heads_share_their_new_key_dims(llama_gqa, stdlib_bytes):
     for layer in grown.growth_report.layers:
         gains = [head.expected_gain for head in layer.heads]
         assert all(gain >= 0 for gain in gains) and sum(gains) > 0
+
+
+def test_budget_and_inspection_rank_appended_dims(llama_gqa, stdlib_bytes):
+    """Append gains nothing without growth; each added dim gains its share of the group's spectrum, and the
+    report's per-head marginal gains at the chosen step are those rates times the step size."""
+    batches, evaluation = lm_batches(stdlib_bytes["stats"], 4), lm_batches(stdlib_bytes["eval"], 2, seed=11)
+    inspection = inspect_growth(llama_gqa, batches, max_dims=8)
+    for layer in inspection.layers:
+        assert layer.gain_without_growth == 0 and layer.marginal_gains[0] > layer.marginal_gains[-1] > 0
+    grown = grow_model(llama_gqa, batches, budget=16, multiple_of=8, eval_dataloader=evaluation)
+    report = grown.growth_report
+    assert sum(report.qk_dims_after) - sum(report.qk_dims_before) == 16 and report.mode == "append"
+    step = report.step_size
+    for layer, inspected in zip(report.layers, inspection.layers):
+        for head, expected in zip(layer.heads, inspected.heads):
+            added = len(head.marginal_gains)
+            assert head.marginal_gains == pytest.approx([step * g for g in expected.marginal_gains[:added]], rel=1e-6)
 
 
 def test_save_and_remote_code_load_without_hf_grow(llama_gqa, stdlib_bytes, tmp_path):

@@ -132,11 +132,23 @@ class GrowthProblem:
     def gain_rates(self, layer: int) -> linalg.GainRates:
         """First-order expected gains of ``layer`` per unit step size (see `linalg.growth_gain_rates`)."""
         problem = self.layers[layer]
+        unit = self.layer_lam_units[layer]
+        if self.mode == "append":
+            return self._append_gain_rates(layer, unit)
         with torch.no_grad():
             width = problem.query.shape[-1]
             rates = linalg.growth_gain_rates(problem.bilinear, problem.direction, problem.metric, width)
-        unit = self.layer_lam_units[layer]
         return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit)
+
+    def _append_gain_rates(self, layer: int, unit: float) -> linalg.GainRates:
+        """"append" keeps the old form, so nothing is gained without growth; the r-th added dim of a head gains
+        lam * s_r^2 / 2, s_r its share of the r-th singular value of its group's whitened -P (`rank_gains`)."""
+        problem = self.layers[layer]
+        with torch.no_grad():
+            _, direction = self.whitened_pair(layer, "whitened")
+            capacity = max(1, direction.shape[-1] - problem.query.shape[-1])  # as the widths are capped
+            shares = linalg.grouped_truncation(-direction, None, capacity, problem.groups).singular_values
+        return linalg.GainRates(torch.zeros_like(shares[:, 0]), shares.square() / 2 * unit)
 
     def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
         """The decomposition of layer's ``Z - lam P`` (whitened or not) for truncations up to the grown width."""
