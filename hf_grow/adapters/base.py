@@ -61,6 +61,10 @@ class ArchitectureAdapter(ABC):
     def read_qk(self, attention: nn.Module, source: Mapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """Augmented query and key weights ``(heads, d_e + 1, d_k)`` of one layer, as float64 copies.
 
+        Architectures without Q/K biases may return ``(heads, d_e, d_k)`` (no bias row: the solve then drops
+        the statistics' ones column), and keys may have fewer heads than queries (grouped-query attention:
+        consecutive query heads share a key head).
+
         ``source`` maps the `qk_parameter_names` to tensors shaped like those parameters (e.g. optimizer
         moments) to read instead of the parameters themselves.
         """
