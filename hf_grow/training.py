@@ -200,7 +200,7 @@ def _initialized_weights(
             return new
 
         new_query = draw(query.shape[0])
-        new_key = draw(key.shape[0]) if mode == "random" else torch.zeros(key.shape[0], width, extra, dtype=torch.float64)
+        new_key = draw(key.shape[0]) if mode == "random" else key.new_zeros(key.shape[0], width, extra)
         weights[layer] = (torch.cat([query * fold, new_query], -1), torch.cat([key, new_key], -1))
     return weights
 

@@ -104,7 +104,8 @@ def test_statistics_are_the_gradient_of_new_content_dims(llama_gqa, stdlib_bytes
     for batch in batches:
         (grown(**batch).loss * batch["labels"][:, 1:].numel() / total).backward()
     gradient = weight.grad.view(4, 20, 64)[:, 16:].double()  # (heads, new dims, inputs)
-    keys = attention.k_proj.weight.detach().view(2, 20, 64)[:, 16:].double().repeat_interleave(2, dim=0)  # each query head's group key
+    # Each query head's group key.
+    keys = attention.k_proj.weight.detach().view(2, 20, 64)[:, 16:].double().repeat_interleave(2, dim=0)
     moments = statistics.mean_gradient(1)[:, :64, :64]
     expected = attention.scaling * (moments @ keys.mT).mT
     assert torch.allclose(gradient, expected, rtol=1e-3, atol=1e-3 * float(expected.abs().max()))
@@ -179,7 +180,8 @@ def test_save_and_remote_code_load_without_hf_grow(llama_gqa, stdlib_bytes, tmp_
     assert isinstance(loaded, GrownLlamaForCausalLM) and loaded.config.qk_nope_dims == [8, 8]
     assert torch.equal(outputs_of(grown, batch)[1], outputs_of(loaded, batch)[1])
     assert (folder / "modeling_grown_llama.py").is_file() and (folder / "growth_report.json").is_file()
-    save_file({"input_ids": batch["input_ids"], "logits": outputs_of(grown, batch)[1]}, tmp_path / "expected.safetensors")
+    expected = {"input_ids": batch["input_ids"], "logits": outputs_of(grown, batch)[1]}
+    save_file(expected, tmp_path / "expected.safetensors")
     script = textwrap.dedent(
         f"""
         import sys
@@ -297,7 +299,8 @@ def test_mistral_and_qwen2_grow_into_the_grown_llama_type(build, stdlib_bytes, t
         new_key_bias = grown.model.layers[0].self_attn.k_proj.bias.view(2, 24)[:, 16:]
         assert new_key_bias.abs().max() > 0  # the ones column of X' is used where Q/K have a bias
     grown.save_pretrained(tmp_path)
-    assert torch.equal(outputs_of(AutoModelForCausalLM.from_pretrained(tmp_path), batch)[1], outputs_of(grown, batch)[1])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(outputs_of(loaded, batch)[1], outputs_of(grown, batch)[1])
 
 
 def test_modes_and_settings_rotary_models_cannot_take_are_refused(llama_gqa, stdlib_bytes):

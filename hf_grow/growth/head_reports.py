@@ -25,7 +25,8 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
             _, direction = solved.whitened_pair(layer, "whitened")
             added = problem.qk_dim_after - qk_before
             if problem.groups < problem.query.shape[0]:  # each head's share of its group's singular values
-                spectrum = lam * linalg.grouped_truncation(-direction, None, max(added, 1), problem.groups).singular_values
+                shares = linalg.grouped_truncation(-direction, None, max(added, 1), problem.groups).singular_values
+                spectrum = lam * shares
             else:
                 spectrum = solved.decompose(
                     ("unit", layer, "whitened"), -lam * direction, problem.metric, max(added, 1)

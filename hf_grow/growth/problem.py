@@ -141,7 +141,7 @@ class GrowthProblem:
         return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit)
 
     def _append_gain_rates(self, layer: int, unit: float) -> linalg.GainRates:
-        """"append" keeps the old form, so nothing is gained without growth; the r-th added dim of a head gains
+        """In "append" mode the old form stays, so nothing is gained without growth; the r-th added dim of a head gains
         lam * s_r^2 / 2, s_r its share of the r-th singular value of its group's whitened -P (`rank_gains`)."""
         problem = self.layers[layer]
         with torch.no_grad():
@@ -160,7 +160,8 @@ class GrowthProblem:
 
     def unit_update(self, layer: int) -> linalg.Factorization:
         """The "append" update at lam = 1: the truncation of -P to the p added dimensions (computed once); under
-        grouped-query attention, the joint truncation of each group's heads with one key (`linalg.grouped_truncation`)."""
+        grouped-query attention, the joint truncation of each group's heads with one key
+        (`linalg.grouped_truncation`)."""
         if layer not in self._unit_updates:
             problem = self.layers[layer]
             metric = problem.metric if self.truncation == "whitened" else None

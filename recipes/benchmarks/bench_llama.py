@@ -12,7 +12,7 @@ start), and grown small -> large at ``grow_at`` by `grow_in_training` in mode "a
 (new keys zero) and "random" (small random new dims), over several seeds. Reports the final held-out loss and
 the mean held-out loss over training (AUC), mean ± std over seeds.
 
-    python recipes/benchmarks/bench_llama.py                  # --preset small, ~10 min on 2 CPU cores
+    python recipes/benchmarks/bench_llama.py                  # --preset small, ~15 min on a shared 2-core CPU
     python recipes/benchmarks/bench_llama.py --preset tiny    # smoke test, ~1 min
 """
 
@@ -37,10 +37,10 @@ from hf_grow import GrownLlamaConfig, GrownLlamaForCausalLM, evaluate_loss, get_
 PRESETS = {
     "small": dict(
         # (name, hidden, layers, heads, key/value heads, head_dim, train steps)
-        models=[("mha", 96, 3, 6, 6, 16, 400), ("gqa", 96, 3, 6, 2, 16, 400)],
-        seq_len=128, batch_size=16, stats_batches=16, eval_batches=8, test_batches=16, ps=[0, 8, 16],
-        speed=dict(hidden=64, layers=2, heads=4, head_dim=4, key_value_heads=2, p=8, steps=450, grow_at=150,
-                   eval_every=50, seeds=3, seq_len=64, batch_size=16),
+        models=[("mha", 64, 2, 4, 4, 16, 300), ("gqa", 64, 2, 4, 2, 16, 300)],
+        seq_len=64, batch_size=16, stats_batches=16, eval_batches=8, test_batches=16, ps=[0, 8, 16],
+        speed=dict(hidden=64, layers=2, heads=4, head_dim=4, key_value_heads=2, p=8, steps=300, grow_at=100,
+                   eval_every=50, seeds=2, seq_len=64, batch_size=16),
     ),
     "tiny": dict(
         models=[("gqa", 64, 2, 4, 2, 16, 60)],
@@ -59,7 +59,9 @@ def llama_config(hidden: int, layers: int, heads: int, key_value_heads: int, hea
     )
 
 
-def make_optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(
+    model: torch.nn.Module, steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -163,11 +165,13 @@ def main() -> None:
     print(f"# {datetime.date.today()}  torch {torch.__version__}  {platform.machine()}  preset {args.preset}")
     if args.part in ("both", "one-shot"):
         rows = one_shot(preset, data)
-        print("\n| model | p | params added | held-out before | held-out decrease | test before | test decrease | step |")
+        print("\n| model | p | params added | held-out before | held-out decrease | test before | test decrease "
+              "| step |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['model']} | {r['p']} | {r['params']:,} | {r['held_out_before']:.4f} | "
-                  f"{r['held_out_decrease']:.4f} | {r['test_before']:.4f} | {r['test_decrease']:.4f} | {r['step']:.3g} |")
+                  f"{r['held_out_decrease']:.4f} | {r['test_before']:.4f} | {r['test_decrease']:.4f} | "
+                  f"{r['step']:.3g} |")
     if args.part in ("both", "speed"):
         rows = learning_speed(preset, data)
         speed = preset["speed"]
@@ -176,7 +180,8 @@ def main() -> None:
         print("\n| variant | final | mean over training (AUC) |")
         print("|---|---|---|")
         for r in rows:
-            print(f"| {r['variant']} | {r['final']:.4f} ± {r['final_std']:.4f} | {r['auc']:.4f} ± {r['auc_std']:.4f} |")
+            final, area = f"{r['final']:.4f} ± {r['final_std']:.4f}", f"{r['auc']:.4f} ± {r['auc_std']:.4f}"
+            print(f"| {r['variant']} | {final} | {area} |")
 
 
 if __name__ == "__main__":
