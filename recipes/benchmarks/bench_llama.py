@@ -155,10 +155,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--part", choices=["both", "one-shot", "speed"], default="both")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (more than 1 is slower on shared cores)")
     args = parser.parse_args()
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message="query/key widths")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
     files = split_files(0)
     data = {name: load_bytes(paths) for name, paths in files.items()}
