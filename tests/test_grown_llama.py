@@ -111,6 +111,17 @@ def test_statistics_are_the_gradient_of_new_content_dims(llama_gqa, stdlib_bytes
     assert torch.allclose(gradient, expected, rtol=1e-3, atol=1e-3 * float(expected.abs().max()))
 
 
+def test_statistics_methods_agree_under_grouped_query_attention(llama_gqa, stdlib_bytes):
+    """The chunked method (sdpa forward, M from dLoss/dO) pairs each query head with its group's keys too."""
+    batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=4, seq_len=32, seed=3)
+    adapter = get_adapter(llama_gqa)
+    reference = collect_statistics(llama_gqa, batches, adapter, method="reference", compute_dtype=torch.float64)
+    chunked = collect_statistics(llama_gqa, batches, adapter, method="chunked", compute_dtype=torch.float64,
+                                 query_block=8)
+    for first, second in zip(reference.gradients, chunked.gradients):
+        torch.testing.assert_close(first, second, rtol=1e-5, atol=1e-5 * float(first.abs().max()))  # float32 model
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_step_zero_is_exact(llama, stdlib_bytes, attention):
     llama.set_attn_implementation(attention)
