@@ -21,8 +21,8 @@ from transformers import PreTrainedModel
 
 from .adapters import get_adapter
 from .config import GrowthConfig, resolve_config
-from .growth import GrowthProblem, check_statistics, merged_if_peft
-from .statistics import GrowthStatistics, LossFn, collect_statistics
+from .growth import GrowthProblem, check_statistics, collect_configured_statistics, merged_if_peft
+from .statistics import GrowthStatistics, LossFn
 
 
 PLOT_EXTRA = "matplotlib is needed for plots: pip install 'hf_grow[plot]'"
@@ -195,18 +195,7 @@ def inspect_growth(
     if statistics is None:
         if dataloader is None:
             raise ValueError("inspect_growth needs a dataloader, or statistics collected before.")
-        statistics = collect_statistics(
-            model,
-            dataloader,
-            adapter,
-            loss_fn,
-            config.max_batches,
-            compute_dtype=config.torch_compute_dtype,
-            progress=progress,
-            method=config.statistics_method,
-            query_block=config.query_block,
-            memory_budget=config.memory_budget,
-        )
+        statistics = collect_configured_statistics(model, dataloader, adapter, loss_fn, config, progress=progress)
     else:
         check_statistics(statistics, model, adapter)
     problem = GrowthProblem(
