@@ -32,7 +32,11 @@ SEARCHES = ("exact", "fast")
 #: with lam_unit = sqrt(sum ||Z||^2 / sum ||P||^2) over every head (whitened norms). "per_layer": the original
 #: notes' lam_l = t * ||Z_l|| / ||P_l|| for each layer (norms in the truncation's own metric: whitened, or
 #: plain Frobenius), so that layers whose gradient is small against their weights are not under-stepped.
-STEP_MODES = ("global", "per_layer")
+#: "layer_search": each layer's step line-searched alone on the held-out batches (the others at step 0), then
+#: one multiplier t of all of them. "coordinate": the "per_layer" step, then each layer's step refined in turn
+#: (first to last, the others fixed). The searches per layer run only when the step is searched (not with a
+#: given ``step_size``, where they take the "per_layer" lam); see `hf_grow.growth.layer_steps`.
+STEP_MODES = ("global", "per_layer", "layer_search", "coordinate")
 #: Measured on four trained models, three held-out/test splits each (BENCHMARKS.md, bench_step_modes.py): with
 #: whitened truncation, steps per layer never gave less test decrease than the notes' formula (1.28x at the
 #: least, 4.95x on average), where one global lam fell to 0.80x on one MiniLM split.
@@ -87,10 +91,11 @@ class GrowthConfig:
         default=None,
         metadata={"help": "skip the line search and take this (relative) step; 0 keeps exactly the old function"},
     )
-    step_mode: Literal["global", "per_layer"] = field(
+    step_mode: Literal["global", "per_layer", "layer_search", "coordinate"] = field(
         default=DEFAULT_STEP_MODE,
         metadata={"help": "global: one step lam for all layers; per_layer: each layer steps by t * ||Z_l|| / ||P_l|| "
-                  "with one t searched (the original notes' step)"},
+                  "with one t searched (the original notes' step); layer_search: each layer's step searched alone, "
+                  "then one multiplier; coordinate: per_layer, then each layer's step refined with the others fixed"},
     )
     truncation: Literal["whitened", "frobenius"] = field(
         default=DEFAULT_TRUNCATION,

@@ -109,7 +109,7 @@ def _card_body(
     )
     step = f"size {report.step_size:.4g} in relative units, λ = {report.lam:.4g}"
     if report.step_mode != "global":
-        step += " (root mean square of the layers' own λ: `step_mode` per_layer)"
+        step += f" (root mean square of the layers' own λ: `step_mode` {report.step_mode})"
     budget = (
         f" The {report.budget} added dimensions per head were allocated to the layers by expected gain (`budget`)."
         if report.budget is not None

@@ -2,8 +2,11 @@
 
 The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`), in loss per unit step size (the
 relative units of `grow_model`): at step size t, adding k dimensions to a head is expected to lower the loss by
-about t times the sum of its first k marginal gains. The line search picks t later, on held-out data, and one t
-serves every head, so the ranking of heads and layers (what a budget allocation uses) does not depend on it.
+about t times the sum of its first k marginal gains, each layer at its own lam_l = t * unit_l (``step_mode``).
+The line search picks t later, on held-out data, and one t serves every head, so the ranking of heads and layers
+(what a budget allocation uses) does not depend on it. The step modes that also search each layer's step on the
+held-out batches ("layer_search", "coordinate") rank at the per-layer units they start from: those searches
+run after the widths are decided.
 `grow_model`'s report lists the same quantities at the chosen step (``HeadReport.marginal_gains``).
 """
 
@@ -21,8 +24,8 @@ from transformers import PreTrainedModel
 
 from .adapters import get_adapter
 from .config import GrowthConfig, resolve_config
-from .growth import GrowthProblem, check_statistics, merged_if_peft
-from .statistics import GrowthStatistics, LossFn, collect_statistics
+from .growth import GrowthProblem, check_statistics, collect_configured_statistics, merged_if_peft
+from .statistics import GrowthStatistics, LossFn
 
 
 PLOT_EXTRA = "matplotlib is needed for plots: pip install 'hf_grow[plot]'"
@@ -195,18 +198,7 @@ def inspect_growth(
     if statistics is None:
         if dataloader is None:
             raise ValueError("inspect_growth needs a dataloader, or statistics collected before.")
-        statistics = collect_statistics(
-            model,
-            dataloader,
-            adapter,
-            loss_fn,
-            config.max_batches,
-            compute_dtype=config.torch_compute_dtype,
-            progress=progress,
-            method=config.statistics_method,
-            query_block=config.query_block,
-            memory_budget=config.memory_budget,
-        )
+        statistics = collect_configured_statistics(model, dataloader, adapter, loss_fn, config, progress=progress)
     else:
         check_statistics(statistics, model, adapter)
     problem = GrowthProblem(

@@ -51,7 +51,9 @@ class LineSearchPoint:
     step_size: float
     #: None where the held-out loss was not finite (a step that overflows in low precision): JSON has no NaN.
     loss: float | None
-    #: "rank" for the rank-(d_k+p) truncation, "unconstrained" for the full-rank update Z - lam P.
+    #: "rank" for the rank-(d_k+p) truncation, "unconstrained" for the full-rank update Z - lam P, "layer l"
+    #: for a step of layer l alone, the others fixed (step modes "layer_search", "coordinate"; ``step_size`` is
+    #: then that layer's own).
     kind: str = "rank"
 
 
@@ -61,10 +63,11 @@ class GrowthReport:
     model_type: str
     truncation: str
     search: str
-    #: The chosen step in relative units: 1 moves the scores by their own RMS size (see `grow_model`).
+    #: The chosen step in relative units: 1 moves the scores by their own RMS size (see `grow_model`); with
+    #: ``step_mode="layer_search"``, the multiplier of the layers' own steps.
     step_size: float
-    #: The same step in absolute units of the mean statistics, Z_new = Z - lam * P (with ``step_mode``
-    #: "per_layer", each layer has its own: `LayerReport.lam`; this is their root mean square).
+    #: The steps in absolute units of the mean statistics, Z_new = Z - lam * P: the root mean square of the
+    #: layers' own (`LayerReport.lam`; one lam for all with ``step_mode="global"``).
     lam: float
     #: Held-out loss of the grown model at step 0, the old function (in bfloat16/float16 up to the rounding of
     #: the rescaled query weights); the line search compares every step with it.
@@ -89,8 +92,11 @@ class GrowthReport:
     budget: int | None = None
     #: How M was collected (`hf_grow.statistics.METHODS`, joined by "+" where ``"auto"`` chose per batch).
     statistics_method: str | None = None
-    #: "global" (one lam for all layers) or "per_layer" (lam_l = step_size * ||Z_l|| / ||P_l||).
+    #: How each layer's lam follows the step size (`hf_grow.config.STEP_MODES`); `LayerReport.lam` gives them.
     step_mode: str = "global"
+    #: What the line search cost, in full passes over the held-out batches (an evaluation that replays the
+    #: unchanged leading blocks counts by the share of blocks it runs; None without held-out batches).
+    line_search_passes: float | None = None
     #: The `hf_grow.GrowthConfig` that produced the model, as a dict (None in reports written before it).
     config: dict | None = None
 

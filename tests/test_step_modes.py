@@ -5,10 +5,12 @@ import math
 import pytest
 import torch
 
-from hf_grow import collect_statistics, get_adapter, linalg
+from transformers import GPT2LMHeadModel
+
+from hf_grow import collect_statistics, evaluate_loss, get_adapter, grow_model, linalg
 from hf_grow.growth import GrowthProblem
 
-from conftest import lm_batches
+from conftest import lm_batches, tiny_gpt2_config
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +65,117 @@ def test_step_zero_is_the_old_function_in_every_step_mode(trained_gpt2, statisti
 def test_unknown_step_mode_is_refused(trained_gpt2, statistics):
     with pytest.raises(ValueError, match="step_mode must be one of"):
         problem(trained_gpt2, statistics, step_mode="per_head")
+
+
+@pytest.fixture(scope="module")
+def held_out(stdlib_bytes):
+    return lm_batches(stdlib_bytes["eval"], 3, seed=32)
+
+
+def test_held_out_passes_replay_the_unchanged_blocks_exactly(trained_gpt2, held_out):
+    from hf_grow.growth.layer_steps import HeldOutPasses
+
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=3))
+    model.load_state_dict({**model.state_dict(), **trained_gpt2.state_dict()}, strict=False)
+    model.eval()
+    passes = HeldOutPasses(model, get_adapter(model), held_out, None, None)
+    full = passes.loss()
+    passes.record(0)
+    passes.record(1)
+    assert len(passes.recorded) == 2
+    assert passes.loss(first_changed=1) == pytest.approx(full, abs=1e-6)
+    assert passes.loss(first_changed=2) == pytest.approx(full, abs=1e-6)
+    assert passes.loss(first_changed=2) == pytest.approx(full, abs=1e-6)  # a replay leaves the records as they were
+    # one full pass, two recordings of one block each, then passes over 2 and 1 and 1 of the 3 blocks
+    assert passes.evaluations == 4 and passes.passes == pytest.approx(1 + 2 / 3 + 2 / 3 + 1 / 3 + 1 / 3)
+    # a change in a block that is replayed would go unseen, so the searches replay only the blocks before it
+    layer = model.transformer.h[0].attn.c_attn
+    with torch.no_grad():
+        layer.weight.mul_(1.5)
+    assert passes.loss(first_changed=2) == pytest.approx(full, abs=1e-6)
+    assert passes.loss(first_changed=0) != pytest.approx(full, abs=1e-4)
+
+
+def test_held_out_passes_replay_a_bert_encoder_with_a_loss_of_its_own(stdlib_bytes):
+    from transformers import BertConfig, BertModel
+
+    from hf_grow.growth.layer_steps import HeldOutPasses
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                 intermediate_size=64, max_position_embeddings=64)).eval()
+    batches = [{key: value for key, value in batch.items() if key != "labels"}
+               for batch in lm_batches(stdlib_bytes["eval"], 2, batch_size=4, seq_len=32, seed=33)]
+    batches[1]["attention_mask"][:, 20:] = 0  # padding
+
+    def hidden_states_loss(model, batch):  # reads every layer's hidden states, replayed ones too
+        return sum(state.square().mean() for state in model(**batch, output_hidden_states=True).hidden_states)
+
+    passes = HeldOutPasses(model, get_adapter(model), batches, hidden_states_loss, None)
+    full = passes.loss()
+    passes.record(0)
+    passes.record(1)
+    assert passes.loss(first_changed=2) == pytest.approx(full, rel=1e-6)
+
+
+@pytest.mark.parametrize("step_mode", ["layer_search", "coordinate"])
+def test_searched_steps_never_lose_held_out_loss_and_are_exact_at_step_zero(
+    trained_gpt2, statistics, held_out, stdlib_bytes, step_mode
+):
+    grown = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held_out, step_mode=step_mode)
+    report = grown.growth_report
+    assert report.step_mode == step_mode and report.step_size > 0
+    assert report.eval_loss_after < report.eval_loss_before
+    assert evaluate_loss(grown, held_out)[0] == pytest.approx(report.eval_loss_after, abs=1e-6)
+    assert {point.kind for point in report.line_search} >= {"layer 0", "layer 1"}
+    assert report.line_search_passes > 0
+    one_lam = problem(trained_gpt2, statistics)  # the report's lam of each layer is the step that layer took
+    adapter = get_adapter(grown)
+    for layer, attention in zip(report.layers, adapter.attention_modules(grown)):
+        query, key = one_lam.weights(layer.lam / one_lam.lam_unit)[layer.layer]
+        grown_query, grown_key = adapter.read_qk(attention)
+        torch.testing.assert_close(grown_query @ grown_key.mT, (query @ key.mT).to(grown_query.dtype), rtol=1e-4, atol=1e-5)
+    # step 0 in every mode: exactly the old function
+    unchanged = grow_model(trained_gpt2, None, p=8, statistics=statistics, step_size=0.0, step_mode=step_mode)
+    batch = lm_batches(stdlib_bytes["test"], 1, seed=34)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(unchanged(**batch).logits, trained_gpt2(**batch).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_coordinate_search_lowers_the_held_out_loss_of_the_per_layer_step(trained_gpt2, statistics, held_out):
+    losses = {}
+    for step_mode in ("per_layer", "coordinate"):
+        grown = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held_out,
+                           step_mode=step_mode, measure_realized_gains=False)
+        losses[step_mode] = grown.growth_report.eval_loss_after
+        if step_mode == "per_layer":
+            per_layer = grown.growth_report
+    report = grown.growth_report
+    assert losses["coordinate"] < losses["per_layer"] - 1e-4
+    assert report.step_size == per_layer.step_size  # it starts from the per-layer step and moves layers from there
+    assert [layer.lam for layer in report.layers] != pytest.approx([layer.lam for layer in per_layer.layers])
+    # the refinement of layer 1 replays block 0: fewer than one full pass per evaluation of it
+    layer_points = sum(point.kind.startswith("layer") for point in report.line_search)
+    assert report.line_search_passes < sum(point.kind == "rank" for point in report.line_search) + layer_points
+
+
+def test_searched_steps_work_in_training_and_from_the_command_line_flags(stdlib_bytes):
+    from hf_grow import GrowthConfig, grow_in_training, to_grown_model
+    from hf_grow.cli import build_parser
+
+    torch.manual_seed(0)
+    model = to_grown_model(GPT2LMHeadModel(tiny_gpt2_config()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for batch in lm_batches(stdlib_bytes["train"], 30, seed=35):
+        optimizer.zero_grad()
+        model(**batch).loss.backward()
+        optimizer.step()
+    report = grow_in_training(model, optimizer, lm_batches(stdlib_bytes["stats"], 2, seed=36), 8, mode="append",
+                              eval_dataloader=lm_batches(stdlib_bytes["eval"], 2, seed=37),
+                              config=GrowthConfig(step_mode="coordinate", measure_realized_gains=False))
+    assert report.step_mode == "coordinate" and report.eval_loss_after <= report.eval_loss_before
+    assert any(point.kind == "layer 1" for point in report.line_search)
+    args = build_parser().parse_args(["gpt2", "--output-dir", "out", "--step-mode", "layer_search"])
+    assert args.step_mode == "layer_search"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gpt2", "--output-dir", "out", "--step-mode", "per_head"])

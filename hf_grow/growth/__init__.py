@@ -1,14 +1,16 @@
 """`grow_model`: statistics, solve, line search and the grown model, with its report.
 
-The step: per head, Z_new = best rank-(d_k + p) approximation of Z - lam * P with P = C^+ M C^+ (see
-`hf_grow.linalg`), one lam for the whole model, chosen on held-out batches. Step sizes are searched in
-relative units, ``step_size = lam / lam_unit`` with ``lam_unit = sqrt(sum ||C^1/2 Z C^1/2||^2 / sum
-||C^1/2 P C^1/2||^2)`` over all heads: at step size 1 the update moves the scores by about their own RMS size.
+The step: per head, Z_new = best rank-(d_k + p) approximation of Z - lam_l * P with P = C^+ M C^+ (see
+`hf_grow.linalg`), lam_l of layer l chosen on held-out batches. Step sizes are searched in relative units,
+``lam_l = step_size * unit_l`` with ``unit_l = ||Z_l|| / ||P_l||`` (or one unit over all heads with step mode
+"global"): at step size 1 the update moves the scores by about their own RMS size. The step modes
+"layer_search" and "coordinate" also search each layer's own step (`layer_steps`).
 
 The package, one job a module: `problem` (the solve: weights at any step size), `head_reports` (what each
 head is expected to gain), `line_search` (held-out loss and the search over step sizes), `prepare`
 (validation before any work, statistics, the solved problem), `search` (the line search on the grown model
-and its report), `api` (`grow_model`).
+and its report), `layer_steps` (searches of each layer's step, held-out passes that replay unchanged blocks),
+`api` (`grow_model`).
 """
 
 from .api import grow_model
@@ -18,6 +20,7 @@ from .prepare import (
     WEIGHTS_RTOL,
     PreparedGrowth,
     check_statistics,
+    collect_configured_statistics,
     merged_if_peft,
     prepare_growth,
     resolve_growth,
@@ -37,6 +40,7 @@ __all__ = [
     "QKWeights",
     "best_step",
     "check_statistics",
+    "collect_configured_statistics",
     "evaluate_loss",
     "grow_model",
     "search_step_size",

@@ -103,14 +103,16 @@ def search_step_size(
     factor: float = 4.0,
     max_expansions: int = 12,
     refinements: int = 4,
+    known: Mapping[float, float] | None = None,
 ) -> dict[float, float]:
     """Losses at the step sizes tried: 0, a log grid from ``start`` followed downhill, then a refined bracket.
 
     The grid steps down until a step beats step 0, then moves by ``factor`` while the loss falls; the
     bracket around the best grid point is then halved ``refinements`` times in log space (geometric means).
     A non-finite loss (a step that overflows in low precision) counts as +inf, so it is never the best.
+    ``known`` losses (e.g. of the step already taken) are not evaluated again.
     """
-    losses: dict[float, float] = {}
+    losses: dict[float, float] = dict(known or {})
 
     def loss(step: float) -> float:
         if step not in losses:

@@ -109,6 +109,34 @@ def warn_unaligned(qk_after: list[int], growth: list[int]) -> None:
         )
 
 
+def collect_configured_statistics(
+    model: PreTrainedModel,
+    dataloader: Iterable[Mapping[str, Tensor]],
+    adapter: ArchitectureAdapter,
+    loss_fn: LossFn | None,
+    config: GrowthConfig,
+    *,
+    progress: bool,
+    accelerator: Accelerator | None = None,
+) -> GrowthStatistics:
+    """`collect_statistics` with the statistics options of ``config`` (``max_batches``, ``compute_dtype``,
+    ``statistics_method``, ``query_block``, ``memory_budget``): one place for `prepare_growth` and
+    `inspect_growth`."""
+    return collect_statistics(
+        model,
+        dataloader,
+        adapter,
+        loss_fn,
+        config.max_batches,
+        compute_dtype=config.torch_compute_dtype,
+        progress=progress,
+        method=config.statistics_method,
+        query_block=config.query_block,
+        memory_budget=config.memory_budget,
+        accelerator=accelerator,
+    )
+
+
 @dataclass
 class PreparedGrowth:
     """A validated growth with its statistics solved: what remains is the target model and the line search."""
@@ -195,18 +223,8 @@ def prepare_growth(
         if processes.sum_(torch.tensor(eval_terms, dtype=torch.float64, device=device)).item() == 0:
             raise ValueError(_NO_LOSS_TERMS.format(data="the held-out data"))
     if statistics is None:
-        statistics = collect_statistics(
-            model,
-            statistics_batches,
-            adapter,
-            loss_fn,
-            config.max_batches,
-            compute_dtype=config.torch_compute_dtype,
-            progress=progress,
-            method=config.statistics_method,
-            query_block=config.query_block,
-            memory_budget=config.memory_budget,
-            accelerator=accelerator,
+        statistics = collect_configured_statistics(
+            model, statistics_batches, adapter, loss_fn, config, progress=progress, accelerator=accelerator
         )
     seconds["statistics"] = time.perf_counter() - tick
 

@@ -107,6 +107,9 @@ class GrowthProblem:
         #: The model-wide lam per unit step size (with steps per layer, the root mean square of the layers'),
         #: and each layer's own.
         self.lam_unit, self.layer_lam_units = _lam_units(self.layers, truncation, step_mode)
+        #: Each layer's step relative to the others: lam_l = step_size * layer_lam_units[l] * layer_scales[l].
+        #: 1 everywhere unless a search per layer (step modes "layer_search", "coordinate") set them.
+        self.layer_scales: list[float] = [1.0] * len(self.layers)
 
     def gradient(self, layer: int, inputs: int | None = None) -> Tensor:
         """M of ``layer`` over the inputs its Q/K weights read: X' = [X | 1], or X alone where Q/K have no bias
@@ -116,7 +119,9 @@ class GrowthProblem:
 
     def lam(self, step_size: float, layer: int | None = None) -> float:
         """The absolute step of ``layer`` at a relative ``step_size`` (None: the model-wide `lam_unit` scale)."""
-        return step_size * (self.lam_unit if layer is None else self.layer_lam_units[layer])
+        if layer is None:
+            return step_size * self.lam_unit
+        return step_size * self.layer_lam_units[layer] * self.layer_scales[layer]
 
     @property
     def has_gradient(self) -> bool:
@@ -199,34 +204,35 @@ class GrowthProblem:
         return decomposition
 
     def weights(self, step_size: float) -> QKWeights:
-        """Augmented Q/K weights of the grown width for every layer. Step size 0 is exactly the old function:
-        the old weights, zero-padded, with the change of scale folded into the queries (so in a bfloat16 or
-        float16 model, up to the rounding of those queries). In "append" mode the old weights are kept at
-        every step (layers without added dimensions do not change)."""
-        weights = {}
+        """Augmented Q/K weights of the grown width for every layer (see `layer_weights`)."""
+        return {layer: self.layer_weights(layer, step_size) for layer in range(len(self.layers))}
+
+    def layer_weights(self, layer: int, step_size: float) -> tuple[Tensor, Tensor]:
+        """Augmented Q/K weights of ``layer`` at its own lam for ``step_size``. Step size 0 is exactly the old
+        function: the old weights, zero-padded, with the change of scale folded into the queries (so in a
+        bfloat16 or float16 model, up to the rounding of those queries). In "append" mode the old weights are
+        kept at every step (layers without added dimensions do not change)."""
+        problem = self.layers[layer]
+        lam = self.lam(step_size, layer)
         with torch.no_grad():
-            for layer, problem in enumerate(self.layers):
-                if self.mode == "append" and problem.qk_dim_after > problem.query.shape[-1]:
-                    update = linalg.rescaled_to_step(self.unit_update(layer), self.lam(step_size, layer))
-                    if problem.groups < problem.query.shape[0]:  # one key per group (repeated in the update)
-                        per_group = problem.query.shape[0] // problem.groups
-                        update = linalg.Factorization(update.left, update.right[::per_group], update.singular_values)
-                    weights[layer] = linalg.appended_weights(
-                        problem.query, problem.key, problem.scaling_before, problem.scaling_after, update
-                    )
-                    continue
-                if step_size == 0 or self.mode == "append":
-                    padding = problem.qk_dim_after - problem.query.shape[-1]
-                    fold = problem.scaling_before / problem.scaling_after
-                    weights[layer] = (
-                        torch.nn.functional.pad(problem.query * fold, (0, padding)),
-                        torch.nn.functional.pad(problem.key, (0, padding)),
-                    )
-                    continue
-                factors = self.decomposition(layer, step_size, self.truncation).truncate(problem.qk_dim_after)
-                root_scaling = math.sqrt(problem.scaling_after)
-                weights[layer] = (factors.left / root_scaling, factors.right / root_scaling)
-        return weights
+            if self.mode == "append" and problem.qk_dim_after > problem.query.shape[-1]:
+                update = linalg.rescaled_to_step(self.unit_update(layer), lam)
+                if problem.groups < problem.query.shape[0]:  # one key per group (repeated in the update)
+                    per_group = problem.query.shape[0] // problem.groups
+                    update = linalg.Factorization(update.left, update.right[::per_group], update.singular_values)
+                return linalg.appended_weights(
+                    problem.query, problem.key, problem.scaling_before, problem.scaling_after, update
+                )
+            if lam == 0 or self.mode == "append":
+                padding = problem.qk_dim_after - problem.query.shape[-1]
+                fold = problem.scaling_before / problem.scaling_after
+                return (
+                    torch.nn.functional.pad(problem.query * fold, (0, padding)),
+                    torch.nn.functional.pad(problem.key, (0, padding)),
+                )
+            factors = self.decomposition(layer, step_size, self.truncation).truncate(problem.qk_dim_after)
+            root_scaling = math.sqrt(problem.scaling_after)
+            return factors.left / root_scaling, factors.right / root_scaling
 
     def unconstrained_weights(self, step_size: float, scalings: list[float]) -> QKWeights:
         """Full-rank weights computing Z - lam P exactly: queries (Z - lam P) / scaling, keys the identity."""

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from ..progress import progress_bar
 from ..report import GrowthReport, LayerReport, LineSearchPoint
 from .head_reports import head_reports
+from .layer_steps import HeldOutPasses, search_coordinates, search_layers_alone
 from .line_search import best_step, evaluate_loss, search_step_size
 from .prepare import PreparedGrowth
 from .problem import write_weights
@@ -37,7 +38,11 @@ def search_and_report(
     qk_after, seconds, accelerator = prepared.qk_after, prepared.seconds, prepared.accelerator
     config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
 
+    passes = None if eval_batches is None else HeldOutPasses(target, adapter, eval_batches, loss_fn, accelerator)
+
     def evaluate(candidate: PreTrainedModel) -> float:
+        if candidate is target:
+            return passes.loss()
         return evaluate_loss(candidate, eval_batches, adapter, loss_fn, accelerator)[0]
 
     # The best step's weights as evaluated: the solve is warm-started, so solving the same step again could
@@ -72,7 +77,8 @@ def search_and_report(
 
             def tracked(kind: str, evaluate_at: Callable[[float], float]) -> Callable[[float], float]:
                 def run(step: float) -> float:
-                    loss = loss_before if step == 0 else evaluate_at(step)
+                    # step 0 of the whole model is the old function; of one layer ("layer l") it is not
+                    loss = loss_before if step == 0 and kind == "rank" else evaluate_at(step)
                     points.append(LineSearchPoint(step, loss if math.isfinite(loss) else None, kind))
                     bar.update()
                     bar.set_postfix(step=f"{step:.3g}", loss=f"{loss:.4f}")
@@ -81,7 +87,11 @@ def search_and_report(
                 return run
 
             start = config.initial_step_size
-            if config.search == "fast":
+            if problem.step_mode == "layer_search":
+                gains = search_layers_alone(problem, passes, adapter, target, start, loss_before, tracked)
+                # each layer at its own best step alone, then one multiplier t of all of them
+                losses = search_step_size(tracked("rank", evaluate_step), 1.0, factor=2.0) if gains else {0.0: 0.0}
+            elif config.search == "fast":
                 max_rank = prepared.max_rank
                 full_rank = [max_rank] * len(qk_after)
                 scalings = [adapter.scaling(model.config, layer, max_rank) for layer in range(len(qk_after))]
@@ -99,10 +109,18 @@ def search_and_report(
                 losses = search_step_size(tracked("rank", evaluate_step), bracketed or start, factor=2.0, refinements=2)
             else:
                 losses = search_step_size(tracked("rank", evaluate_step), start)
-        step_size = best_step(losses)
-        loss_after = losses[step_size]
+            step_size = best_step(losses)
+            loss_after = loss_before if step_size == 0 else losses[step_size]
+            if problem.step_mode == "coordinate" and step_size > 0:
+                chosen = evaluated["weights"] if evaluated.get("step") == step_size else problem.weights(step_size)
+                write_weights(adapter, target, chosen)
+                evaluated["weights"], loss_after = search_coordinates(
+                    problem, passes, adapter, target, step_size, chosen, loss_after, tracked
+                )
+                evaluated["step"] = step_size
     chosen = evaluated["weights"] if evaluated.get("step") == step_size else problem.weights(step_size)
     write_weights(adapter, target, chosen)
+    line_search_passes = None if passes is None else passes.passes
     if eval_batches is not None and loss_after is None:
         loss_after = evaluate(target)
     seconds["line_search"] = time.perf_counter() - tick
@@ -140,7 +158,7 @@ def search_and_report(
         solver="+".join(sorted(problem.methods_used)) or problem.solver,
         mode=problem.mode,
         step_size=step_size,
-        lam=problem.lam(step_size),
+        lam=math.sqrt(sum(layer.lam**2 for layer in layers) / len(layers)),
         eval_loss_before=loss_before,
         eval_loss_after=loss_after,
         unconstrained_eval_loss=unconstrained_loss,
@@ -155,6 +173,7 @@ def search_and_report(
         layers=layers,
         budget=config.budget,
         step_mode=problem.step_mode,
+        line_search_passes=line_search_passes,
         config=config.to_dict(),
     )
     logger.info("grew %s: %s", type(model).__name__, report.summary())

@@ -2,7 +2,9 @@
 
 Trains byte-level GPT-2 LMs on the Python standard library's own sources, then for each model runs
 `hf_grow.grow_model` for p in {0, 4, 8, 16} x truncation in {whitened, frobenius} (p=0: the same solve without
-adding dimensions), plus the unconstrained full-rank update Z - lam P as an upper reference (search="fast").
+adding dimensions) with the default step mode, the original notes' formula at p = 8 as a named baseline
+(Frobenius truncation, lam_l = t * ||Z_l||_F / ||P_l||_F per layer), plus the unconstrained full-rank update
+Z - lam P as an upper reference (search="fast").
 The files are split into four disjoint sets: training, statistics, line-search held-out, and a final test
 split that growth never sees (the line search picks lam on the held-out batches, so the held-out "after"
 loss is optimistically biased; the test loss is not).
@@ -175,7 +177,14 @@ def time_statistics_vs_training(model, batches: list[dict], rounds: int) -> dict
     )
 
 
-def grow_row(model, stats, eval_batches, test_batches, test_before, p, truncation, search="exact") -> dict:
+#: The original notes' formula, a named baseline: Frobenius truncation with lam_l = t * ||Z_l||_F / ||P_l||_F per
+#: layer and one t searched (BENCHMARKS.md, "One step for all layers or a step per layer").
+NOTES = dict(truncation="frobenius", step_mode="per_layer")
+
+
+def grow_row(
+    model, stats, eval_batches, test_batches, test_before, p, truncation, search="exact", step_mode=None, label=None
+) -> dict:
     n_layer = model.config.n_layer
     p_arg = {layer: 0 for layer in range(n_layer)} if p == 0 else p
     grown = hf_grow.grow_model(
@@ -186,12 +195,14 @@ def grow_row(model, stats, eval_batches, test_batches, test_before, p, truncatio
         truncation=truncation,
         search=search,
         measure_realized_gains=False,
+        **({} if step_mode is None else {"step_mode": step_mode}),
     )
     report = grown.growth_report
     test_after = hf_grow.evaluate_loss(grown, test_batches)[0]
     return dict(
         p=p,
-        truncation=truncation,
+        truncation=label or truncation,
+        step_mode=report.step_mode,
         search=search,
         heldout_before=report.eval_loss_before,
         heldout_after=report.eval_loss_after,
@@ -208,13 +219,13 @@ def grow_row(model, stats, eval_batches, test_batches, test_before, p, truncatio
 
 def fmt_table(rows: list[dict]) -> str:
     lines = [
-        "| p | truncation | held-out before | held-out after | held-out decrease | test before | test after "
+        "| p | truncation | step mode | held-out before | held-out after | held-out decrease | test before | test after "
         "| test decrease | step size |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['p']} | {r['truncation']} | {r['heldout_before']:.4f} | {r['heldout_after']:.4f} "
+            f"| {r['p']} | {r['truncation']} | {r['step_mode']} | {r['heldout_before']:.4f} | {r['heldout_after']:.4f} "
             f"| {r['heldout_before'] - r['heldout_after']:.4f} | {r['test_before']:.4f} | {r['test_after']:.4f} "
             f"| {r['test_before'] - r['test_after']:.4f} | {r['step_size']:.3g} |"
         )
@@ -287,6 +298,11 @@ def main() -> None:
                     f"  ({time.perf_counter() - tick:.0f}s)",
                     flush=True,
                 )
+        # The original notes' formula as a baseline, at p = 8.
+        row = grow_row(model, stats, eval_batches, test_batches, test_before, 8, label="notes' formula", **NOTES)
+        rows.append(row)
+        print(f"  p= 8 notes' formula test {row['test_before']:.4f} -> {row['test_after']:.4f}  "
+              f"step {row['step_size']:.3g}", flush=True)
         # Upper reference: the full-rank update Z - lam P (searched on the same held-out batches).
         reference = grow_row(model, stats, eval_batches, test_batches, test_before, 0, "whitened", search="fast")
         print(f"  unconstrained full-rank held-out loss {reference['unconstrained']:.4f}", flush=True)
@@ -316,6 +332,11 @@ def main() -> None:
             f"{unconstrained:.4f} (decrease {before - unconstrained:.4f})"
         )
         by_key = {(r["p"], r["truncation"]): r for r in rows}
+        if 8 in preset["ps"]:
+            default, notes = by_key[(8, "whitened")], by_key[(8, "notes' formula")]
+            gain = lambda r: r["test_before"] - r["test_after"]  # noqa: E731
+            print(f"p=8: the default over the notes' formula, test decrease {gain(default) / gain(notes):.2f}x"
+                  if gain(notes) > 0 else "p=8: the notes' formula did not lower the test loss")
         for p in preset["ps"]:
             w, f = by_key[(p, "whitened")], by_key[(p, "frobenius")]
             dw, df = w["heldout_before"] - w["heldout_after"], f["heldout_before"] - f["heldout_after"]

@@ -1,26 +1,34 @@
-"""Benchmark: one step size for all layers against a step per layer, on four trained models and several splits.
+"""Benchmark: how each layer's step is chosen, on four trained models and several held-out/test splits.
 
-The original notes step each layer by lam_l = t * ||Z_l|| / ||P_l|| with one t line-searched, where hf_grow
-searched one lam shared by all layers. This compares, at p = 8, with statistics collected once per model:
+The original notes step each layer by lam_l = t * ||Z_l|| / ||P_l|| with one t line-searched. This compares,
+at p = 8, with statistics collected once per model:
 
 - ``global/whitened`` and ``global/frobenius``: one lam for every layer (`step_mode="global"`);
 - ``notes``: Frobenius truncation with the notes' per-layer step (`truncation="frobenius", step_mode="per_layer"`);
-- ``per_layer/whitened``: the same step per layer, with norms in the metric of C (`step_mode="per_layer"`).
+- ``per_layer/whitened``: the same step per layer, with norms in the metric of C (`step_mode="per_layer"`);
+- ``layer_search/whitened``: each layer's step line-searched alone, then one multiplier (`step_mode="layer_search"`);
+- ``coordinate/whitened``: the per-layer step, then each layer's refined with the others fixed (`"coordinate"`);
+- ``per_head/whitened``: the notes' normalization per head, lam_lh = t * ||Z_lh|| / ||P_lh|| (whitened norms),
+  one t searched; measured here only (`grow_per_head`), not a library option.
 
 Models: two small byte-level GPT-2s (n_embd 128 x 4 layers x 8 heads, and 96 x 3 x 6), a deeper one (128 x 8 x 8),
 all trained on the standard library's sources, and the pretrained all-MiniLM-L6-v2 on its own contrastive loss
 (docstring/code pairs). For each model, a pool of held-out batches (files the model and the statistics never saw)
 is cut into a line-search part and a test part in ``--splits`` different ways; the table gives each variant's
-test-loss decrease per split and its ratio to the notes' formula.
+test-loss decrease per split and its ratio to the notes' formula, and the line search's cost in full passes
+over the line-search batches (`GrowthReport.line_search_passes`).
 
-    python recipes/benchmarks/bench_step_modes.py                 # ~25 min on 2 CPU cores
-    python recipes/benchmarks/bench_step_modes.py --quick         # smoke test, ~2 min
+    python recipes/benchmarks/bench_step_modes.py --cache runs/step_modes   # ~50 min on 2 CPU cores
+    python recipes/benchmarks/bench_step_modes.py --quick                   # smoke test, ~3 min
+
+``--cache DIR`` keeps the trained GPT-2s there and reuses them on the next run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import random
@@ -29,6 +37,7 @@ import time
 import warnings
 
 import torch
+from transformers import GPT2LMHeadModel
 from transformers.utils import logging as transformers_logging
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,6 +47,8 @@ from bench_growth import lm_batches, load_bytes, make_model, split_files, train 
 from sentence_pairs import contrastive_loss, pair_splits  # noqa: E402
 
 import hf_grow  # noqa: E402
+from hf_grow import linalg  # noqa: E402
+from hf_grow.growth import GrowthProblem, best_step, search_step_size, write_weights  # noqa: E402
 
 
 VARIANTS = {
@@ -45,6 +56,9 @@ VARIANTS = {
     "global/frobenius": dict(step_mode="global", truncation="frobenius"),
     "notes": dict(step_mode="per_layer", truncation="frobenius"),
     "per_layer/whitened": dict(step_mode="per_layer", truncation="whitened"),
+    "layer_search/whitened": dict(step_mode="layer_search", truncation="whitened"),
+    "coordinate/whitened": dict(step_mode="coordinate", truncation="whitened"),
+    "per_head/whitened": None,  # grow_per_head
 }
 GPT2_MODELS = {  # name: (seed, n_embd, n_layer, n_head, training steps); d_k = 16 in all
     "gpt2-A 128x4x8": (0, 128, 4, 8, 600),
@@ -53,18 +67,66 @@ GPT2_MODELS = {  # name: (seed, n_embd, n_layer, n_head, training steps); d_k = 
 }
 
 
-def gpt2_setups(quick: bool):
+def grow_per_head(model, statistics, eval_batches, loss_fn, p: int):
+    """Whitened truncation with the notes' normalization per head, lam_lh = t * ||Z_lh|| / ||P_lh|| (metric of
+    C), one t line-searched as `grow_model` does; returns the grown model and the line search's passes."""
+    adapter = hf_grow.get_adapter(model)
+    qk_after = [dim + p for dim in adapter.qk_head_dims(model.config)]
+    problem = GrowthProblem(model, adapter, statistics, qk_after, "whitened", 1e-6, "auto", step_mode="per_layer")
+    units = []
+    for part in problem.layers:
+        scores, step = (linalg.whitened_norm_sq(matrix, part.metric) for matrix in (part.bilinear, part.direction))
+        units.append(torch.where(step > 0, (scores / step.clamp_min(1e-300)).sqrt(), torch.zeros_like(step)))
+
+    def weights(step_size: float):
+        if step_size == 0:
+            return problem.weights(0.0)
+        chosen = {}
+        for layer, part in enumerate(problem.layers):
+            base, direction = problem.whitened_pair(layer, "whitened")
+            target = base - step_size * units[layer][:, None, None] * direction
+            factors = problem.decompose(("step", layer, "whitened"), target, part.metric, part.qk_dim_after)
+            factors = factors.truncate(part.qk_dim_after)
+            root = math.sqrt(part.scaling_after)
+            chosen[layer] = (factors.left / root, factors.right / root)
+        return chosen
+
+    grown = adapter.build_grown_model(model, qk_after, problem.weights(0.0))
+    before = hf_grow.evaluate_loss(grown, eval_batches, loss_fn=loss_fn)[0]
+
+    def evaluate(step_size: float) -> float:
+        if step_size == 0:
+            return before
+        write_weights(adapter, grown, weights(step_size))
+        return hf_grow.evaluate_loss(grown, eval_batches, loss_fn=loss_fn)[0]
+
+    losses = search_step_size(evaluate, 0.03)
+    write_weights(adapter, grown, weights(best_step(losses)))
+    return grown, float(len(losses) - 1)
+
+
+def gpt2_setups(quick: bool, cache: str | None, names: list[str] | None = None):
     """(name, model, statistics batches, held-out pool, loss_fn) for the trained byte-level GPT-2s."""
     seq_len, batch_size = 128, 16
     files = split_files(0)
     data = {name: load_bytes(chosen) for name, chosen in files.items()}
     held_out = torch.cat([data["eval"], data["test"]])
     for name, (seed, n_embd, n_layer, n_head, steps) in GPT2_MODELS.items():
+        if names and name.split()[0] not in names:
+            continue
         if quick:
             n_layer, steps = min(n_layer, 2), 40
-        print(f"# training {name} for {steps} steps", flush=True)
-        model = make_model(n_embd, n_layer, n_head, seq_len, seed)
-        train(model, data["train"], steps, batch_size, seq_len, seed, log_every=steps)
+        folder = os.path.join(cache, f"{name.split()[0]}-{n_layer}x{steps}") if cache else None
+        if folder and os.path.isdir(folder):
+            print(f"# {name}: trained model from {folder}", flush=True)
+            model = GPT2LMHeadModel.from_pretrained(folder).eval()
+            model.set_attn_implementation("sdpa")
+        else:
+            print(f"# training {name} for {steps} steps", flush=True)
+            model = make_model(n_embd, n_layer, n_head, seq_len, seed)
+            train(model, data["train"], steps, batch_size, seq_len, seed, log_every=steps)
+            if folder:
+                model.save_pretrained(folder)
         stats = lm_batches(data["stats"], 4 if quick else 16, batch_size, seq_len, 1)
         pool = lm_batches(held_out, 6 if quick else 36, batch_size, seq_len, 2)
         yield name, model, stats, pool, None
@@ -86,17 +148,25 @@ def main() -> None:
     parser.add_argument("--splits", type=int, default=3, help="ways of cutting the held-out pool")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--p", type=int, default=8)
+    parser.add_argument("--cache", default=None, help="folder for the trained GPT-2s (reused when there)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="the variants to run (the notes' formula always runs: the ratios are to it)")
+    parser.add_argument("--models", nargs="+", choices=("gpt2", "minilm"), default=("gpt2", "minilm"))
+    parser.add_argument("--gpt2", nargs="+", choices=[name.split()[0] for name in GPT2_MODELS], default=None,
+                        help="only these GPT-2s")
     args = parser.parse_args()
+    variants = {name: VARIANTS[name] for name in VARIANTS if name in args.variants or name == "notes"}
     torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message="query/key widths .* are not multiples of 8")
     print(f"# bench_step_modes {datetime.date.today()} torch {torch.__version__} {platform.processor() or platform.machine()}"
           f", {args.threads} thread(s); p = {args.p}, {args.splits} splits of each held-out pool (1/3 line search, "
           "2/3 test)", flush=True)
-    header = f"{'model':<22}{'split':>6}" + "".join(f"{name:>20}" for name in VARIANTS)
+    header = f"{'model':<22}{'split':>6}" + "".join(f"{name:>24}" for name in variants)
     rows = []
-    for setups in (gpt2_setups(args.quick), minilm_setup(args.quick)):
-        for name, model, stats_batches, pool, loss_fn in setups:
+    setups = {"gpt2": lambda: gpt2_setups(args.quick, args.cache, args.gpt2), "minilm": lambda: minilm_setup(args.quick)}
+    for setup in (setups[model]() for model in args.models):
+        for name, model, stats_batches, pool, loss_fn in setup:
             tick = time.perf_counter()
             statistics = hf_grow.collect_statistics(model, stats_batches, hf_grow.get_adapter(model), loss_fn)
             print(f"# {name}: statistics {time.perf_counter() - tick:.0f} s", flush=True)
@@ -106,28 +176,41 @@ def main() -> None:
                 cut = len(pool) // 3
                 eval_batches, test_batches = [pool[i] for i in order[:cut]], [pool[i] for i in order[cut:]]
                 test_before = hf_grow.evaluate_loss(model, test_batches, loss_fn=loss_fn)[0]
-                decreases = {}
-                for variant, settings in VARIANTS.items():
-                    grown = hf_grow.grow_model(
-                        model, None, p=args.p, statistics=statistics, eval_dataloader=eval_batches, loss_fn=loss_fn,
-                        measure_realized_gains=False, **settings,
-                    )
+                held_out_before = hf_grow.evaluate_loss(model, eval_batches, loss_fn=loss_fn)[0]
+                decreases, held_out, passes = {}, {}, {}
+                for variant, settings in variants.items():
+                    if settings is None:
+                        grown, passes[variant] = grow_per_head(model, statistics, eval_batches, loss_fn, args.p)
+                    else:
+                        grown = hf_grow.grow_model(
+                            model, None, p=args.p, statistics=statistics, eval_dataloader=eval_batches,
+                            loss_fn=loss_fn, measure_realized_gains=False, **settings,
+                        )
+                        passes[variant] = grown.growth_report.line_search_passes
+                    held_out[variant] = hf_grow.evaluate_loss(grown, eval_batches, loss_fn=loss_fn)[0]
                     decreases[variant] = test_before - hf_grow.evaluate_loss(grown, test_batches, loss_fn=loss_fn)[0]
-                rows.append((name, split, decreases))
-                print(f"# {name} split {split}: " + ", ".join(f"{k} {v:.5f}" for k, v in decreases.items()), flush=True)
+                rows.append((name, split, decreases, held_out, passes))
+                print(f"# {name} split {split}: " + ", ".join(
+                    f"{k} {v:.5f} (held-out {held_out_before - held_out[k]:.5f}, {passes[k]:.1f} passes)" for k, v in decreases.items()
+                ), flush=True)
     print("\nTest-loss decrease (nats) per variant; in brackets, its ratio to the notes' formula:")
     print(header)
-    for name, split, decreases in rows:
+    for name, split, decreases, _, _ in rows:
         notes = decreases["notes"]
         cells = "".join(
-            f"{value:>11.5f} ({value / notes:>5.2f})" if notes > 0 else f"{value:>20.5f}" for value in decreases.values()
+            f"{value:>15.5f} ({value / notes:>5.2f})" if notes > 0 else f"{value:>24.5f}" for value in decreases.values()
         )
         print(f"{name:<22}{split:>6}{cells}")
-    print("\nMean ratio to the notes' formula over models and splits (minimum in brackets):")
-    for variant in VARIANTS:
-        ratios = [d[variant] / d["notes"] for _, _, d in rows if d["notes"] > 0]
-        if ratios:
-            print(f"  {variant:<20} {sum(ratios) / len(ratios):.3f} ({min(ratios):.3f})")
+    print("\nPer variant: mean ratio to the notes' formula where it gained (least ratio), rows with less test decrease")
+    print("than the notes, mean test decrease, mean line-search cost in full held-out passes:")
+    for variant in variants:
+        ratios = [d[variant] / d["notes"] for _, _, d, _, _ in rows if d["notes"] > 0]
+        below = sum(d[variant] < d["notes"] for _, _, d, _, _ in rows)
+        mean = sum(d[variant] for _, _, d, _, _ in rows) / len(rows)
+        cost = sum(c[variant] for _, _, _, _, c in rows) / len(rows)
+        ratio = f"{sum(ratios) / len(ratios):.3f} ({min(ratios):.3f})" if ratios else "-"
+        print(f"  {variant:<24} {ratio}  below {below}/{len(rows)}  "
+              f"mean {mean:.5f}  passes {cost:.1f}")
 
 
 if __name__ == "__main__":
