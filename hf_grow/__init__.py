@@ -27,6 +27,7 @@ from .models import (
     GrownGPT2Model,
 )
 from .report import GrowthReport, load_growth_report
+from .sentence import SentenceLoss
 from .statistics import GrowthStatistics, collect_statistics
 from .training import GROWTH_MODES, GrowthCallback, grow_in_training, resize_qk_, to_grown_model
 
@@ -34,6 +35,7 @@ from .training import GROWTH_MODES, GrowthCallback, grow_in_training, resize_qk_
 __version__ = "0.1.0"
 
 __all__ = [
+    "SentenceLoss",
     "DEFAULT_TRUNCATION",
     "GROWTH_MODES",
     "GrowthCallback",

@@ -129,7 +129,7 @@ def batch_loss_weight(adapter: ArchitectureAdapter, model: PreTrainedModel, batc
         if not is_flat(batch):
             raise TypeError(
                 f"a batch of {describe(batch)} cannot be passed as model(**batch): pass loss_fn(model, batch), "
-                "which runs the model on each part (e.g. hf_grow.sentence_loss for sentence-transformers losses)."
+                "which runs the model on each part (e.g. hf_grow.SentenceLoss for a sentence-transformers loss)."
             )
         return adapter.loss_weight(model, batch)
     for _, tensor in walk_tensors(batch):
