@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import csv
+import json
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
@@ -153,3 +156,57 @@ def tokenize_pairs(
             {name: dict(sentence_model.preprocess([pair[index] for pair in chunk])) for index, name in enumerate(columns)}
         )
     return batches
+
+
+def read_pairs(
+    source: str, columns: Sequence[str] | None = None, split: str = "train", streaming: bool = False
+) -> list[tuple[str, str]]:
+    """Text pairs (anchor, positive) from a file or a datasets dataset.
+
+    A ``.tsv`` file holds two tab-separated fields a line (no header); ``.jsonl`` one object a line; ``.csv`` a
+    header row, then one pair a row. ``.jsonl``, ``.csv`` and datasets take the two ``columns`` named, by
+    default their first two. Any other ``source`` that is not a file is a datasets name (``split``). Raises
+    ValueError naming the file and line of a pair it cannot read.
+    """
+    path = Path(source)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix not in (".tsv", ".jsonl", ".csv"):
+            raise ValueError(f"{source}: pairs are read from .tsv, .jsonl or .csv files (or a datasets name)")
+        with open(path, encoding="utf-8", newline="") as file:
+            if suffix == ".tsv":
+                rows = [(number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(file, 1) if line.strip()]
+                pairs = [_pair(fields, 0, 1, f"{source} line {number}") for number, fields in rows]
+            elif suffix == ".jsonl":
+                records = [(number, json.loads(line)) for number, line in enumerate(file, 1) if line.strip()]
+                pairs = [_column_pair(record, columns, f"{source} line {number}") for number, record in records]
+            else:
+                pairs = [
+                    _column_pair(record, columns, f"{source} line {number}")
+                    for number, record in enumerate(csv.DictReader(file), 2)
+                ]
+    else:
+        import datasets
+
+        dataset = datasets.load_dataset(source, split=split, streaming=streaming)
+        pairs = [_column_pair(record, columns, f"{source} ({split}) row {number}") for number, record in enumerate(dataset)]
+    if not pairs:
+        raise ValueError(f"{source} holds no pairs")
+    return pairs
+
+
+def _column_pair(record: Any, columns: Sequence[str] | None, where: str) -> tuple[str, str]:
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{where}: expected an object with the pair's columns, got {type(record).__name__}")
+    names = list(columns) if columns else list(record)[:2]
+    missing = [name for name in names if name not in record]
+    if missing or len(names) < 2:
+        raise ValueError(f"{where}: no column {missing[0] if missing else 'for the positive'!r} (columns: "
+                         f"{', '.join(map(str, record))}); name the pair's columns with --pair-columns")
+    return _pair([record[name] for name in names], 0, 1, where)
+
+
+def _pair(fields: Sequence[Any], first: int, second: int, where: str) -> tuple[str, str]:
+    if len(fields) <= second or not all(isinstance(fields[i], str) and fields[i].strip() for i in (first, second)):
+        raise ValueError(f"{where}: expected two non-empty texts, got {list(fields)[:3]!r}")
+    return fields[first], fields[second]
