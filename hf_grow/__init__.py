@@ -35,7 +35,6 @@ from .training import GROWTH_MODES, GrowthCallback, grow_in_training, resize_qk_
 __version__ = "0.1.0"
 
 __all__ = [
-    "SentenceLoss",
     "DEFAULT_TRUNCATION",
     "GROWTH_MODES",
     "GrowthCallback",
@@ -59,6 +58,7 @@ __all__ = [
     "GrownGPT2ForTokenClassification",
     "GrownGPT2LMHeadModel",
     "GrownGPT2Model",
+    "SentenceLoss",
     "collect_statistics",
     "evaluate_loss",
     "get_adapter",

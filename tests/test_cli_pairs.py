@@ -59,6 +59,10 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     assert read_pairs(str(tmp_path / "p.jsonl")) == pair_list[:3]
     (tmp_path / "p.csv").write_text('id,doc,code\n1,"a, b",c\n2,"d","e ""f"""\n')
     assert read_pairs(str(tmp_path / "p.csv"), ["doc", "code"]) == [("a, b", "c"), ("d", 'e "f"')]
+    dataset = tmp_path / "dataset"  # a datasets name: here a local folder of data files, its train split
+    dataset.mkdir()
+    (dataset / "train.jsonl").write_text((tmp_path / "p.jsonl").read_text())
+    assert read_pairs(str(dataset), ["query", "code"], split="train") == pair_list[:3]
 
 
 def test_bad_pairs_are_one_line_errors(tmp_path, capsys):
