@@ -69,9 +69,8 @@ def test_each_pass_pairs_its_inputs_with_its_own_score_gradients(bert, method):
         query_grad = split_heads(attention.query.weight.grad.mT, attention.query.bias.grad, heads)
         key_grad = split_heads(attention.key.weight.grad.mT, attention.key.bias.grad, heads)
         gradient = statistics.mean_gradient(layer)
-        # (the reference method's eager softmax runs in float32: ~1e-7 relative)
-        assert (scaling * gradient @ key - query_grad).norm() <= 1e-6 * query_grad.norm()
-        assert (scaling * gradient.mT @ query - key_grad).norm() <= 1e-6 * key_grad.norm()
+        assert (scaling * gradient @ key - query_grad).norm() <= 1e-12 * query_grad.norm()
+        assert (scaling * gradient.mT @ query - key_grad).norm() <= 1e-12 * key_grad.norm()
     bert.zero_grad()
 
 
