@@ -31,6 +31,7 @@ from .models import (
     GrownLlamaModel,
 )
 from .report import GrowthReport, load_growth_report
+from .sentence import SentenceLoss
 from .statistics import GrowthStatistics, collect_statistics
 from .training import GROWTH_MODES, GrowthCallback, grow_in_training, resize_qk_, to_grown_model
 
@@ -65,6 +66,7 @@ __all__ = [
     "GrownLlamaForCausalLM",
     "GrownLlamaForSequenceClassification",
     "GrownLlamaModel",
+    "SentenceLoss",
     "collect_statistics",
     "evaluate_loss",
     "get_adapter",

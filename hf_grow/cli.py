@@ -42,6 +42,7 @@ from .config import GrowthConfig
 from .growth import grow_model
 from .inspection import PLOT_EXTRA, inspect_growth
 from .progress import stage
+from .sentence_cli import add_pairs_arguments, grow_from_pairs
 from .statistics import GrowthStatistics, collect_statistics, parse_bytes
 
 
@@ -56,6 +57,8 @@ EXAMPLES = """examples:
       --output-dir gpt2-grown --report growth.json
   hf-grow gpt2 --budget 96 --multiple-of 8 --output-dir gpt2-grown --push-to-hub me/gpt2-grown
       96 added dims per head in all, allocated to the layers by expected gain; pushed to the Hub
+  hf-grow sentence-transformers/all-MiniLM-L6-v2 --p 8 --pairs pairs.tsv --batch-size 32 --output-dir minilm-grown
+      a SentenceTransformer on text pairs with MultipleNegativesRankingLoss (the last 10% held out)
 
   hf-grow inspect MODEL --help: the expected gain of adding 1..k dims per layer and head, without growing
 """
@@ -139,6 +142,7 @@ def build_parser() -> HfArgumentParser:
     parser.add_argument("--output-dir", required=True, help="folder for the grown model (must be empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     _add_data_arguments(parser, eval_fraction=False)
+    add_pairs_arguments(parser)
     parser.add_argument("--stats", metavar="FILE", help="statistics saved by `hf-grow inspect --save-stats` for this "
                         "model: the statistics text is not read again")
     run = _add_run_arguments(parser)
@@ -563,6 +567,8 @@ def run(args: argparse.Namespace) -> None:
 def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> None:
     is_main = accelerator is None or accelerator.is_main_process
     show_progress = _start(args, is_main)
+    if args.pairs:
+        return grow_from_pairs(args, accelerator, started, is_main, show_progress)
     objective = _objective(args)
     statistics = _load_statistics(args.stats) if args.stats else None
     if statistics is not None and accelerator is not None:

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 
 from ..config import GrowthConfig, resolve_config
 from ..distributed import Processes, unwrap_model
+from ..sentence import as_loss_fn, is_sentence_transformer, transformer_module, with_grown_model
 from ..statistics import GrowthStatistics, LossFn
 from .prepare import merged_if_peft, prepare_growth
 from .search import search_and_report
@@ -41,15 +42,20 @@ def grow_model(
 
     Args:
         model: a supported transformers model (GPT-2, BERT or Llama-family classes, or a model grown by
-            hf_grow), or a PeftModel around one (its adapters are merged into a copy first). Left unchanged.
-            GPT-2 and BERT grow by "refactor" (all Q/K rewritten), rotary models by "append" (content dims
-            added beside the rotary ones).
-        dataloader: dict batches passed as ``model(**batch)``; the loss is ``outputs.loss`` (or ``loss_fn``).
+            hf_grow), a PeftModel around one (its adapters are merged into a copy first), or a
+            sentence-transformers `SentenceTransformer` whose transformers model is one (`hf_grow.sentence`).
+            Left unchanged. GPT-2 and BERT grow by "refactor" (all Q/K rewritten), rotary models by "append"
+            (content dims added beside the rotary ones).
+        dataloader: dict batches passed as ``model(**batch)``; the loss is ``outputs.loss`` (or ``loss_fn``, which
+            may take nested batches and run the model several times). For a `SentenceTransformer`: one tokenized
+            feature dict per text column, ``{"anchor": ..., "positive": ...}``.
         p: dimensions added per head, in every layer, or a mapping ``{layer: p}`` (`GrowthConfig.p`).
         config: the growth options; see `GrowthConfig` for each.
         eval_dataloader: held-out batches for the line search and the before/after losses. Without it, the
             last ``eval_fraction`` of the dataloader's batches are held out (when a line search runs).
-        loss_fn: ``loss_fn(model, batch) -> scalar Tensor`` instead of ``outputs.loss``.
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor`` instead of ``outputs.loss``. For a
+            `SentenceTransformer`: a sentence-transformers loss object built on it (default
+            ``MultipleNegativesRankingLoss(model)``), or a loss_fn that receives its transformers model.
         statistics: statistics already collected for this model (e.g. by `collect_statistics`), to grow it
             several ways without reading the data again; ``dataloader`` may then be None when
             ``eval_dataloader`` or ``step_size`` is given.
@@ -60,13 +66,21 @@ def grow_model(
         progress: show progress (on the main process): bars on a terminal, lines in a log (`hf_grow.progress`).
 
     Returns:
-        The grown model (a new object of the grown model type, same device and dtype) with the
+        The grown model (for a `SentenceTransformer`, a new `SentenceTransformer` around the grown model, with the
+        report as its ``growth_report``) (a new object of the grown model type, same device and dtype) with the
         `GrowthReport` as ``grown.growth_report`` (which records the config); `save_pretrained` writes it as
         ``growth_report.json``.
     """
     config = resolve_config(config, overrides if p is None else {**overrides, "p": p})
     started = time.perf_counter()
-    model = merged_if_peft(unwrap_model(model, accelerator))
+    model = unwrap_model(model, accelerator)
+    if is_sentence_transformer(model):
+        grown = grow_model(
+            transformer_module(model).model, dataloader, config=config, eval_dataloader=eval_dataloader,
+            loss_fn=as_loss_fn(loss_fn, model), statistics=statistics, accelerator=accelerator, progress=progress,
+        )
+        return with_grown_model(model, grown)
+    model = merged_if_peft(model)
     progress = progress and Processes(accelerator).is_main
     prepared = prepare_growth(
         model,

@@ -11,7 +11,18 @@ file format), `memory` (the accumulators' bytes and the layer groups of a memory
 loss terms and losses as the statistics and the line search see them).
 """
 
-from .batches import LossFn, batch_loss_weight, compute_loss, iterate_batches, module_modes, restore_modes, token_shape
+from .batches import (
+    LossFn,
+    batch_loss_weight,
+    compute_loss,
+    describe,
+    iterate_batches,
+    map_tensors,
+    module_modes,
+    restore_modes,
+    token_shapes,
+    walk_tensors,
+)
 from .collect import check_arguments, collect_statistics
 from .container import STATISTICS_FORMAT, GrowthStatistics, weight_sample
 from .kernels import (
@@ -39,16 +50,19 @@ __all__ = [
     "choose_method",
     "collect_statistics",
     "compute_loss",
+    "describe",
     "default_query_block",
     "iterate_batches",
     "layer_groups",
+    "map_tensors",
     "module_modes",
     "parse_bytes",
     "restore_modes",
     "score_gradient_products",
     "statistics_attention",
     "statistics_bytes",
-    "token_shape",
+    "token_shapes",
     "triton_available",
+    "walk_tensors",
     "weight_sample",
 ]

@@ -1,9 +1,16 @@
-"""Batches and losses as the statistics and the line search see them: dicts on the model's device, their tokens,
-loss terms and losses, and the train/eval flags restored around them."""
+"""Batches and losses as the statistics and the line search see them: (nested) batches on the model's device,
+their tokens, loss terms and losses, and the train/eval flags restored around them.
+
+A batch is a dict passed as ``model(**batch)``, or, for a ``loss_fn`` that runs the model several times (one
+forward pass per text column, as sentence-transformers' losses do), any nesting of dicts (also
+`BatchEncoding`), lists and tuples whose leaves are tensors, or plain values (strings, numbers, None) that are
+passed through unchanged.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -12,51 +19,129 @@ from transformers import PreTrainedModel
 from ..adapters import ArchitectureAdapter
 
 
-LossFn = Callable[[PreTrainedModel, Mapping[str, Tensor]], Tensor]
+LossFn = Callable[[PreTrainedModel, Any], Tensor]
+
+_PLAIN_LEAVES = (str, bytes, int, float, bool, type(None))
+_TOKEN_KEYS = ("input_ids", "inputs_embeds")
 
 
-def iterate_batches(dataloader: Iterable[Mapping[str, Tensor]], model: PreTrainedModel) -> Iterator[dict[str, Tensor]]:
-    """Batches as dicts on the model's device; a clear error for anything that is not a dict or is longer than
-    the model's positions (which would otherwise fail deep inside the embedding lookup)."""
+def describe(value: Any) -> str:
+    """A short description of a batch's structure for error messages, e.g. ``dict(a: BatchEncoding, b: list)``."""
+    if isinstance(value, Mapping):
+        items = ", ".join(f"{key}: {type(item).__name__}" for key, item in list(value.items())[:6])
+        return f"{type(value).__name__}({items}{', ...' if len(value) > 6 else ''})"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+def walk_tensors(batch: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of a nested batch with its path (``batch['a']['input_ids']``), depth first in order.
+
+    Raises a TypeError naming the path and type of anything that is neither a dict, list, tuple, tensor nor a
+    plain value: hf_grow could not move it to the model's device or count its tokens.
+    """
+    if isinstance(batch, Tensor):
+        yield path, batch
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from walk_tensors(value, f"{path}[{key!r}]")
+    elif isinstance(batch, (list, tuple)):
+        for index, value in enumerate(batch):
+            yield from walk_tensors(value, f"{path}[{index}]")
+    elif not isinstance(batch, _PLAIN_LEAVES):
+        raise TypeError(
+            f"{path} is a {type(batch).__module__}.{type(batch).__qualname__}: hf_grow handles batches of dicts "
+            "(also BatchEncoding), lists and tuples of tensors; convert it to tensors (e.g. torch.as_tensor) "
+            "or build the batch from such containers."
+        )
+
+
+def map_tensors(batch: Any, function: Callable[[Tensor], Tensor]) -> Any:
+    """The batch with ``function`` applied to every tensor, its containers' types kept where they can be."""
+    if isinstance(batch, Tensor):
+        return function(batch)
+    if isinstance(batch, Mapping):
+        mapped = {key: map_tensors(value, function) for key, value in batch.items()}
+        if type(batch) is dict:
+            return mapped
+        try:
+            return type(batch)(mapped)  # BatchEncoding, UserDict, OrderedDict ...
+        except TypeError:
+            return mapped
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(map_tensors(value, function) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(value, function) for value in batch)
+    return batch
+
+
+def token_shapes(batch: Any) -> list[torch.Size]:
+    """The (..., s) shapes of every token input in a nested batch: each ``input_ids``, and each ``inputs_embeds``
+    without the embedding dimension (e.g. (b, choices, s) for multiple choice)."""
+    shapes: list[torch.Size] = []
+    if isinstance(batch, Mapping):
+        for key, value in batch.items():
+            if key in _TOKEN_KEYS and isinstance(value, Tensor):
+                shapes.append(value.shape if key == "input_ids" else value.shape[:-1])
+            else:
+                shapes.extend(token_shapes(value))
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            shapes.extend(token_shapes(value))
+    return shapes
+
+
+def is_flat(batch: Any) -> bool:
+    """Whether ``batch`` is a dict of tensors and plain values, as ``model(**batch)`` takes."""
+    return isinstance(batch, Mapping) and not any(isinstance(value, (Mapping, list, tuple)) for value in batch.values())
+
+
+def iterate_batches(dataloader: Iterable[Any], model: PreTrainedModel) -> Iterator[Any]:
+    """Batches on the model's device; a clear error for a batch that is not a dict (or a list or tuple of them),
+    for leaves that are not tensors, and for sequences longer than the model's positions (which would otherwise
+    fail deep inside the embedding lookup)."""
     device = next(model.parameters()).device
     positions = getattr(model.config, "max_position_embeddings", None)
     for index, batch in enumerate(dataloader):
-        if not isinstance(batch, Mapping):
+        if not isinstance(batch, (Mapping, list, tuple)):
             raise TypeError(
                 f"batch {index} is a {type(batch).__name__}; hf_grow expects dict batches passed as model(**batch), "
-                "e.g. from a DataLoader with transformers' DataCollatorForLanguageModeling."
+                "e.g. from a DataLoader with transformers' DataCollatorForLanguageModeling (or, for a loss_fn, "
+                "dicts, lists and tuples of them)."
             )
-        tokens = token_shape(batch)
-        length = tokens[-1] if tokens is not None and len(tokens) >= 2 else None
-        if positions is not None and length is not None and length > positions:
+        for _ in walk_tensors(batch, f"batch {index}"):
+            pass  # an unhandled leaf is a TypeError naming it, before the model runs
+        lengths = [shape[-1] for shape in token_shapes(batch) if len(shape) >= 2]
+        if positions is not None and lengths and max(lengths) > positions:
             raise ValueError(
-                f"batch {index} holds sequences of {length} tokens, but the model has {positions} positions "
+                f"batch {index} holds sequences of {max(lengths)} tokens, but the model has {positions} positions "
                 "(config.max_position_embeddings): cut the sequences to at most that many tokens."
             )
-        yield {key: value.to(device) if isinstance(value, Tensor) else value for key, value in batch.items()}
+        yield map_tensors(batch, lambda tensor: tensor.to(device))
 
 
-def token_shape(batch: Mapping[str, Tensor]) -> torch.Size | None:
-    """The (..., s) shape of a batch's tokens: ``input_ids``' shape, or ``inputs_embeds``' without the embedding
-    dimension (e.g. (b, choices, s) for multiple choice). None where the batch holds neither."""
-    if isinstance(batch.get("input_ids"), Tensor):
-        return batch["input_ids"].shape
-    if isinstance(batch.get("inputs_embeds"), Tensor):
-        return batch["inputs_embeds"].shape[:-1]
-    return None
-
-
-def batch_loss_weight(
-    adapter: ArchitectureAdapter, model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: LossFn | None
-) -> int:
+def batch_loss_weight(adapter: ArchitectureAdapter, model: PreTrainedModel, batch: Any, loss_fn: LossFn | None) -> int:
     """How many loss terms the batch's loss averages over (`ArchitectureAdapter.loss_weight`); with a custom
-    ``loss_fn``, whose normalization hf_grow cannot see, its number of sequences."""
+    ``loss_fn``, whose normalization hf_grow cannot see, its number of examples: the length of the first tensor
+    in the batch (depth first; for a batch of text columns, the rows every column shares)."""
     if loss_fn is None:
+        if not is_flat(batch):
+            raise TypeError(
+                f"a batch of {describe(batch)} cannot be passed as model(**batch): pass loss_fn(model, batch), "
+                "which runs the model on each part (e.g. hf_grow.SentenceLoss for a sentence-transformers loss)."
+            )
         return adapter.loss_weight(model, batch)
-    return len(next(value for value in batch.values() if isinstance(value, Tensor)))
+    for _, tensor in walk_tensors(batch):
+        if tensor.dim() > 0:
+            return int(tensor.shape[0])
+    raise ValueError(
+        f"a batch of {describe(batch)} holds no tensor with a batch dimension: hf_grow weights a loss_fn's batches "
+        "by their number of examples, the length of their first tensor. Put the inputs' tensors in the batch."
+    )
 
 
-def compute_loss(model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: LossFn | None) -> Tensor:
+def compute_loss(model: PreTrainedModel, batch: Any, loss_fn: LossFn | None) -> Tensor:
     """``loss_fn(model, batch)``, or the model's own ``outputs.loss``."""
     if loss_fn is not None:
         return loss_fn(model, batch)

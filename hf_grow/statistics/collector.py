@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +19,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..adapters import ArchitectureAdapter
-from .batches import LossFn, compute_loss, module_modes, restore_modes, token_shape
+from .batches import LossFn, compute_loss, module_modes, restore_modes
 from .kernels import (
     _COLLECTING,
     STATISTICS_ATTENTION,
@@ -143,6 +145,11 @@ class Sums:
 class Collector:
     """Hooks that accumulate C for every layer (``with_second_moments``) and M for the layers of ``group``.
 
+    A ``loss_fn`` may run the model any number of times per batch (one pass per text column, say). Each forward
+    pass's X' is paired with its own dLoss/dS: the attention of a layer takes the X' its input hook kept in the
+    same pass. The padding of a pass is the ``attention_mask`` the model received (read by a hook on every
+    `PreTrainedModel` inside ``model``), and a pass starts when its first layer runs.
+
     ``eager_model``: the model normally runs eager attention, whose fully masked rows the statistics keep.
     """
 
@@ -161,22 +168,26 @@ class Collector:
         self.compute_dtype = compute_dtype
         self.method = method
         self.eager_model = eager_model
-        #: The method of the batch under way (``method``, or what ``"auto"`` chose for it).
+        #: The method of the forward pass under way (``method``, or what ``"auto"`` chose for it).
         self.batch_method = method
         self.methods_used: set[str] = set()
         self.query_block = query_block
         self.embeddings = model.get_input_embeddings()
+        self.models = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
         parameter = next(model.parameters())
         self.device = parameter.device
         self.sums = Sums(
             len(self.attentions), adapter.num_heads(model.config), adapter.hidden_size(model.config) + 1, group,
             with_second_moments, parameter.device, float16=parameter.dtype == torch.float16,
         )
-        self.hooked_layers = range(len(self.attentions)) if with_second_moments else sorted(group)
+        self.hooked_layers = sorted({0, *(range(len(self.attentions)) if with_second_moments else group)})
         self.qk_inputs = [adapter.qk_input_module(attention) for attention in self.attentions]
+        #: The attention mask the model last received (the next pass's padding), and that of the pass under way.
+        self.received_mask: Tensor | None = None
         self.token_mask: Tensor | None = None
         self.inputs: dict[int, Tensor] = {}
-        self.layers_run: set[int] = set()
+        self.passes = 0
+        self.pass_tokens = 0
         self.anchors: list[Tensor] = []
         # True while backward runs: checkpointed layers then run their forward again, which adds nothing.
         self.in_backward = False
@@ -184,6 +195,8 @@ class Collector:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         handles = [self.embeddings.register_forward_hook(self._keep_anchor)]
+        for module in self.models:
+            handles.append(module.register_forward_pre_hook(self._model_inputs_hook(module), with_kwargs=True))
         for layer in self.hooked_layers:
             handles.append(self.qk_inputs[layer].register_forward_pre_hook(self._input_hook(layer)))
         for layer, attention in enumerate(self.attentions):
@@ -205,17 +218,52 @@ class Collector:
         self.anchors.append(output)
         return output
 
+    def _model_inputs_hook(self, module: nn.Module) -> Callable:
+        names = list(inspect.signature(module.forward).parameters)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if self.in_backward:
+                return None
+            positional = dict(zip(names, args))
+            mask = kwargs.get("attention_mask", positional.get("attention_mask"))
+            self.received_mask = mask if isinstance(mask, Tensor) else None
+            embeddings = kwargs.get("inputs_embeds", positional.get("inputs_embeds"))
+            if not isinstance(embeddings, Tensor):
+                return None
+            # Inputs given as embeddings skip the embedding layer: backward runs towards them instead.
+            if not embeddings.requires_grad:
+                embeddings = embeddings.detach().requires_grad_(True)
+                if "inputs_embeds" in kwargs:
+                    kwargs = {**kwargs, "inputs_embeds": embeddings}
+                else:
+                    index = names.index("inputs_embeds")
+                    args = (*args[:index], embeddings, *args[index + 1 :])
+            self.anchors.append(embeddings)
+            return args, kwargs
+
+        return hook
+
+    def _start_pass(self, hidden: Tensor) -> None:
+        """The first layer runs: a new forward pass, whose padding is the mask the model received."""
+        mask = self.received_mask
+        self.received_mask = None
+        self.token_mask = None if mask is None else (mask != 0).reshape(-1, mask.shape[-1])
+        self.pass_tokens += int(self.token_mask.sum()) if self.token_mask is not None else hidden.shape[:-1].numel()
+        self.passes += 1
+        self.inputs.clear()
+        if self.method == "auto":
+            self.batch_method = choose_method(self.device, hidden.shape[-2], self.eager_model)
+        self.methods_used.add(self.batch_method)
+
     def _input_hook(self, layer: int) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
             if self.in_backward:
                 return  # gradient checkpointing recomputes the layer: its inputs were taken in the forward pass
-            if layer in self.layers_run:
-                raise ValueError(
-                    f"layer {layer} ran twice on batch {self.sums.batch_index}: loss_fn must call the model once "
-                    "per batch (each forward pass is paired with its backward); concatenate the inputs into one call."
-                )
+            if layer == 0:
+                self._start_pass(args[0])
+            if layer not in self.sums.gradients and self.sums.second_moments is None:
+                return
             augmented = augmented_input(args[0].detach(), self.token_mask, self.compute_dtype, layer)
-            self.layers_run.add(layer)
             if layer in self.sums.gradients:
                 self.inputs[layer] = augmented
             if self.sums.second_moments is not None:
@@ -224,10 +272,10 @@ class Collector:
         return hook
 
     def score_hook(self, layer: int) -> Callable[[Tensor], None]:
-        """The reference method: receives G = dLoss/dS of ``layer`` as a whole."""
+        """The reference method: receives G = dLoss/dS of ``layer`` as a whole (paired with this pass's X')."""
+        augmented = self.inputs.pop(layer)
 
         def hook(grad: Tensor) -> None:
-            augmented = self.inputs.pop(layer)
             if grad.shape[-1] != augmented.shape[-2] or grad.shape[-2] != augmented.shape[-2]:
                 raise ValueError("statistics need full self-attention scores: run the model without a KV cache")
             # M_i = X'^T G_i X' summed over the batch: (b, s, d)^T (b, h, s, s) (b, s, d) -> (h, d, d)
@@ -270,40 +318,29 @@ class Collector:
 
         output.register_hook(on_backward)
 
-    def step(self, model: PreTrainedModel, batch: Mapping[str, Tensor], loss_fn: LossFn | None, weight: int) -> float:
+    def step(self, model: PreTrainedModel, batch: Any, loss_fn: LossFn | None, weight: int) -> float:
         """Forward and backward on one batch of ``weight`` loss terms, accumulating C and M. Returns its loss.
 
         Backward runs on the loss times ``weight``, the sum over its terms: M sums those (see `GrowthStatistics`),
-        and each term's gradient is of order one, which keeps float16 score gradients from underflowing.
+        and each term's gradient is of order one, which keeps float16 score gradients from underflowing. Every
+        forward pass the loss makes counts its real tokens in C and its score gradients in M.
         """
-        mask = batch.get("attention_mask")
-        self.token_mask = None if mask is None else (mask != 0)
-        if self.token_mask is not None:
-            self.token_mask = self.token_mask.reshape(-1, self.token_mask.shape[-1])
         self.inputs.clear()
-        self.layers_run.clear()
         self.anchors.clear()
-        tokens = token_shape(batch)
-        if tokens is None:
-            raise ValueError(
-                f"batch {self.sums.batch_index} holds neither input_ids nor inputs_embeds: pass one of them."
-            )
-        if self.method == "auto":
-            self.batch_method = choose_method(self.device, tokens[-1], self.eager_model)
-        self.methods_used.add(self.batch_method)
-        embeddings = batch.get("inputs_embeds")
-        if isinstance(embeddings, Tensor):
-            # Inputs given as embeddings skip the embedding layer: backward runs towards them instead.
-            if not embeddings.requires_grad:
-                embeddings = embeddings.detach().requires_grad_(True)
-                batch = {**batch, "inputs_embeds": embeddings}
-            self.anchors.append(embeddings)
+        self.passes = self.pass_tokens = 0
+        self.received_mask = None
         loss = compute_loss(model, batch, loss_fn)
-        if loss.dim() != 0:
-            raise ValueError(f"the loss must be a scalar, got shape {tuple(loss.shape)}")
+        if self.passes == 0:
+            raise ValueError(
+                f"the loss of batch {self.sums.batch_index} ran no forward pass of the model: loss_fn(model, batch) "
+                "must compute its loss with the model it is given."
+            )
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(f"the loss must be a scalar tensor, got {shape}")
         if not torch.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss.item()} at batch {self.sums.batch_index}")
-        anchors = [anchor for anchor in self.anchors if anchor.requires_grad]
+        anchors = list({id(anchor): anchor for anchor in self.anchors if anchor.requires_grad}.values())
         self.in_backward = True
         try:
             torch.autograd.grad(loss * weight, anchors, allow_unused=True)
@@ -311,6 +348,5 @@ class Collector:
             self.in_backward = False
         self.inputs.clear()
         self.anchors.clear()
-        self.sums.add_batch(int(self.token_mask.sum()) if self.token_mask is not None else tokens.numel(), weight,
-                            float(loss.detach()))
+        self.sums.add_batch(self.pass_tokens, weight, float(loss.detach()))
         return float(loss.detach())

