@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, TrainerCallback
 from .adapters import ArchitectureAdapter, get_adapter
 from .config import GrowthConfig, resolve_config
 from .growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
+from .optimizer_state import check_new_moments, fill_new_moments
 from .report import GrowthReport
 from .statistics import GrowthStatistics, LossFn
 
@@ -116,6 +117,7 @@ def resize_qk_(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     keep_moments: bool,
+    new_moments: str = "zero",
 ) -> None:
     """Give the layers in ``weights`` these augmented Q/K weights, of any width, in place; remap the optimizer.
 
@@ -124,7 +126,9 @@ def resize_qk_(
     With ``keep_moments`` the optimizer state of the old Q/K dimensions is kept, the queries' rescaled by the
     change of attention scale (the weights must then hold the old queries times ``scaling_before /
     scaling_after``, as every mode but "refactor" does); otherwise the Q/K state is reset to zero. New
-    dimensions start at zero, entries that are not Q/K (GPT-2's fused values) and scalars (``step``) are kept.
+    dimensions start at zero, or with ``new_moments="head_mean"`` their second moments at the mean of the old
+    entries' of the same head and role (`hf_grow.optimizer_state`); entries that are not Q/K (GPT-2's fused
+    values) and scalars (``step``) are kept.
     """
     adapter = get_adapter(model)
     optimizer = _torch_optimizer(optimizer)
@@ -150,12 +154,16 @@ def resize_qk_(
                     continue  # scalars such as the step count are kept
                 source = dict(zip(names, present))
                 old_query, old_key = adapter.read_qk(attention, source)
+                degree = OPTIMIZER_STATE_DEGREES[state_key]
                 if keep_moments:
-                    degree = OPTIMIZER_STATE_DEGREES[state_key]
-                    new_query, new_key = _pad(old_query * fold**-degree, new_dim), _pad(old_key, new_dim)
+                    old_query = old_query * fold**-degree
+                    new_query, new_key = _pad(old_query, new_dim), _pad(old_key, new_dim)
                 else:
                     new_query = old_query.new_zeros(*old_query.shape[:-1], new_dim)
                     new_key = old_key.new_zeros(*old_key.shape[:-1], new_dim)
+                start = dims[layer] if keep_moments else 0
+                new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
+                new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
                 for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
                     optimizer.state[parameters[name]][state_key] = value
             for name, value in adapter.qk_parameters(attention, query, key).items():
@@ -210,6 +218,7 @@ def grow_in_training(
     p: int | Mapping[int, int] | None,
     *,
     mode: str = "append",
+    new_moments: str = "zero",
     config: GrowthConfig | None = None,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
     statistics: GrowthStatistics | None = None,
@@ -229,6 +238,9 @@ def grow_in_training(
         mode: ``"refactor"`` or ``"append"`` (solved from statistics over ``dataloader``, line search on
             ``eval_dataloader`` or the last ``eval_fraction`` of the batches), ``"zero"`` or ``"random"``
             (baselines: no data needed); see the module docstring.
+        new_moments: how the optimizer moments of the new Q/K entries (all Q/K entries in mode "refactor")
+            start: ``"zero"``, or ``"head_mean"``: second moments at the mean of the old entries' of the same
+            head and role, first moments zero (see `hf_grow.optimizer_state`).
         init_std: standard deviation of the random new dims of the baselines (default:
             ``config.initializer_range``).
         seed: seed of the baselines' random new dims (the global RNG is not touched).
@@ -245,6 +257,7 @@ def grow_in_training(
     """
     if mode not in GROWTH_MODES:
         raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
+    check_new_moments(new_moments)
     overrides = overrides if p is None else {**overrides, "p": p}
     config = resolve_config(config, overrides, eval_fraction=0.25, measure_realized_gains=False)
     if config.budget is not None:
@@ -258,7 +271,7 @@ def grow_in_training(
         if not math.isfinite(std) or std < 0:
             raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
         weights = _initialized_weights(model, adapter, added, mode, std, seed)
-        resize_qk_(model, weights, torch_optimizer, keep_moments=True)
+        resize_qk_(model, weights, torch_optimizer, keep_moments=True, new_moments=new_moments)
         return None
 
     started = time.perf_counter()
@@ -276,7 +289,7 @@ def grow_in_training(
     at_zero = prepared.problem.weights(0.0)
     if mode == "append":  # layers that do not grow keep their weights and moments untouched
         at_zero = {layer: w for layer, w in at_zero.items() if prepared.qk_after[layer] > prepared.qk_before[layer]}
-    resize_qk_(model, at_zero, torch_optimizer, keep_moments=mode == "append")
+    resize_qk_(model, at_zero, torch_optimizer, keep_moments=mode == "append", new_moments=new_moments)
     try:
         report = search_and_report(
             prepared, model, measure_realized_gains=config.measure_realized_gains, progress=progress, started=started
@@ -306,6 +319,7 @@ class GrowthCallback(TrainerCallback):
         qk_dims_at: alternatively ``{global_step: width}``, the total query/key width to reach (an int for
             every layer, or one per layer); layers already that wide get no new dims.
         mode: ``"append"`` (default), ``"refactor"``, ``"zero"`` or ``"random"`` (see `hf_grow.training`).
+        new_moments: how the optimizer moments of new Q/K entries start (see `grow_in_training`).
         statistics_batches, eval_batches: batches drawn for the statistics and for the line search.
         dataloader, eval_dataloader: fixed batches to use instead of drawing from the training set.
         seed: seed of the batch draw (plus the global step) and of the baselines' random dims.
@@ -324,6 +338,7 @@ class GrowthCallback(TrainerCallback):
         *,
         qk_dims_at: Mapping[int, int | Sequence[int]] | None = None,
         mode: str = "append",
+        new_moments: str = "zero",
         statistics_batches: int = 8,
         eval_batches: int = 4,
         dataloader: Iterable[Mapping[str, Tensor]] | None = None,
@@ -340,6 +355,7 @@ class GrowthCallback(TrainerCallback):
             raise ValueError(f"growth steps must be positive global steps (optimizer steps), got {bad_steps}")
         if mode not in GROWTH_MODES:
             raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
+        check_new_moments(new_moments)
         if statistics_batches < 1 or eval_batches < 1:
             raise ValueError("statistics_batches and eval_batches must be at least 1")
         if qk_dims_at is not None:
@@ -350,6 +366,7 @@ class GrowthCallback(TrainerCallback):
         self.grow_at = dict(grow_at) if grow_at is not None else None
         self.qk_dims_at = dict(qk_dims_at) if qk_dims_at is not None else None
         self.mode = mode
+        self.new_moments = new_moments
         self.statistics_batches = statistics_batches
         self.eval_batches = eval_batches
         self.dataloader = dataloader
@@ -413,6 +430,7 @@ class GrowthCallback(TrainerCallback):
             batches,
             added,
             mode=self.mode,
+            new_moments=self.new_moments,
             eval_dataloader=eval_dataloader,
             seed=self.seed + step,
             config=self.config,
