@@ -53,8 +53,8 @@ from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel  # noqa: E402
 
 #: Variants beyond the standard ones: (standard variant, options of `grow_in_training`), named after both.
 OPTION_VARIANTS = [
-    ("grown-refactor", {"new_moments": "zero"}),
-    ("grown-append", {"new_moments": "zero"}),
+    ("grown-refactor", {"new_moments": "head_mean"}),
+    ("grown-append", {"new_moments": "head_mean"}),
 ]
 PRESETS = {
     "cpu": dict(
@@ -71,6 +71,7 @@ PRESETS = {
         text=dict(
             n_embd=64, n_layer=2, n_head=4, seq_len=64, small=2, large=16, schedule={200: 16},
             steps=600, batch_size=16, eval_every=50, eval_batches=8, lr=3e-3, warmup=50,
+            option_variants=OPTION_VARIANTS,
         ),
     ),
     "gpu": dict(
@@ -87,6 +88,7 @@ PRESETS = {
         text=dict(
             n_embd=256, n_layer=4, n_head=8, seq_len=256, small=4, large=32, schedule={1000: 16, 2000: 32},
             steps=6000, batch_size=32, eval_every=200, eval_batches=32, lr=1e-3, warmup=200,
+            option_variants=OPTION_VARIANTS,
         ),
     ),
     "tiny": dict(
@@ -98,7 +100,7 @@ PRESETS = {
         plateau=dict(
             keys=64, values=4, pairs=8, queries=2, n_embd=32, n_head=1, small=4, large=8, schedule={10: 6, 20: 8},
             steps=40, batch_size=16, eval_every=10, eval_batches=1, lr=3e-3, warmup=5,
-            option_variants=[("grown-append", {"new_moments": "zero"})],
+            option_variants=[("grown-append", {"new_moments": "head_mean"})],
         ),
         text=dict(
             n_embd=32, n_layer=1, n_head=2, seq_len=32, small=2, large=16, schedule={20: 16},
