@@ -1,28 +1,34 @@
 """Benchmark: growth where the query/key rank binds, measured by learning speed across seeds.
 
-Two tasks, each trained with the variants of `recipes/progressive_gpt2.py` (fixed small Q/K width, fixed large,
+Three tasks, each trained with the variants of `recipes/progressive_gpt2.py` (fixed small Q/K width, fixed large,
 grown small -> large by hf_grow in "refactor" and "append" mode, and the same schedule with zero-initialised
-keys or small random new dims), at the same steps and growth schedule, over several seeds:
+keys or small random new dims), at the same steps and growth schedule, over several seeds, plus the preset's
+option variants (a grown variant with other options of `grow_in_training`, e.g. ``new_moments``):
 
-- ``retrieval``: key -> value lookup in one attention layer. Each position holds a stored pair, embedded as
-  E_key[k] + E_value[v] with fixed random tables; the last position holds a query key, and the model must
-  output the value stored under it. The query must pick its key among ``pairs`` stored ones out of ``keys``
-  nearly orthogonal key embeddings: the score matrix E_key^T Z E_key must peak on its diagonal, which a
-  rank-d_k bilinear form Z only does with margins that vanish as d_k shrinks. With the cpu preset a head of
-  d_k = 2 plateaus near 60% accuracy while d_k = 8 learns the task in a few hundred steps.
+- ``plateau``: key -> value retrieval where training itself stalls. One attention layer, learned embeddings of
+  ``keys`` (1024) keys and ``values`` values, ``pairs`` stored pairs per sequence (one per position, the sum of
+  the key's and the value's embedding), then ``queries`` stored keys asked (the key's embedding plus a learned
+  marker), loss at the query positions only. Until embeddings and W_Q, W_K align, attention is near-uniform
+  and the loss sits at log(values) for hundreds of steps, at d_k = 8 and d_k = 32 alike. Growth 8 -> 16 -> 24
+  -> 32 happens on that plateau. "Steps to escape" is the first evaluation below half of log(values).
+- ``retrieval``: the easy contrast. Key -> value lookup in one attention layer with fixed random embeddings:
+  each position holds a stored pair, E_key[k] + E_value[v]; the last position holds a query key. With the cpu
+  preset a head of d_k = 2 plateaus near 60% accuracy while d_k = 8 learns the task in ~120 steps, so every
+  widened variant learns it soon after the growth.
 - ``text``: byte-level language modelling of the Python standard library's sources with a deliberately tiny
   initial d_k (2) grown to the standard n_embd / n_head.
 
 For each variant it reports, as mean ± standard deviation over seeds: the final held-out loss (and accuracy),
-the area under the held-out loss curve (mean loss over training), the steps and FLOPs (growth overhead
-included) at which a run first reaches fixed-large's final loss (the worst over its seeds, so that every
-fixed-large run reaches it; with how many seeds get there), for the retrieval task the steps to 99% accuracy,
-and the held-out loss just before and right after each growth. Each variant's final loss and AUC are compared with the
+the area under the held-out loss curve (mean loss over training) and its ratio to the better of the zero and
+random baselines, for the plateau task the steps to escape, the steps and FLOPs (growth overhead included) at
+which a run first reaches fixed-large's final loss (the worst over its seeds, so that every fixed-large run
+reaches it; with how many seeds get there), for the retrieval tasks the steps to 99% accuracy, and the
+held-out loss just before and right after each growth. Each variant's final loss and AUC are compared with the
 zero and random baselines: a difference smaller than the sum of the two standard deviations is reported as no
-difference. Writes a PNG of the loss curves (mean ± std) per
-task and a JSON of every run.
+difference. Writes a PNG of the loss curves (mean ± std) per task and a JSON of every run.
 
-    python recipes/benchmarks/bench_bottleneck.py --preset cpu        # ~15 min on 2 CPU cores
+    python recipes/benchmarks/bench_bottleneck.py --preset cpu --tasks plateau &          # side by side on
+    python recipes/benchmarks/bench_bottleneck.py --preset cpu --tasks retrieval text    # 2 cores: ~20 min
     python recipes/benchmarks/bench_bottleneck.py --preset gpu --device cuda
     python recipes/benchmarks/bench_bottleneck.py --preset tiny       # smoke test, ~1 min
 """
