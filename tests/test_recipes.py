@@ -64,7 +64,8 @@ def test_steps_to_escape_is_the_first_scheduled_evaluation_below_the_threshold()
 
 
 def test_bench_bottleneck_runs_the_plateau_preset(tmp_path, capsys):
-    bench_bottleneck.main(["--preset", "tiny", "--tasks", "plateau", "--seeds", "1", "--steps", "20", "--output", str(tmp_path / "out")])
+    output = str(tmp_path / "out")
+    bench_bottleneck.main(["--preset", "tiny", "--tasks", "plateau", "--seeds", "1", "--steps", "20", "--output", output])
     printed = capsys.readouterr().out
     assert "steps to escape" in printed and "grown-append (new_moments=head_mean)" in printed
     assert (tmp_path / "out.json").exists()

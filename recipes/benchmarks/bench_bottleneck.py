@@ -70,8 +70,8 @@ PRESETS = {
             steps=500, batch_size=64, eval_every=25, eval_batches=2, lr=3e-3, warmup=20,
         ),
         plateau=dict(
-            keys=1024, values=16, pairs=32, queries=8, n_embd=64, n_head=1, small=8, large=32,
-            schedule={150: 16, 300: 24, 450: 32}, steps=1000, batch_size=64, eval_every=25, eval_batches=2, lr=3e-3,
+            keys=1024, values=16, pairs=32, queries=8, n_embd=64, n_inner=64, n_head=1, small=8, large=32,
+            schedule={150: 16, 300: 24, 450: 32}, steps=800, batch_size=64, eval_every=25, eval_batches=2, lr=3e-3,
             warmup=50, statistics_batches=4, search_batches=4, option_variants=OPTION_VARIANTS,
         ),
         text=dict(
@@ -177,7 +177,8 @@ def retrieval_task(keys: int, values: int, pairs: int, n_embd: int, n_head: int,
 
 
 def plateau_task(
-    keys: int, values: int, pairs: int, queries: int, n_embd: int, n_head: int, batch_size: int, eval_batches: int
+    keys: int, values: int, pairs: int, queries: int, n_embd: int, n_head: int, batch_size: int, eval_batches: int,
+    n_inner: int | None = None,
 ) -> Task:
     """Key -> value retrieval with learned embeddings, where training itself stalls on a loss plateau.
 
@@ -186,13 +187,15 @@ def plateau_task(
     ``queries`` of the stored keys, one per position (the key's embedding plus a learned query marker's); the
     loss is the cross-entropy of the value at each query position. Until the query/key embeddings and W_Q, W_K
     align, attention is near-uniform and the loss sits at about log(values): a plateau of hundreds of steps.
+    ``n_inner`` is the MLP width (the lookup needs none; a narrow one keeps the preset cheap).
     """
     if pairs > keys or queries > pairs:
         raise ValueError(f"need queries ({queries}) <= pairs ({pairs}) <= keys ({keys}): stored keys are distinct")
     marker = keys + values
     config = GrownGPT2Config(
         vocab_size=keys + values + 1, n_positions=pairs + queries, n_embd=n_embd, n_layer=1, n_head=n_head,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_inner=n_inner, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
 
     def sample(count: int, generator: torch.Generator) -> dict:
@@ -243,8 +246,8 @@ def plateau_task(
 
 def build_task(name: str, settings: dict) -> Task:
     if name == "plateau":
-        keys = ("keys", "values", "pairs", "queries", "n_embd", "n_head", "batch_size", "eval_batches")
-        return plateau_task(**{key: settings[key] for key in keys})
+        keys = ("keys", "values", "pairs", "queries", "n_embd", "n_head", "batch_size", "eval_batches", "n_inner")
+        return plateau_task(**{key: settings.get(key) for key in keys})
     if name == "retrieval":
         keys = ("keys", "values", "pairs", "n_embd", "n_head", "batch_size", "eval_batches")
         return retrieval_task(**{key: settings[key] for key in keys})
@@ -341,9 +344,9 @@ def summary(task: str, runs: dict[str, list[Run]], escape: float | None = None) 
         cells.append("; ".join(growths) or "-")
         for baseline in baselines:
             others = runs[baseline]
+            other_finals, other_areas = [r.final_loss for r in others], [r.area_under_curve() for r in others]
             cells.append(
-                "-" if variant == baseline else
-                f"{compare(finals, [r.final_loss for r in others])} / {compare(areas, [r.area_under_curve() for r in others])}"
+                "-" if variant == baseline else f"{compare(finals, other_finals)} / {compare(areas, other_areas)}"
             )
         rows.append("| " + " | ".join(cells) + " |")
     return f"### {task}\n\n" + "\n".join(rows)
