@@ -4,8 +4,9 @@
 must survive. Here the model is already of a grown type (built from a grown config, or converted once with
 `to_grown_model` before the optimizer is created), and growth resizes its Q/K Parameters in place
 (``param.data = ...``: the optimizer's param_groups, the LR scheduler and the Trainer keep working) and remaps
-the optimizer state: moments of entries that keep their meaning are kept, new entries start at zero, the step
-count is kept.
+the optimizer state: moments of entries that keep their meaning are kept, new entries start at zero (or, with
+``new_moments="head_mean"``, the default, their second moments at their head's; see `hf_grow.optimizer_state`),
+the step count is kept.
 
 Growth modes (the first two solved from the loss statistics, the last two baselines without statistics):
 
@@ -18,7 +19,11 @@ Growth modes (the first two solved from the loss statistics, the last two baseli
 - ``"random"``: new query and key dims both random (``init_std``): not function-preserving.
 
 With Adam, entries whose moments start at zero while the step count is large take up to a few times the
-usual update size for their first ~1/(1 - beta2) steps (the bias correction assumes moments of age ``step``).
+usual update size for their first ~1/(1 - beta2) steps (the bias correction assumes moments of age ``step``);
+``new_moments="head_mean"`` avoids that.
+
+The defaults, ``mode="refactor"`` and ``new_moments="head_mean"``, are what measured best on a retrieval task
+whose training stalls on a plateau (`recipes/benchmarks/bench_bottleneck.py`, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from transformers import PreTrainedModel, TrainerCallback
 from .adapters import ArchitectureAdapter, get_adapter
 from .config import GrowthConfig, resolve_config
 from .growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
-from .optimizer_state import check_new_moments, fill_new_moments
+from .optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments, fill_new_moments
 from .report import GrowthReport
 from .statistics import GrowthStatistics, LossFn
 
@@ -46,6 +51,9 @@ from .statistics import GrowthStatistics, LossFn
 logger = logging.getLogger("hf_grow")
 
 GROWTH_MODES: tuple[str, ...] = ("refactor", "append", "zero", "random")
+#: On bench_bottleneck's plateau task (3 seeds) refactor left the plateau first and had the lowest mean loss
+#: over training, below append and the zero/random baselines (BENCHMARKS.md).
+DEFAULT_MODE = "refactor"
 
 #: Optimizer state entries that can be remapped, and their degree in the gradient: when a weight is rescaled by
 #: ``fold`` its gradient scales by ``1 / fold``, so a moment of degree k scales by ``fold ** -k``.
@@ -217,8 +225,8 @@ def grow_in_training(
     dataloader: Iterable[Mapping[str, Tensor]] | None,
     p: int | Mapping[int, int] | None,
     *,
-    mode: str = "append",
-    new_moments: str = "zero",
+    mode: str = DEFAULT_MODE,
+    new_moments: str = DEFAULT_NEW_MOMENTS,
     config: GrowthConfig | None = None,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
     statistics: GrowthStatistics | None = None,
@@ -235,12 +243,12 @@ def grow_in_training(
     and a `transformers.Trainer` carry on. Call it between optimizer steps (after ``zero_grad``).
 
     Args:
-        mode: ``"refactor"`` or ``"append"`` (solved from statistics over ``dataloader``, line search on
+        mode: ``"refactor"`` (default) or ``"append"`` (solved from statistics over ``dataloader``, line search on
             ``eval_dataloader`` or the last ``eval_fraction`` of the batches), ``"zero"`` or ``"random"``
             (baselines: no data needed); see the module docstring.
         new_moments: how the optimizer moments of the new Q/K entries (all Q/K entries in mode "refactor")
-            start: ``"zero"``, or ``"head_mean"``: second moments at the mean of the old entries' of the same
-            head and role, first moments zero (see `hf_grow.optimizer_state`).
+            start: ``"head_mean"`` (default): second moments at the mean of the old entries' of the same head and
+            role, first moments zero (see `hf_grow.optimizer_state`); or ``"zero"``, as a fresh optimizer.
         init_std: standard deviation of the random new dims of the baselines (default:
             ``config.initializer_range``).
         seed: seed of the baselines' random new dims (the global RNG is not touched).
@@ -318,7 +326,7 @@ class GrowthCallback(TrainerCallback):
         grow_at: ``{global_step: p}``, the dims to add per head at each step (an int, or ``{layer: p}``).
         qk_dims_at: alternatively ``{global_step: width}``, the total query/key width to reach (an int for
             every layer, or one per layer); layers already that wide get no new dims.
-        mode: ``"append"`` (default), ``"refactor"``, ``"zero"`` or ``"random"`` (see `hf_grow.training`).
+        mode: ``"refactor"`` (default), ``"append"``, ``"zero"`` or ``"random"`` (see `hf_grow.training`).
         new_moments: how the optimizer moments of new Q/K entries start (see `grow_in_training`).
         statistics_batches, eval_batches: batches drawn for the statistics and for the line search.
         dataloader, eval_dataloader: fixed batches to use instead of drawing from the training set.
@@ -337,8 +345,8 @@ class GrowthCallback(TrainerCallback):
         grow_at: Mapping[int, int | Mapping[int, int]] | None = None,
         *,
         qk_dims_at: Mapping[int, int | Sequence[int]] | None = None,
-        mode: str = "append",
-        new_moments: str = "zero",
+        mode: str = DEFAULT_MODE,
+        new_moments: str = DEFAULT_NEW_MOMENTS,
         statistics_batches: int = 8,
         eval_batches: int = 4,
         dataloader: Iterable[Mapping[str, Tensor]] | None = None,

@@ -52,15 +52,17 @@ from transformers.utils import logging as transformers_logging
 
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from progressive_gpt2 import Run, Task, Variant, standard_variants, text_task, train_variant  # noqa: E402
+from progressive_gpt2 import (  # noqa: E402
+    CurvePoint, GrowthEvent, Run, Task, Variant, standard_variants, text_task, train_variant,
+)
 
 from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel  # noqa: E402
 
 
 #: Variants beyond the standard ones: (standard variant, options of `grow_in_training`), named after both.
 OPTION_VARIANTS = [
-    ("grown-refactor", {"new_moments": "head_mean"}),
-    ("grown-append", {"new_moments": "head_mean"}),
+    ("grown-refactor", {"new_moments": "zero"}),
+    ("grown-append", {"new_moments": "zero"}),
 ]
 PRESETS = {
     "cpu": dict(
@@ -106,7 +108,7 @@ PRESETS = {
         plateau=dict(
             keys=64, values=4, pairs=8, queries=2, n_embd=32, n_head=1, small=4, large=8, schedule={10: 6, 20: 8},
             steps=40, batch_size=16, eval_every=10, eval_batches=1, lr=3e-3, warmup=5,
-            option_variants=[("grown-append", {"new_moments": "head_mean"})],
+            option_variants=[("grown-append", {"new_moments": "zero"})],
         ),
         text=dict(
             n_embd=32, n_layer=1, n_head=2, seq_len=32, small=2, large=16, schedule={20: 16},
@@ -383,6 +385,46 @@ def plot(results: dict[str, dict[str, list[Run]]], path: str) -> bool:
     return True
 
 
+def load_runs(path: str) -> tuple[dict, dict[str, dict[str, list[Run]]]]:
+    """The settings and runs a bench_bottleneck JSON holds."""
+    with open(path) as handle:
+        saved = json.load(handle)
+    results = {
+        task: {
+            variant: [
+                Run(**{
+                    **run,
+                    "curve": [CurvePoint(**point) for point in run["curve"]],
+                    "growths": [GrowthEvent(**event) for event in run["growths"]],
+                })
+                for run in variant_runs
+            ]
+            for variant, variant_runs in runs.items()
+        }
+        for task, runs in saved["results"].items()
+    }
+    return saved["settings"], results
+
+
+def merge(paths: Sequence[str], output: str) -> None:
+    """One table and one plot per task from runs of several parts (e.g. variants run side by side)."""
+    settings: dict[str, dict] = {}
+    results: dict[str, dict[str, list[Run]]] = {}
+    for path in paths:
+        part_settings, part = load_runs(path)
+        settings.update(part_settings)
+        for task, runs in part.items():
+            for variant, variant_runs in runs.items():
+                results.setdefault(task, {}).setdefault(variant, []).extend(variant_runs)
+    order = {task: [variant.name for variant in task_variants(settings[task])] for task in results}
+    for task, runs in results.items():
+        runs = {name: runs[name] for name in order[task] if name in runs}
+        results[task] = runs
+        print("\n" + summary(task, runs, escape_loss(task, settings[task])), flush=True)
+    if plot(results, f"{output}.png"):
+        print(f"\nwrote {output}.png")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -392,7 +434,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", default="bench_bottleneck", help="prefix of the .png and .json outputs")
+    parser.add_argument("--variants", nargs="*", help="run only these variants (merge the parts with --merge)")
+    parser.add_argument("--merge", nargs="*", metavar="JSON", help="print the tables of these runs' JSONs together")
     args = parser.parse_args(argv)
+    if args.merge:
+        merge(args.merge, args.output)
+        return
     preset = PRESETS[args.preset]
     seeds = args.seeds or preset["seeds"]
     torch.set_num_threads(args.threads)
@@ -416,6 +463,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"\n## {task_name}: {settings}", flush=True)
         runs: dict[str, list[Run]] = {}
         for variant in task_variants(settings):
+            if args.variants and variant.name not in args.variants:
+                continue
             for seed in range(seeds):
                 run = train_variant(
                     variant, task, settings["steps"], settings["lr"], settings["warmup"], settings["eval_every"], seed,
@@ -431,11 +480,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                     flush=True,
                 )
         results[task_name] = runs
-        print("\n" + summary(task_name, runs, escape_loss(task_name, settings)), flush=True)
+        if "fixed-large" in runs:  # the target of the table (a part without it is merged later)
+            print("\n" + summary(task_name, runs, escape_loss(task_name, settings)), flush=True)
     with open(f"{args.output}.json", "w") as handle:
         serialized = {task: {v: [asdict(run) for run in rs] for v, rs in runs.items()} for task, runs in results.items()}
         json.dump({"preset": args.preset, "seeds": seeds, "settings": used_settings, "results": serialized}, handle, indent=1, default=str)
-    written = [f"{args.output}.json"] + ([f"{args.output}.png"] if plot(results, f"{args.output}.png") else [])
+    plotted = not args.variants and plot(results, f"{args.output}.png")
+    written = [f"{args.output}.json"] + ([f"{args.output}.png"] if plotted else [])
     print(f"\nwrote {', '.join(written)}")
 
 
