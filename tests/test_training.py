@@ -80,7 +80,7 @@ def test_growth_keeps_the_function_parameters_and_moments(trained, stdlib_bytes,
     model.train()
     live_graph = model(**batch).loss  # a user's loop often keeps the last loss, and so its graph, alive
     live_graph.backward()
-    report = grow_in_training(model, optimizer, stats, 8, mode=mode, step_size=0.0)
+    report = grow_in_training(model, optimizer, stats, 8, mode=mode, step_size=0.0, new_moments="zero")
     assert (report is None) == (mode == "zero")
 
     # Same Parameter objects (the optimizer's param_groups stay valid), new widths everywhere.
