@@ -18,9 +18,10 @@ from torch import Tensor
 #: How the optimizer moments of new Q/K entries start: "zero" (as a fresh optimizer would), or "head_mean"
 #: (second moments from the old entries of the same head and role, first moments zero).
 NEW_MOMENTS: tuple[str, ...] = ("zero", "head_mean")
-#: On bench_bottleneck's plateau task, zero moments left grown-append stuck below full accuracy on some seeds,
-#: where head_mean did not (BENCHMARKS.md).
-DEFAULT_NEW_MOMENTS = "head_mean"
+#: On bench_bottleneck's plateau preset (3 seeds) head_mean made no difference to refactor or append (mean loss
+#: over training within the seed spread, slightly higher); in one pilot seed of a wider-MLP variant it saved
+#: append from stalling at 88% accuracy (BENCHMARKS.md). Zero, what a fresh optimizer does, stays the default.
+DEFAULT_NEW_MOMENTS = "zero"
 
 
 def check_new_moments(new_moments: str) -> None:

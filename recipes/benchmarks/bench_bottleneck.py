@@ -61,8 +61,8 @@ from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel  # noqa: E402
 
 #: Variants beyond the standard ones: (standard variant, options of `grow_in_training`), named after both.
 OPTION_VARIANTS = [
-    ("grown-refactor", {"new_moments": "zero"}),
-    ("grown-append", {"new_moments": "zero"}),
+    ("grown-refactor", {"new_moments": "head_mean"}),
+    ("grown-append", {"new_moments": "head_mean"}),
 ]
 PRESETS = {
     "cpu": dict(
@@ -108,7 +108,7 @@ PRESETS = {
         plateau=dict(
             keys=64, values=4, pairs=8, queries=2, n_embd=32, n_head=1, small=4, large=8, schedule={10: 6, 20: 8},
             steps=40, batch_size=16, eval_every=10, eval_batches=1, lr=3e-3, warmup=5,
-            option_variants=[("grown-append", {"new_moments": "zero"})],
+            option_variants=[("grown-append", {"new_moments": "head_mean"})],
         ),
         text=dict(
             n_embd=32, n_layer=1, n_head=2, seq_len=32, small=2, large=16, schedule={20: 16},
