@@ -1,16 +1,20 @@
-"""Several processes collecting statistics together: sums across processes, one main process, unwrapped models.
+"""Several processes growing together: sums across processes, one main process, unwrapped and re-bucketed models.
 
 Statistics and held-out losses are sums, so processes that each read their own shard of the data add up to
 exactly what one process reading all of it would get. Collectives run only when the caller asks for them
 by passing an `accelerate.Accelerator`: a collective on a code path that only some processes take would
 wait forever, so hf_grow never starts one on its own.
+
+Growth during training resizes Parameters in place. DistributedDataParallel keeps gradient buckets sized for
+the old shapes, so its reducer is rebuilt afterwards (`rebuild_ddp_buckets_`); FSDP and DeepSpeed shard
+parameters and optimizer state by shape and are refused (`refuse_sharded_training`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,6 +60,14 @@ class Processes:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def broadcast_(self, tensor: Tensor) -> Tensor:
+        """Replace ``tensor`` by the main process's (in place) and return it."""
+        if self.world_size > 1:
+            from accelerate.utils import broadcast
+
+            tensor.copy_(broadcast(tensor, from_process=0))
+        return tensor
+
     def sum_(self, tensor: Tensor) -> Tensor:
         """Replace ``tensor`` by its sum over the processes (in place) and return it."""
         if self.world_size > 1:
@@ -97,3 +109,110 @@ def unwrap_model(model: nn.Module, accelerator: Accelerator | None = None) -> nn
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     return model
+
+
+#: What each refused wrapper or accelerate mode is called in the error message.
+_SHARDED = {"FullyShardedDataParallel": "FSDP", "FSDPModule": "FSDP", "DeepSpeedEngine": "DeepSpeed"}
+_SHARDED_MODES = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed", "MEGATRON_LM": "Megatron-LM"}
+
+
+def refuse_sharded_training(model: nn.Module, accelerator: Accelerator | None = None) -> None:
+    """Refuse, before any work, a model trained with FSDP or DeepSpeed: growth during training supports DDP only.
+
+    They shard the parameters and the optimizer state into flat buffers laid out by shape, which an in-place
+    resize cannot follow. Detected from the accelerator's mode and from the wrappers' class names (DeepSpeed
+    need not be installed to be recognized).
+    """
+    found = None
+    mode = getattr(getattr(accelerator, "distributed_type", None), "name", None)
+    if mode in _SHARDED_MODES:
+        found = _SHARDED_MODES[mode]
+    while found is None and isinstance(model, nn.Module):
+        names = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
+        found = next((what for name, what in _SHARDED.items() if name in names), None)
+        if found is None and any(type(p).__name__ in ("DTensor", "FlatParameter") for p in model.parameters()):
+            found = "FSDP"
+        model = getattr(model, "module", None)
+    if found is not None:
+        raise ValueError(sharded_training_message(found))
+
+
+def sharded_training_message(found: str) -> str:
+    """The one-line refusal of growth during training under ``found`` (FSDP, DeepSpeed), saying what works."""
+    return (
+        f"growth during training supports one process or DistributedDataParallel (torchrun, accelerate launch "
+        f"--multi_gpu, Trainer under either), not {found}: it shards parameters and optimizer state by shape, "
+        "which an in-place resize cannot follow. Train with DDP, or grow a saved checkpoint between runs "
+        "(hf_grow.grow_model or hf-grow)."
+    )
+
+
+def ddp_wrappers(model: nn.Module) -> list[nn.parallel.DistributedDataParallel]:
+    """The DistributedDataParallel wrappers in ``model``'s chain of wrappers (``.module``), outermost first.
+
+    A wrapper cannot be found from the plain model inside it (nor from accelerate, which records the plain
+    model), so growth during training must be given the wrapped model.
+    """
+    found = []
+    while isinstance(model, nn.Module):
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            found.append(model)
+        model = getattr(model, "module", None)
+    return found
+
+
+def synchronize_after_growth(
+    parameters: Iterable[Tensor],
+    wrappers: Iterable[nn.parallel.DistributedDataParallel],
+    accelerator: Accelerator | None,
+) -> None:
+    """Make several processes consistent again after the in-place growth of ``parameters`` (on every process).
+
+    The grown Parameters take the main process's values (the solve gives the same on every process from the
+    summed statistics; the broadcast rules out a last-bit difference between devices), and every DDP wrapper
+    gets gradient buckets for the new shapes. The optimizer state needs nothing: it was remapped on every
+    process from equal state by the same rule.
+    """
+    processes = Processes(accelerator)
+    if processes.world_size > 1:
+        with torch.no_grad():
+            for parameter in parameters:
+                processes.broadcast_(parameter.data)
+    wrappers = list(wrappers)
+    if not wrappers and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        logger.warning(
+            "grew a model that is not wrapped by DistributedDataParallel in a process group: if it trains through a "
+            "DDP wrapper, pass the wrapper (what accelerator.prepare returned), whose buckets must be rebuilt."
+        )
+    for wrapper in wrappers:
+        rebuild_ddp_buckets_(wrapper)
+
+
+def rebuild_ddp_buckets_(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Rebuild ``ddp``'s reducer for its module's current parameter shapes, in place (after a resize).
+
+    The reducer holds flat gradient buckets sized for the shapes it was built with, and autograd hooks on the
+    parameters' old gradient accumulators: without a rebuild the next backward would not synchronize (or fail).
+    This repeats what DistributedDataParallel's constructor does (checking that every process has the same
+    shapes; the parameters are already equal, so nothing is broadcast), keeps the wrapper object, its
+    options and its communication hooks, so a Trainer's or accelerate's reference to it stays valid. Call it
+    on every process, between optimizer steps.
+    """
+    from torch.distributed.utils import _verify_param_shape_across_processes
+
+    if getattr(ddp, "_delay_all_reduce_params", None) or getattr(ddp, "_use_python_reducer", False):
+        raise ValueError("growth during training does not support DDP with delayed all-reduce or the Python reducer")
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise ValueError("growth during training does not support DDP's own mixed_precision: use autocast instead")
+    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    _verify_param_shape_across_processes(ddp.process_group, parameters)
+    ddp.reducer._remove_autograd_hooks()  # the old reducer must not fire, even if something keeps it alive
+    static_graph, ddp.static_graph = ddp.static_graph, False
+    ddp._ddp_init_helper(
+        parameters, expect_sparse_gradient, ddp._build_debug_param_to_name_mapping(parameters), static_graph
+    )
+    for hook, state in ddp._comm_hooks:
+        dist._register_comm_hook(ddp.reducer, state, hook)
+    ddp._has_rebuilt_buckets = False
+    if static_graph:
+        ddp._set_static_graph()

@@ -33,7 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -42,10 +42,22 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from .adapters import ArchitectureAdapter, get_adapter
 from .config import GrowthConfig, resolve_config
+from .distributed import (
+    Processes,
+    ddp_wrappers,
+    refuse_sharded_training,
+    sharded_training_message,
+    synchronize_after_growth,
+    unwrap_model,
+)
 from .growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
 from .optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments, fill_new_moments
 from .report import GrowthReport
 from .statistics import GrowthStatistics, LossFn
+
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 logger = logging.getLogger("hf_grow")
@@ -235,6 +247,7 @@ def grow_in_training(
     init_std: float | None = None,
     seed: int = 0,
     progress: bool = False,
+    accelerator: Accelerator | None = None,
     **overrides: Any,
 ) -> GrowthReport | None:
     """Grow ``model``'s query/key heads by ``p`` in place, mid-training, and remap ``optimizer``'s state.
@@ -242,6 +255,13 @@ def grow_in_training(
     Unlike `grow_model` this modifies ``model`` (a grown model type; see `to_grown_model`): its Parameters are
     resized in place, so ``optimizer`` (a torch optimizer or accelerate's wrapper around one), the LR schedule
     and a `transformers.Trainer` carry on. Call it between optimizer steps (after ``zero_grad``).
+
+    With several processes (DDP: torchrun, ``accelerate launch``), call it on every process with that process's
+    own shard of the batches and the ``accelerator``, passing the DDP-wrapped model (what ``accelerator.prepare``
+    returned: the wrapper cannot be found from the model inside it). The statistics and held-out losses are
+    summed across processes, every process gets the main process's grown weights, and the DDP wrapper's gradient
+    buckets are rebuilt for the new shapes, in place: the wrapped model and the optimizer carry on as they are.
+    FSDP and DeepSpeed are refused.
 
     Args:
         mode: ``"refactor"`` (default) or ``"append"`` (solved from statistics over ``dataloader``, line search on
@@ -253,6 +273,8 @@ def grow_in_training(
         init_std: standard deviation of the random new dims of the baselines (default:
             ``config.initializer_range``).
         seed: seed of the baselines' random new dims (the global RNG is not touched).
+        accelerator: an `accelerate.Accelerator`, to grow with several processes (required for the solved
+            modes when the model is DDP-wrapped; the baselines draw the same dims on every process).
         p: dimensions added per head, in every layer, or ``{layer: p}``; None takes ``config.p`` (default 8,
             for the solved modes).
         config, overrides: the growth options as in `grow_model`. Without a config, this function's defaults
@@ -271,6 +293,13 @@ def grow_in_training(
     config = resolve_config(config, overrides, eval_fraction=0.25, measure_realized_gains=False)
     if config.budget is not None:
         raise ValueError("grow_in_training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
+    refuse_sharded_training(model, accelerator)
+    wrappers, model, is_main = ddp_wrappers(model), unwrap_model(model, accelerator), Processes(accelerator).is_main
+    if wrappers and accelerator is None and mode in ("refactor", "append"):
+        raise ValueError(
+            "the model is wrapped by DistributedDataParallel: pass accelerator=accelerate.Accelerator() on every "
+            "process, so that the statistics are summed across processes and every process grows the same way."
+        )
     adapter = get_adapter(model)
     torch_optimizer = _torch_optimizer(optimizer)
     _check_growable(model, adapter, torch_optimizer)
@@ -281,6 +310,7 @@ def grow_in_training(
             raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
         weights = _initialized_weights(model, adapter, added, mode, std, seed)
         resize_qk_(model, weights, torch_optimizer, keep_moments=True, new_moments=new_moments)
+        synchronize_after_growth(_qk_parameters(model, adapter, weights), wrappers, accelerator)
         return None
 
     started = time.perf_counter()
@@ -292,8 +322,8 @@ def grow_in_training(
         eval_dataloader=eval_dataloader,
         loss_fn=loss_fn,
         statistics=statistics,
-        accelerator=None,
-        progress=progress,
+        accelerator=accelerator,
+        progress=progress and is_main,
     )
     at_zero = prepared.problem.weights(0.0)
     if mode == "append":  # layers that do not grow keep their weights and moments untouched
@@ -301,13 +331,25 @@ def grow_in_training(
     resize_qk_(model, at_zero, torch_optimizer, keep_moments=mode == "append", new_moments=new_moments)
     try:
         report = search_and_report(
-            prepared, model, measure_realized_gains=config.measure_realized_gains, progress=progress, started=started
+            prepared, model, measure_realized_gains=config.measure_realized_gains, progress=progress and is_main,
+            started=started,
         )
     except BaseException:
-        write_weights(adapter, model, at_zero)  # the old function, at the new width: training can go on
+        write_weights(adapter, model, at_zero)  # the old function, at the new width: a single process can go on
         raise
+    synchronize_after_growth(_qk_parameters(model, adapter, at_zero), wrappers, accelerator)
     model.growth_report = report
     return report
+
+
+def _qk_parameters(model: PreTrainedModel, adapter: ArchitectureAdapter, layers: Iterable[int]) -> list[Tensor]:
+    """The Parameters that hold the query/key weights of ``layers``."""
+    attentions = adapter.attention_modules(model)
+    return [
+        dict(attentions[layer].named_parameters())[name]
+        for layer in layers
+        for name in adapter.qk_parameter_names(attentions[layer])
+    ]
 
 
 class GrowthCallback(TrainerCallback):
@@ -334,11 +376,17 @@ class GrowthCallback(TrainerCallback):
         seed: seed of the batch draw (plus the global step) and of the baselines' random dims.
         config: the growth options (`GrowthConfig`) of every growth, passed to `grow_in_training` (used as it
             is: `grow_in_training`'s own defaults apply without one); ``p`` comes from the schedule.
+        trainer: the `transformers.Trainer`, required with several processes (DDP under ``torchrun`` or
+            ``accelerate launch``): the callback then grows the Trainer's DDP-wrapped model with its accelerator
+            (``trainer.add_callback(GrowthCallback(..., trainer=trainer))``). Each process draws the same
+            ``(statistics_batches + eval_batches) * world_size`` batches and uses every world_size-th, so the
+            processes together read the samples that one process whose batch is the global batch would;
+            fixed ``dataloader``/``eval_dataloader`` are each process's own shard, as in `grow_model`.
         growth_kwargs: passed to `grow_in_training` (``step_size``, ``truncation``, ``loss_fn``, ...).
 
     ``reports`` maps each step at which the model grew to its `GrowthReport` (None for the baselines); a
     summary also goes to ``state.log_history`` (and so to ``trainer_state.json``).
-    Single-process training only (no DDP, FSDP or DeepSpeed: they shard or bucket parameters by size).
+    One process or DDP; FSDP and DeepSpeed are refused (they shard parameters and optimizer state by shape).
     """
 
     def __init__(
@@ -354,6 +402,7 @@ class GrowthCallback(TrainerCallback):
         eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
         seed: int = 0,
         config: GrowthConfig | None = None,
+        trainer: Any | None = None,
         **growth_kwargs,
     ):
         if (grow_at is None) == (qk_dims_at is None):
@@ -382,12 +431,20 @@ class GrowthCallback(TrainerCallback):
         self.eval_dataloader = eval_dataloader
         self.seed = seed
         self.config = config
+        self.trainer = trainer
         self.growth_kwargs = growth_kwargs
         self.reports: dict[int, GrowthReport | None] = {}
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if args.world_size > 1 or args.deepspeed or args.fsdp:
-            raise ValueError("GrowthCallback supports single-process training only (no DDP, FSDP or DeepSpeed).")
+        if args.deepspeed or args.fsdp:
+            raise ValueError(sharded_training_message("DeepSpeed" if args.deepspeed else "FSDP"))
+        if args.world_size > 1 and self.trainer is None:
+            raise ValueError(
+                f"GrowthCallback with {args.world_size} processes needs the Trainer, to grow its DDP-wrapped model "
+                "with its accelerator: trainer.add_callback(GrowthCallback(..., trainer=trainer))."
+            )
+        if self.trainer is not None:
+            refuse_sharded_training(self.trainer.model_wrapped, self.trainer.accelerator)
         _check_growable(_unwrapped(model), get_adapter(_unwrapped(model)), _torch_optimizer(optimizer))
 
     def _added_dims(self, step: int, model: PreTrainedModel) -> int | dict[int, int]:
@@ -400,9 +457,11 @@ class GrowthCallback(TrainerCallback):
             raise ValueError(f"qk_dims_at[{step}] has {len(targets)} widths but the model has {len(current)} layers")
         return {layer: max(0, want - have) for layer, (want, have) in enumerate(zip(targets, current))}
 
-    def _draw_batches(self, train_dataloader, args, step: int) -> list:
-        """Batches from the training set through the Trainer's collator, in an order of their own."""
-        count = self.statistics_batches + (0 if self.eval_dataloader is not None else self.eval_batches)
+    def _draw_batches(self, train_dataloader, args, step: int) -> tuple[list, list]:
+        """This process's statistics and held-out batches, from the training set through the Trainer's collator,
+        in an order of their own: every process draws the same batches and takes every world_size-th."""
+        eval_batches = 0 if self.eval_dataloader is not None else self.eval_batches
+        count = (self.statistics_batches + eval_batches) * args.world_size
         dataset, collate_fn = train_dataloader.dataset, train_dataloader.collate_fn
         batch_size = args.per_device_train_batch_size
         if isinstance(dataset, IterableDataset):
@@ -413,7 +472,8 @@ class GrowthCallback(TrainerCallback):
             loader = DataLoader(
                 dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator
             )
-        return list(itertools.islice(loader, count))
+        drawn = list(itertools.islice(loader, count))[args.process_index :: args.world_size]
+        return drawn[: self.statistics_batches], drawn[self.statistics_batches :]
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
@@ -429,12 +489,10 @@ class GrowthCallback(TrainerCallback):
         eval_dataloader = self.eval_dataloader
         batches = self.dataloader
         if batches is None and self.mode in ("refactor", "append"):  # the baselines need no data
-            drawn = self._draw_batches(train_dataloader, args, step)
-            batches = drawn
-            if eval_dataloader is None:
-                batches, eval_dataloader = drawn[: self.statistics_batches], drawn[self.statistics_batches :]
+            batches, drawn_eval = self._draw_batches(train_dataloader, args, step)
+            eval_dataloader = drawn_eval if eval_dataloader is None else eval_dataloader
         report = grow_in_training(
-            model,
+            model if self.trainer is None else self.trainer.model_wrapped,
             optimizer,
             batches,
             added,
@@ -443,6 +501,7 @@ class GrowthCallback(TrainerCallback):
             eval_dataloader=eval_dataloader,
             seed=self.seed + step,
             config=self.config,
+            accelerator=None if self.trainer is None else self.trainer.accelerator,
             **self.growth_kwargs,
         )
         self.reports[step] = report

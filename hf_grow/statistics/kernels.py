@@ -110,7 +110,8 @@ def _eager_attention(
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     elif mask is not None:
         scores = scores + mask
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    weights = weights.to(value.dtype)
     if zero_masked_rows and mask is not None and mask.dtype == torch.bool:
         weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()

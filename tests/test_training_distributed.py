@@ -1,0 +1,262 @@
+"""Growth during training with 2 CPU processes (gloo, DDP): equal weights everywhere, one process's loss curve."""
+
+import copy
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import distributed as dist
+
+from hf_grow import GrowthCallback, GrownGPT2LMHeadModel, grow_in_training
+
+from conftest import lm_batches
+from test_distributed import WORLD_SIZE, run_processes
+from test_training import grown_config
+
+
+def join_group(rank: int, folder: str) -> None:
+    os.environ.update(WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD_SIZE)
+
+
+def train_steps(model, optimizer, batches, rank: int, world_size: int, accelerator=None) -> list[float]:
+    """One optimizer step per global batch, this process on its rows; the losses of the global batches."""
+    losses = []
+    model.train()
+    for batch in batches:
+        rows = len(batch["input_ids"]) // world_size
+        shard = {key: value[rank * rows : (rank + 1) * rows] for key, value in batch.items()}
+        loss = model(**shard).loss
+        (loss.backward() if accelerator is None else accelerator.backward(loss))
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        losses.append(float(loss if accelerator is None else accelerator.reduce(loss, reduction="mean")))
+    return losses
+
+
+def grow_between_steps(rank, world_size, state_dict, train, stats, search, accelerator=None):
+    """3 AdamW steps, growth d_k 8 -> 16 (append, solved), 3 more steps: losses, weights after growth and at the end."""
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    model.load_state_dict(state_dict)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if accelerator is not None:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    losses = train_steps(model, optimizer, train[:3], rank, world_size, accelerator)
+    plain = model.module if accelerator is not None else model
+    report = grow_in_training(
+        model, optimizer, stats[rank::world_size], 8, eval_dataloader=search[rank::world_size], accelerator=accelerator
+    )
+    grown = {name: tensor.clone() for name, tensor in plain.state_dict().items()}
+    losses += train_steps(model, optimizer, train[3:], rank, world_size, accelerator)
+    return {"losses": losses, "grown": grown, "final": plain.state_dict(), "report": report.to_dict()}
+
+
+def accelerate_worker(rank: int, state_dict, train, stats, search, folder: str) -> None:
+    join_group(rank, folder)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    result = grow_between_steps(rank, WORLD_SIZE, state_dict, train, stats, search, accelerator)
+    torch.save(result, f"{folder}/rank{rank}.pt")
+    accelerator.end_training()
+
+
+def assert_same_on_every_process(results: list[dict], key: str) -> None:
+    for name, tensor in results[0][key].items():
+        assert torch.equal(tensor, results[1][key][name]), f"{key}: {name} differs between processes"
+
+
+def test_accelerate_loop_grows_under_ddp_like_one_process(stdlib_bytes, tmp_path):
+    torch.manual_seed(0)
+    state_dict = GrownGPT2LMHeadModel(grown_config(8)).state_dict()
+    train = lm_batches(stdlib_bytes["train"], 6, batch_size=8, seed=41)
+    stats = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seed=42)
+    search = lm_batches(stdlib_bytes["eval"], 2, batch_size=4, seed=43)
+    run_processes(accelerate_worker, (state_dict, train, stats, search, str(tmp_path)))
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+    # Every process holds the same grown weights, and the same weights after 3 more synchronized steps.
+    assert results[0]["grown"]["transformer.h.0.attn.c_attn.weight"].shape == (64, 2 * 4 * 16 + 64)  # q, k at d_k 16; v
+    assert_same_on_every_process(results, "grown")
+    assert_same_on_every_process(results, "final")
+    assert results[0]["losses"] == results[1]["losses"]
+
+    alone = grow_between_steps(0, 1, state_dict, train, stats, search)
+    report, expected = results[0]["report"], alone["report"]
+    assert report["statistics_tokens"] == expected["statistics_tokens"] == 4 * 4 * 64
+    assert report["step_size"] == pytest.approx(expected["step_size"], rel=1e-9) and report["step_size"] > 0
+    assert report["eval_loss_after"] == pytest.approx(expected["eval_loss_after"], rel=1e-6)
+    # The loss curve of one process on the same global batches, to float32 rounding (the statistics are
+    # summed in another order, so the grown weights differ in their last bits).
+    assert results[0]["losses"] == pytest.approx(alone["losses"], rel=2e-5)
+
+
+def train_with_growth(model, dataset, output_dir: str, batch_size: int, resume: str | None = None) -> dict:
+    """Trainer, 6 optimizer steps of 2 accumulated batches, growth d_k 8 -> 16 after step 3, checkpoint at 4."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=6,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-3,
+        lr_scheduler_type="linear",
+        save_steps=4,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    callback = GrowthCallback({3: 8}, statistics_batches=2, eval_batches=1, trainer=trainer)
+    trainer.add_callback(callback)
+    trainer.train(resume_from_checkpoint=resume)
+    report = callback.reports.get(3)
+    return {
+        "losses": {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry},
+        "qk_head_dims": list(trainer.model.config.qk_head_dims),
+        "final": {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()},
+        "report": None if report is None else report.to_dict(),
+    }
+
+
+def trainer_worker(rank: int, state_dict, dataset, folder: str) -> None:
+    """The Trainer under DDP (2 processes of 2 sequences per batch), then a resume from the checkpoint after growth."""
+    join_group(rank, folder)
+    from transformers import AutoModelForCausalLM
+
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    model.load_state_dict(state_dict)
+    result = train_with_growth(model, dataset, f"{folder}/run", batch_size=2)
+    dist.barrier()
+    resumed_model = AutoModelForCausalLM.from_pretrained(f"{folder}/run/checkpoint-4")
+    result["resumed"] = train_with_growth(
+        resumed_model, dataset, f"{folder}/resumed", batch_size=2, resume=f"{folder}/run/checkpoint-4"
+    )
+    torch.save(result, f"{folder}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_trainer_grows_under_ddp_like_one_process_and_resumes(stdlib_bytes, tmp_path):
+    torch.manual_seed(0)
+    state_dict = GrownGPT2LMHeadModel(grown_config(8)).state_dict()
+    dataset = [
+        {"input_ids": batch["input_ids"][0], "labels": batch["input_ids"][0]}
+        for batch in lm_batches(stdlib_bytes["train"], 48, batch_size=1, seed=44)
+    ]
+    run_processes(trainer_worker, (state_dict, dataset, str(tmp_path)))
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+    assert [result["qk_head_dims"] for result in results] == [[16, 16], [16, 16]]
+    assert_same_on_every_process(results, "final")
+    two = results[0]
+    assert two["report"]["eval_loss_after"] <= two["report"]["eval_loss_before"]
+
+    # One process whose batch is the global batch: the same samples for training and for growth.
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    model.load_state_dict(state_dict)
+    one = train_with_growth(model, dataset, str(tmp_path / "one"), batch_size=4)
+    assert two["report"]["statistics_tokens"] == one["report"]["statistics_tokens"] == 4 * 2 * 64
+    assert two["report"]["step_size"] == pytest.approx(one["report"]["step_size"], rel=1e-9)
+    assert list(two["losses"]) == list(range(1, 7)) and all(math.isfinite(loss) for loss in two["losses"].values())
+    assert list(two["losses"].values()) == pytest.approx(list(one["losses"].values()), rel=2e-5)
+
+    # The checkpoint after growth carries the grown widths and resumes on 2 processes without growing again.
+    resumed = results[0]["resumed"]
+    assert resumed["qk_head_dims"] == [16, 16] and resumed["report"] is None
+    after_resume = [two["losses"][step] for step in (5, 6)]
+    assert [resumed["losses"][step] for step in (5, 6)] == pytest.approx(after_resume, rel=1e-6)
+    assert_same_on_every_process([result["resumed"] for result in results], "final")
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo process group of this process alone (for DDP and FSDP wrappers in the test process)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"static_graph": True}, {"find_unused_parameters": True, "gradient_as_bucket_view": True, "comm_hook": True}],
+)
+def test_ddp_wrapper_trains_on_after_growth_like_the_plain_model(one_process_group, stdlib_bytes, options):
+    """The rebuilt buckets (with DDP's options and communication hooks) pass every gradient, at the new shapes."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    plain = GrownGPT2LMHeadModel(grown_config(8))
+    model = copy.deepcopy(plain)
+    options = dict(options)
+    comm_hook = options.pop("comm_hook", False)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, **options)
+    if comm_hook:
+        wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
+    batches = lm_batches(stdlib_bytes["train"], 4, batch_size=4, seed=45)
+    curves = []
+    for trained in (wrapped, plain):
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=3e-3)
+        losses = train_steps(trained, optimizer, batches[:2], 0, 1)
+        if trained is wrapped:
+            with pytest.raises(ValueError, match="pass accelerator="):
+                grow_in_training(wrapped, optimizer, batches[:2], 8, step_size=0.0)
+            assert model.config.qk_head_dims == [8, 8]  # refused before any change
+        grow_in_training(trained, optimizer, None, 8, mode="zero")  # the baselines draw the same dims everywhere
+        losses += train_steps(trained, optimizer, batches[2:], 0, 1)
+        curves.append(losses)
+    assert model.config.qk_head_dims == plain.config.qk_head_dims == [16, 16]
+    assert curves[0] == pytest.approx(curves[1], rel=1e-6)
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_fsdp_and_deepspeed_are_refused_with_what_works(one_process_group, stdlib_bytes):
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = GrownGPT2LMHeadModel(grown_config(8))
+    fully_shard(sharded)
+    with pytest.raises(ValueError, match="not FSDP.*Train with DDP, or grow a saved checkpoint"):
+        grow_in_training(sharded, None, None, 8, mode="zero")
+
+    class DeepSpeedEngine(torch.nn.Module):  # DeepSpeed is recognized by name: it need not be installed
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    with pytest.raises(ValueError, match="DistributedDataParallel.*not DeepSpeed"):
+        grow_in_training(DeepSpeedEngine(model), None, None, 8, mode="zero")
+    accelerator = type("Accelerator", (), {"distributed_type": type("Mode", (), {"name": "FSDP"})()})()
+    with pytest.raises(ValueError, match="not FSDP"):
+        grow_in_training(model, None, None, 8, mode="zero", accelerator=accelerator)
+    assert model.config.qk_head_dims == [8, 8]
+
+    callback = GrowthCallback({3: 8})
+    args = type("Args", (), {"world_size": 2, "deepspeed": None, "fsdp": ""})()
+    with pytest.raises(ValueError, match=r"trainer.add_callback\(GrowthCallback\(..., trainer=trainer\)\)"):
+        callback.on_train_begin(args, None, None, model=model)
+    args.deepspeed = "ds_config.json"
+    with pytest.raises(ValueError, match="not DeepSpeed"):
+        callback.on_train_begin(args, None, None, model=model)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_the_trainer_recipe_runs_under_torchrun(tmp_path):
+    """README's runnable example, shortened: 2 CPU processes grow once and save the grown model."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "grow_with_trainer.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    options = ["--output-dir", str(tmp_path), "--steps", "6", "--grow-at", "3", "--batch-size", "4", "--cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([*torchrun, str(recipe), *options], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 3: grew to qk_head_dims [16, 16]" in result.stdout
+    assert "2 process(es): final held-out loss" in result.stdout
+    assert (tmp_path / "final" / "model.safetensors").is_file()
