@@ -25,6 +25,10 @@ from .models import (
     GrownGPT2ForTokenClassification,
     GrownGPT2LMHeadModel,
     GrownGPT2Model,
+    GrownLlamaConfig,
+    GrownLlamaForCausalLM,
+    GrownLlamaForSequenceClassification,
+    GrownLlamaModel,
 )
 from .report import GrowthReport, load_growth_report
 from .statistics import GrowthStatistics, collect_statistics
@@ -57,6 +61,10 @@ __all__ = [
     "GrownGPT2ForTokenClassification",
     "GrownGPT2LMHeadModel",
     "GrownGPT2Model",
+    "GrownLlamaConfig",
+    "GrownLlamaForCausalLM",
+    "GrownLlamaForSequenceClassification",
+    "GrownLlamaModel",
     "collect_statistics",
     "evaluate_loss",
     "get_adapter",

@@ -21,12 +21,22 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import HfArgumentParser
 from transformers.utils import logging as transformers_logging
 
 from . import __version__, hub
 from .adapters import get_adapter, supported_model_types
-from .data import causal_lm_batches, masked_lm_batches, read_dataset, read_text_files, token_windows
+from .data import (
+    DEFAULT_EVAL_TOKENS,
+    TextFileError,
+    causal_lm_batches,
+    masked_lm_batches,
+    read_dataset,
+    read_text_files,
+    split_held_out,
+    token_windows,
+)
 from .distributed import OtherProcessFailed, Processes
 from .config import GrowthConfig
 from .growth import grow_model
@@ -39,7 +49,7 @@ EXAMPLES = """examples:
   hf-grow gpt2 --p 8 --output-dir gpt2-grown
       statistics from wikitext-2-raw-v1 (train), line search on its validation split
   hf-grow ./my-gpt2 --p 8 --data 'corpus/*.txt' --output-dir my-gpt2-grown
-      a local model and local text files (the held-out text is the tail of the files)
+      a local model and local text files (the last 10% of the text, at most 50,000 tokens, is held out)
   hf-grow google-bert/bert-base-uncased --p 8 --seq-len 128 --output-dir bert-grown
       a masked LM: masked-LM loss with 15% of tokens masked
   hf-grow gpt2 --p 16 --dataset wikitext --dataset-config wikitext-103-raw-v1 --max-tokens 2000000 \\
@@ -68,8 +78,16 @@ def _add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="Hub id (e.g. gpt2) or local folder of a causal or masked LM and its tokenizer")
 
 
-def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    """The data options of both subcommands: the same options give the same statistics and held-out text."""
+EVAL_FRACTION_HELP = (
+    "share of the text held out for the line search (its tail) when it comes from the same text as the statistics "
+    f"(--data, or --eval-split equal to --split), at most {DEFAULT_EVAL_TOKENS:,} tokens (default "
+    f"{GrowthConfig.eval_fraction}, as grow_model's eval_fraction)"
+)
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser, eval_fraction: bool = True) -> None:
+    """The data options of both subcommands: the same options give the same statistics and held-out text
+    (the main command's ``--eval-fraction`` is `GrowthConfig`'s field)."""
     data = parser.add_argument_group("data (default: --dataset wikitext --dataset-config wikitext-2-raw-v1)")
     data.add_argument("--data", nargs="+", metavar="FILE", help="plain text files or globs")
     data.add_argument("--dataset", help="a datasets name (Hub or local script/folder)")
@@ -83,7 +101,12 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     )
     data.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
     data.add_argument("--max-tokens", type=int, default=500_000, help="tokens for the statistics")
-    data.add_argument("--eval-tokens", type=int, default=50_000, help="held-out tokens for the line search")
+    data.add_argument(
+        "--eval-tokens", type=int, help=f"held-out tokens for the line search (default: {DEFAULT_EVAL_TOKENS:,} from "
+        "--eval-split, or --eval-fraction of the same text)"
+    )
+    if eval_fraction:
+        data.add_argument("--eval-fraction", type=float, help=EVAL_FRACTION_HELP)
     data.add_argument("--mlm-probability", type=float, default=0.15, help="masked LMs: share of tokens masked")
 
 
@@ -110,12 +133,12 @@ def build_parser() -> HfArgumentParser:
     )
     for action in parser._actions:  # show the dash spelling the README uses (the underscore one works too)
         action.option_strings.sort(key=lambda option: "_" in option)
-        if action.dest == "eval_fraction":  # the command holds out --eval-tokens of text instead: refused if given
-            action.help, action.default = argparse.SUPPRESS, None
+        if action.dest == "eval_fraction":  # the share of text held out (None: not given, the config's default)
+            action.help, action.default = EVAL_FRACTION_HELP, None
     _add_model_argument(parser)
     parser.add_argument("--output-dir", required=True, help="folder for the grown model (must be empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    _add_data_arguments(parser)
+    _add_data_arguments(parser, eval_fraction=False)
     parser.add_argument("--stats", metavar="FILE", help="statistics saved by `hf-grow inspect --save-stats` for this "
                         "model: the statistics text is not read again")
     run = _add_run_arguments(parser)
@@ -163,11 +186,24 @@ def _check_data_arguments(args: argparse.Namespace) -> None:
         raise CommandError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
     if args.data and args.dataset:
         raise CommandError("give either --data or --dataset, not both")
+    if args.eval_fraction is not None:
+        if not 0 < args.eval_fraction < 1:
+            raise CommandError(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
+        if args.eval_tokens is not None:
+            raise CommandError("give either --eval-tokens or --eval-fraction, not both")
+        if not _held_out_of_the_same_text(args):
+            raise CommandError(
+                f"--eval-fraction applies to held-out text cut from the statistics' text; here it is read from "
+                f"--eval-split {args.eval_split} (--eval-tokens sets how much)"
+            )
+
+
+def _held_out_of_the_same_text(args: argparse.Namespace) -> bool:
+    """Whether the held-out text is the tail of the statistics' text (local files, or one dataset split)."""
+    return bool(args.data) or args.eval_split == args.split
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    if args.eval_fraction is not None:
-        raise CommandError("--eval-fraction does not apply to the command: its held-out text is --eval-tokens")
     if args.budget is not None and args.p is not None:
         raise CommandError("give either --p or --budget, not both")
     if args.budget is None:
@@ -200,9 +236,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 def _growth_config(args: argparse.Namespace) -> GrowthConfig:
     """The `GrowthConfig` of the growth flags; its checks as one-line errors, before any data is read."""
-    names = [option.name for option in dataclasses.fields(GrowthConfig) if option.name != "eval_fraction"]
+    options = {option.name: getattr(args, option.name) for option in dataclasses.fields(GrowthConfig)}
+    if options["eval_fraction"] is None:  # not given: the config's default, which the command holds out too
+        del options["eval_fraction"]
     try:
-        return GrowthConfig(**{name: getattr(args, name) for name in names})
+        return GrowthConfig(**options)
     except (TypeError, ValueError) as error:
         raise CommandError(str(error)) from None
 
@@ -232,6 +270,8 @@ def _check_file_folders(*options: tuple[str, str | None]) -> None:
     for option, path in options:
         if path and not Path(path).resolve().parent.is_dir():
             raise CommandError(f"{option}: the folder of {path} does not exist")
+        if path and Path(path).is_dir():
+            raise CommandError(f"{option} {path} is a folder: give a file name")
 
 
 def _load_tokenizer(args: argparse.Namespace):
@@ -253,7 +293,8 @@ def _load_tokenizer(args: argparse.Namespace):
 def _objective(args: argparse.Namespace) -> str:
     """``"causal"`` or ``"masked"``: the loss the command grows the model on, from the model's config.
 
-    Also checks the architecture and resolves ``--seq-len`` against the model's positions, before any data is read.
+    Also checks the architecture, resolves ``--seq-len`` against the model's positions and records the vocabulary
+    size, before any data is read.
     """
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
@@ -267,7 +308,9 @@ def _objective(args: argparse.Namespace) -> str:
             f"hf_grow cannot grow {args.model!r} (model_type={config.model_type!r}); "
             f"supported model types: {', '.join(supported_model_types())}"
         )
+    _check_local_weights(args.model)
     positions = getattr(config, "max_position_embeddings", None)
+    args.vocab_size = getattr(config, "vocab_size", None)  # for the tokenizer's ids (`_check_token_ids`)
     if args.seq_len is None:
         args.seq_len = min(512, positions or 512)
     elif positions is not None and args.seq_len > positions:
@@ -280,6 +323,19 @@ def _objective(args: argparse.Namespace) -> str:
         f"{args.model!r} ({config.model_type}) is neither a causal nor a masked language model: the command line "
         "only knows those losses; use the Python API: grow_model(model, batches, loss_fn=...)"
     )
+
+
+def _check_local_weights(model: str) -> None:
+    """A local folder's safetensors files have whole headers and data (a truncated copy or download is found
+    before any text is read; reading the headers costs nothing)."""
+    for path in sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []:
+        try:
+            safe_open(path, framework="pt").keys()
+        except SafetensorError as error:
+            raise CommandError(
+                f"cannot load model {model!r}: its weights file {path.name} is damaged or incomplete ({error}); "
+                "download or save it again"
+            ) from None
 
 
 def _load_model(args: argparse.Namespace, objective: str):
@@ -295,6 +351,11 @@ def _load_model(args: argparse.Namespace, objective: str):
         ) from None
     except OSError as error:
         raise CommandError(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}") from None
+    except SafetensorError as error:
+        raise CommandError(
+            f"cannot load model {args.model!r}: its weights file is damaged or incomplete ({error}); download or "
+            "save it again"
+        ) from None
     if loading["missing_keys"]:
         missing = sorted(loading["missing_keys"])
         raise CommandError(
@@ -306,7 +367,8 @@ def _load_model(args: argparse.Namespace, objective: str):
 
 
 def _dataset_windows(args: argparse.Namespace, tokenizer, window: int) -> tuple[list, list]:
-    """Statistics windows from ``--split`` and held-out windows from ``--eval-split`` of a datasets dataset."""
+    """Statistics windows from ``--split`` and held-out windows from ``--eval-split`` of a datasets dataset (or
+    from the tail of ``--split`` when they are the same split)."""
     name = args.dataset or "wikitext"
     config = args.dataset_config or (None if args.dataset else "wikitext-2-raw-v1")
 
@@ -315,7 +377,9 @@ def _dataset_windows(args: argparse.Namespace, tokenizer, window: int) -> tuple[
         return token_windows(texts, tokenizer, window, max_tokens)
 
     try:
-        return windows(args.split, args.max_tokens), windows(args.eval_split, args.eval_tokens)
+        if _held_out_of_the_same_text(args):
+            return _split_held_out(args, windows(args.split, args.max_tokens + _most_held_out(args)), window)
+        return windows(args.split, args.max_tokens), windows(args.eval_split, args.eval_tokens or DEFAULT_EVAL_TOKENS)
     except KeyError as error:
         raise CommandError(str(error).strip("'\"")) from None
     except Exception as error:  # datasets raises many types for unreachable or unknown datasets
@@ -326,33 +390,79 @@ def _dataset_windows(args: argparse.Namespace, tokenizer, window: int) -> tuple[
         raise CommandError(f"cannot load dataset {args.dataset!r}: {str(error).splitlines()[0]}") from None
 
 
-def _batches(args: argparse.Namespace, tokenizer, objective: str) -> tuple[list, list]:
-    """Statistics and held-out batches; local files give their tail as held-out text."""
+def _most_held_out(args: argparse.Namespace) -> int:
+    return args.eval_tokens or DEFAULT_EVAL_TOKENS
+
+
+def _split_held_out(args: argparse.Namespace, windows: list, window: int) -> tuple[list, list]:
+    """The statistics and the held-out tail of one text (`hf_grow.data.split_held_out`), as one-line errors."""
+    fraction = GrowthConfig.eval_fraction if args.eval_fraction is None else args.eval_fraction
+    try:
+        return split_held_out(windows, window, args.max_tokens, args.eval_tokens, fraction)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+
+
+def _warn(message: str) -> None:
+    print(f"hf-grow: warning: {message}", file=sys.stderr)
+
+
+def _batches(args: argparse.Namespace, tokenizer, objective: str, is_main: bool = True) -> tuple[list, list]:
+    """Statistics and held-out batches; local files give their tail as held-out text (`_split_held_out`).
+
+    Prints how many tokens each side got, and refuses token ids beyond the model's vocabulary.
+    """
     window = args.seq_len
     if objective == "masked":
         if tokenizer.mask_token_id is None:
             raise CommandError(f"the tokenizer of {args.model!r} has no mask token: masked-LM loss needs one")
         window -= (tokenizer.cls_token_id is not None) + (tokenizer.sep_token_id is not None)
     if args.data:
-        eval_windows = max(1, args.eval_tokens // window)
         try:
-            windows = token_windows(read_text_files(args.data), tokenizer, window, args.max_tokens + args.eval_tokens)
-        except FileNotFoundError as error:
+            texts = read_text_files(args.data, warn=_warn if is_main else lambda message: None)
+            windows = token_windows(texts, tokenizer, window, args.max_tokens + _most_held_out(args))
+        except TextFileError as error:
             raise CommandError(str(error)) from None
-        statistics, held_out = windows[:-eval_windows], windows[-eval_windows:]
+        statistics, held_out = _split_held_out(args, windows, window)
     else:
         statistics, held_out = _dataset_windows(args, tokenizer, window)
     if not statistics or not held_out:
         raise CommandError(
             f"the text is too short: it gives {len(statistics)} statistics and {len(held_out)} held-out sequences "
-            f"of {args.seq_len} tokens; pass more text or a smaller --seq-len"
+            f"of {window} tokens; pass more text or a smaller --seq-len"
         )
+    _check_token_ids(args, statistics + held_out)
+    if is_main:
+        print(_split_description(args, len(statistics) * window, len(held_out) * window), flush=True)
     if objective == "causal":
         return causal_lm_batches(statistics, args.batch_size), causal_lm_batches(held_out, args.batch_size)
     return (
         masked_lm_batches(statistics, args.batch_size, tokenizer, args.mlm_probability, args.seed),
         masked_lm_batches(held_out, args.batch_size, tokenizer, args.mlm_probability, args.seed + 1),
     )
+
+
+def _split_description(args: argparse.Namespace, statistics_tokens: int, held_out_tokens: int) -> str:
+    """One line: the tokens of each side and where the held-out ones come from."""
+    if not _held_out_of_the_same_text(args):
+        source = f"from --eval-split {args.eval_split}"
+    elif args.eval_tokens is not None:
+        source = "the tail of the text, --eval-tokens"
+    else:
+        fraction = GrowthConfig.eval_fraction if args.eval_fraction is None else args.eval_fraction
+        source = f"the last {fraction:.0%} of the text, at most {DEFAULT_EVAL_TOKENS:,}: --eval-fraction, --eval-tokens"
+    return f"text: {statistics_tokens:,} tokens for the statistics, {held_out_tokens:,} held out ({source})"
+
+
+def _check_token_ids(args: argparse.Namespace, windows: list) -> None:
+    """A tokenizer that does not belong to the model gives ids past its embeddings (an IndexError, or a device
+    assert on a GPU): refused before the model is loaded."""
+    largest = max(int(window.max()) for window in windows)
+    if args.vocab_size is not None and largest >= args.vocab_size:
+        raise CommandError(
+            f"the tokenizer of {args.model!r} gives token id {largest}, past the model's vocabulary of "
+            f"{args.vocab_size}: the tokenizer does not belong to this model; save the model's own tokenizer with it"
+        )
 
 
 def _data_description(args: argparse.Namespace) -> tuple[str, list[str]]:
@@ -458,7 +568,7 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     if statistics is not None and accelerator is not None:
         raise CommandError("--stats holds the statistics of all the data: run it in one process")
     tokenizer = _load_tokenizer(args)
-    statistics_batches, held_out_batches = _batches(args, tokenizer, objective)  # data before the model
+    statistics_batches, held_out_batches = _batches(args, tokenizer, objective, is_main)  # data before the model
     statistics_batches = _shard(statistics_batches, accelerator, "statistics")
     held_out_batches = _shard(held_out_batches, accelerator, "held-out")
     model = _load_model(args, objective)

@@ -4,21 +4,66 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterable, Iterator
+import re
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
+from .growth.line_search import held_out_count
 
-def read_text_files(patterns: list[str]) -> Iterator[str]:
-    """The contents of every file matching ``patterns`` (paths or globs), in sorted order per pattern."""
+
+#: Held-out tokens read from a separate split, and the most held out of the same text by default.
+DEFAULT_EVAL_TOKENS = 50_000
+#: A file whose bytes are more than this share not text (not UTF-8, or control characters) is refused:
+#: binary data, UTF-16, or text in another encoding; a smaller share is read as U+FFFD with a warning.
+MAX_NOT_TEXT_SHARE = 0.1
+_NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\udc80-\udcff]")  # control characters, undecodable bytes
+
+
+class TextFileError(ValueError):
+    """A ``--data`` path that cannot be read as text: missing, a folder, unreadable, or binary."""
+
+
+def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.warn) -> Iterator[str]:
+    """The contents of every file matching ``patterns`` (paths or globs), in sorted order per pattern.
+
+    Folders matched by a glob are skipped; a folder named as such, a missing or unreadable file, or one that is
+    not UTF-8 text (`decode_text`) raises `TextFileError`.
+    """
     for pattern in patterns:
-        paths = sorted(glob.glob(os.path.expanduser(pattern), recursive=True)) or [pattern]
+        pattern = os.path.expanduser(pattern)
+        matches = glob.glob(pattern, recursive=True) if glob.has_magic(pattern) else []
+        paths = sorted(path for path in matches if not os.path.isdir(path)) or [pattern]
         for path in paths:
+            if os.path.isdir(path):
+                raise TextFileError(f"--data {path!r} is a folder: pass its text files, e.g. '{path}/*.txt'")
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"no text file at {path!r}: --data takes text files or globs")
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                yield handle.read()
+                raise TextFileError(f"no text file at {path!r}: --data takes text files or globs")
+            try:
+                with open(path, "rb") as handle:
+                    data = handle.read()
+            except OSError as error:
+                raise TextFileError(f"cannot read --data file {path!r}: {error.strerror or error}") from None
+            yield decode_text(data, path, warn)
+
+
+def decode_text(data: bytes, name: str, warn: Callable[[str], None] = warnings.warn) -> str:
+    """``data`` as UTF-8 text; refused if more than `MAX_NOT_TEXT_SHARE` of its bytes are not text (binary data
+    would be grown on as noise), undecodable bytes read as U+FFFD with a warning otherwise."""
+    text = data.decode("utf-8", errors="surrogateescape")
+    not_text = len(_NOT_TEXT.findall(text))
+    if not not_text:
+        return text
+    share = not_text / len(data)
+    if share > MAX_NOT_TEXT_SHARE:
+        raise TextFileError(
+            f"{name} is not text: {share:.0%} of its bytes are not UTF-8 text (binary data, UTF-16, or another "
+            "encoding); pass UTF-8 text files (convert with e.g. iconv -t UTF-8)"
+        )
+    warn(f"{share:.2%} of the bytes of {name} are not UTF-8 text: read as U+FFFD")
+    return data.decode("utf-8", errors="replace")
 
 
 def read_dataset(
@@ -59,6 +104,40 @@ def token_windows(
         if len(windows) * seq_len >= max_tokens:
             break
     return windows
+
+
+def split_held_out(
+    windows: list[torch.Tensor], window: int, max_tokens: int, eval_tokens: int | None, eval_fraction: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Statistics windows and held-out windows (the tail) of one text cut into windows of ``window`` tokens.
+
+    Held out: ``eval_tokens`` tokens in whole windows (at least one) when given; otherwise the last
+    ``eval_fraction`` of the windows (counted as `grow_model` counts the batches it holds out) and at most
+    `DEFAULT_EVAL_TOKENS` tokens. The statistics are the windows before them, at most ``max_tokens`` tokens.
+    Errors name the option that fixes them.
+    """
+    if len(windows) < 2:
+        raise ValueError(
+            f"the text is too short: it gives {len(windows)} sequence(s) of {window} tokens, and growth needs one for "
+            "the statistics and one held out at least; pass more text or a smaller --seq-len"
+        )
+    if eval_tokens is not None:
+        count = max(1, eval_tokens // window)
+        if count >= len(windows):
+            raise ValueError(
+                f"--eval-tokens {eval_tokens} holds out all {len(windows)} sequences of {window} tokens of the text, "
+                f"leaving none for the statistics: pass a smaller --eval-tokens (or leave it out to hold out "
+                f"{eval_fraction:.0%} of the text)"
+            )
+    else:
+        count = min(held_out_count(len(windows), eval_fraction), max(1, DEFAULT_EVAL_TOKENS // window))
+        if count >= len(windows):
+            raise ValueError(
+                f"--eval-fraction {eval_fraction} holds out all {len(windows)} sequences of {window} tokens of the "
+                "text, leaving none for the statistics: pass a smaller --eval-fraction, or more text"
+            )
+    statistics = windows[: len(windows) - count][: -(-max_tokens // window)]
+    return statistics, windows[len(windows) - count :]
 
 
 def causal_lm_batches(windows: list[torch.Tensor], batch_size: int) -> list[dict[str, torch.Tensor]]:

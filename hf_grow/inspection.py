@@ -210,7 +210,8 @@ def inspect_growth(
     else:
         check_statistics(statistics, model, adapter)
     problem = GrowthProblem(
-        model, adapter, statistics, qk_dims, "whitened", config.rtol, "eigh", step_mode=config.step_mode
+        model, adapter, statistics, qk_dims, "whitened", config.rtol, "eigh", step_mode=config.step_mode,
+        mode=adapter.growth_modes[0],
     )
     layers = []
     for layer, qk_dim in enumerate(qk_dims):

@@ -358,6 +358,48 @@ def rescaled_to_step(factors: Factorization, lam: float) -> Factorization:
     return Factorization(factors.left * root, factors.right * root, factors.singular_values * lam)
 
 
+def grouped_truncation(whitened: Tensor, metric: Metric | None, rank: int, groups: int) -> Factorization:
+    """Best rank-``rank`` targets ``T_i ~ L_i R_g^T`` whose right factor is shared by the heads of a group.
+
+    ``whitened`` (heads, d, d): the (whitened) targets of the heads, ``groups`` groups of consecutive heads
+    (grouped-query attention: the query heads of a group share their key head). The error summed over a group,
+    ``sum_i ||T_i - L_i R^T||^2``, is that of the stacked target ``[T_1; ...; T_m] ~ [L_1; ...; L_m] R^T``:
+    its truncated SVD is optimal (Eckart-Young), computed from the eigendecomposition of ``sum_i T_i^T T_i``
+    (d x d per group) with ``V Sigma`` split as ``L = T V / sqrt(sigma)``, ``R = V sqrt(sigma)``. With one head
+    per group this is the usual per-head truncation. ``metric`` un-whitens both factors.
+
+    Returns ``left`` (heads, d, rank) and ``right`` repeated for each head of its group (heads, d, rank), so that
+    ``product`` is every head's form; ``singular_values`` (heads, rank) holds each head's share
+    ``||T_i v_r||`` of the group's singular value (their squares sum to sigma_r^2 over the group), largest first.
+    """
+    heads, size = whitened.shape[0], whitened.shape[-1]
+    if heads % groups:
+        raise ValueError(f"{heads} heads do not split into {groups} groups")
+    if not 0 < rank <= size:
+        raise ValueError(f"rank must be in 1..{size}, got {rank}")
+    if not bool(torch.isfinite(whitened).all()):
+        raise FloatingPointError("the target to decompose holds NaN or Inf: check the step size and the statistics.")
+    per_group = heads // groups
+    stacked = whitened.reshape(groups, per_group * size, size)
+    eigenvalues, eigenvectors = torch.linalg.eigh(stacked.mT @ stacked)
+    right_vectors = eigenvectors.flip(-1)[..., :rank]
+    sigma = eigenvalues.flip(-1).clamp_min(0).sqrt()
+    # Fix each singular pair's sign (largest entry of the right vector positive), as `Decomposition` does.
+    largest = right_vectors.abs().argmax(dim=-2, keepdim=True)
+    right_vectors = right_vectors * torch.where(right_vectors.gather(-2, largest) < 0, -1.0, 1.0)
+    projected = stacked @ right_vectors  # U Sigma: (groups, heads per group * d, rank)
+    kept = sigma[..., :rank] > SINGULAR_VALUE_RTOL * sigma[..., :1]
+    root_sigma = torch.where(kept, sigma[..., :rank], torch.ones_like(sigma[..., :rank])).sqrt()
+    left = torch.where(kept[..., None, :], projected / root_sigma[..., None, :], 0.0).reshape(heads, size, rank)
+    right = torch.where(kept[..., None, :], right_vectors * root_sigma[..., None, :], 0.0)
+    right = right.repeat_interleave(per_group, dim=0)
+    shares = projected.reshape(heads, size, rank).norm(dim=-2)
+    if metric is not None:
+        root = metric.root_diag[..., :, None]
+        left, right = metric.eigenvectors @ (left / root), metric.eigenvectors @ (right / root)
+    return Factorization(left, right, shares)
+
+
 def appended_weights(
     query: Tensor, key: Tensor, scaling_before: float, scaling_after: float, update: Factorization
 ) -> tuple[Tensor, Tensor]:

@@ -219,15 +219,17 @@ def _initialized_weights(
         query, key = adapter.read_qk(attention)
         old_dim = query.shape[-1]
         fold = adapter.scaling(config, layer, old_dim) / adapter.scaling(config, layer, old_dim + extra)
-        heads, width = query.shape[0], query.shape[1]
+        width = query.shape[1]
+        has_bias = width == adapter.hidden_size(config) + 1  # augmented weights (Llama's have no bias row)
 
-        def draw() -> Tensor:
+        def draw(heads: int) -> Tensor:  # key heads may be fewer (grouped-query attention)
             new = torch.randn(heads, width, extra, generator=generator, dtype=torch.float64) * init_std
-            new[:, -1] = 0  # biases of new dims start at zero
+            if has_bias:
+                new[:, -1] = 0  # biases of new dims start at zero
             return new
 
-        new_query = draw()
-        new_key = draw() if mode == "random" else torch.zeros(heads, width, extra, dtype=torch.float64)
+        new_query = draw(query.shape[0])
+        new_key = draw(key.shape[0]) if mode == "random" else key.new_zeros(key.shape[0], width, extra)
         weights[layer] = (torch.cat([query * fold, new_query], -1), torch.cat([key, new_key], -1))
     return weights
 

@@ -1,7 +1,7 @@
 """Offline quickstart: train a small GPT-2 and its tokenizer on local text, then grow it with `hf-grow`.
 
 The corpus is the Python standard library's own source files, present on every machine, so this runs with
-no network. About a minute on 2 CPU cores:
+no network. Under a minute on 2 CPU cores (README: measured times):
 
     python recipes/quickstart.py --workdir runs/quickstart
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import subprocess
+import shlex
 import sys
 import sysconfig
 from pathlib import Path
@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from hf_grow import cli
 
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -45,7 +47,7 @@ def train_tokenizer(files: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 def train_small_gpt2(
     folder: str | os.PathLike,
     files: list[str],
-    steps: int = 300,
+    steps: int = 200,
     vocab_size: int = 1000,
     n_embd: int = 64,
     n_layer: int = 2,
@@ -82,9 +84,12 @@ def train_small_gpt2(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/quickstart")
-    parser.add_argument("--steps", type=int, default=300, help="training steps of the small GPT-2")
+    parser.add_argument("--steps", type=int, default=200, help="training steps of the small GPT-2")
     parser.add_argument("--p", type=int, default=8, help="query/key dimensions to add per head")
     args = parser.parse_args()
+    # A model this small gains nothing from a second thread, and on a busy machine threads wait on each other
+    # (a training step took 6-9x longer with two threads than with one on a loaded 2-core machine).
+    torch.set_num_threads(1)
 
     workdir = Path(args.workdir)
     base, grown = workdir / "small-gpt2", workdir / "small-gpt2-grown"
@@ -92,12 +97,10 @@ def main() -> None:
     loss = train_small_gpt2(base, train_files, steps=args.steps)
     print(f"trained {base} for {args.steps} steps (last batch loss {loss:.3f})")
     growth_text = os.path.join(STDLIB, "json", "*.py")  # text the model was not trained on
-    command = [
-        sys.executable, "-m", "hf_grow", str(base), "--p", str(args.p), "--data", growth_text,
-        "--output-dir", str(grown), "--overwrite", "--seq-len", "64", "--max-tokens", "20000", "--eval-tokens", "4000",
-    ]
-    print("$ hf-grow", " ".join(command[3:]))
-    subprocess.run(command, check=True)
+    arguments = [str(base), "--p", str(args.p), "--data", growth_text, "--seq-len", "64", "--output-dir", str(grown),
+                 "--overwrite"]
+    print("$ hf-grow", shlex.join(arguments))
+    sys.exit(cli.main(arguments))  # the command itself, in this process (no second start of Python and torch)
 
 
 if __name__ == "__main__":

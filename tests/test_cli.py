@@ -115,13 +115,13 @@ def test_missing_tokenizer_and_unsupported_architecture(model_folder, tmp_path):
     GPT2LMHeadModel.from_pretrained(model_folder).save_pretrained(bare)
     result = run_cli(str(bare), "--output-dir", str(tmp_path / "out"), "--data", TEXT_GLOB)
     assert result.returncode == 2 and "tokenizer" in result.stderr and "Traceback" not in result.stderr
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import OPTConfig, OPTForCausalLM
 
-    llama = tmp_path / "llama"
-    LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(llama)
-    PreTrainedTokenizerFast.from_pretrained(model_folder).save_pretrained(llama)
-    result = run_cli(str(llama), "--output-dir", str(tmp_path / "out"), "--data", "/nonexistent/never-read.txt", *SMALL)
+    opt = tmp_path / "opt"  # Llama is supported now: OPT is not
+    OPTForCausalLM(OPTConfig(vocab_size=400, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
+                             word_embed_proj_dim=32)).save_pretrained(opt)
+    PreTrainedTokenizerFast.from_pretrained(model_folder).save_pretrained(opt)
+    result = run_cli(str(opt), "--output-dir", str(tmp_path / "out"), "--data", "/nonexistent/never-read.txt", *SMALL)
     assert result.returncode == 2 and "supported model types: gpt2" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -184,10 +184,8 @@ def test_the_command_line_builds_its_growth_flags_from_the_config():
         16, "per_layer", "frobenius", "2GB", 0.0
     )
     help_text = parser.format_help()
-    for option in dataclasses.fields(GrowthConfig):
-        if option.name != "eval_fraction":  # the command holds out --eval-tokens instead
-            assert "--" + option.name.replace("_", "-") in help_text
-    assert "--eval-fraction" not in help_text
+    for option in dataclasses.fields(GrowthConfig):  # eval_fraction too: the share of the text held out
+        assert "--" + option.name.replace("_", "-") in help_text
     # HfArgumentParser's underscore spellings work too, and build the same config
     underscored = parser.parse_args(["gpt2", "--output-dir", "out", "--budget", "16", "--multiple_of", "8",
                                      "--no_measure_realized_gains", "--statistics_method", "chunked"])
@@ -198,7 +196,9 @@ def test_the_command_line_builds_its_growth_flags_from_the_config():
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--eval-fraction", "0.1"], "--eval-fraction does not apply to the command"),
+        (["--eval-fraction", "1.5"], "--eval-fraction must be between 0 and 1"),
+        (["--eval-fraction", "0.2"], "--eval-fraction applies to held-out text cut from the statistics' text"),
+        (["--data", "x.txt", "--eval-tokens", "100", "--eval-fraction", "0.2"], "give either --eval-tokens or"),
         (["--p", "8", "--budget", "16"], "give either --p or --budget, not both"),
         (["--p", "8", "--multiple-of", "8"], "--multiple-of applies to --budget"),
         (["--initial-step-size", "0"], "initial_step_size must be a finite number > 0"),

@@ -251,3 +251,23 @@ def test_choose_method_by_size():
     assert linalg.choose_method(769, 64 + 8) == "subspace"  # GPT-2 small: 88 of 769 columns
     assert linalg.choose_method(385, 64 + 8) == "eigh"  # 88 of 385 columns: measured no faster
     assert linalg.choose_method(65, 16 + 8) == "eigh"  # narrow models: a full eigendecomposition is as cheap
+
+
+def test_grouped_truncation_is_the_truncated_svd_of_the_stacked_targets():
+    """Heads sharing a right factor (grouped-query keys): the joint optimum is the SVD of [T_1; ...; T_m]."""
+    generator = torch.Generator().manual_seed(0)
+    heads, groups, size, rank = 6, 2, 10, 3
+    targets = torch.randn(heads, size, size, generator=generator, dtype=torch.float64)
+    factors = linalg.grouped_truncation(targets, None, rank, groups)
+    stacked = targets.reshape(groups, 3 * size, size)
+    u, s, vh = torch.linalg.svd(stacked)
+    best = (u[..., :rank] * s[..., None, :rank]) @ vh[..., :rank, :]
+    assert torch.allclose(factors.product, best.reshape(heads, size, size), atol=1e-10)
+    assert torch.equal(factors.right[0], factors.right[2]) and not torch.equal(factors.right[2], factors.right[3])
+    shares = factors.singular_values.square().reshape(groups, 3, rank).sum(dim=1)
+    assert torch.allclose(shares, s[..., :rank].square(), atol=1e-10)
+    # One head per group: the per-head truncation, also in the metric of C.
+    moments = torch.randn(size, 2 * size, generator=generator, dtype=torch.float64)
+    metric = linalg.metric_from_second_moment(moments @ moments.T / size)
+    single = linalg.grouped_truncation(linalg.whiten(targets, metric), metric, rank, heads)
+    assert torch.allclose(single.product, linalg.truncate(targets, rank, metric).product, atol=1e-9)

@@ -50,3 +50,16 @@ def test_online_command_fails_offline_with_one_line():
     result = run(online)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("hf-grow: error:") and len(result.stderr.strip().splitlines()) == 1
+
+
+def bash_blocks(heading: str) -> list[str]:
+    """The command lines of the bash blocks under ``heading`` in README.md, up to the next section."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(heading)
+    section = text[start : text.index("\n## ", start + len(heading))]
+    return [line for block in re.findall(r"```bash\n(.*?)```", section, re.S) for line in block.strip().splitlines()]
+
+
+def test_ci_runs_the_readme_install_and_test_commands_verbatim():
+    ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line.startswith("python ")]
+    assert ci == bash_blocks("## Install") + bash_blocks("## Test")

@@ -7,9 +7,10 @@ from transformers import PreTrainedModel
 from .base import ArchitectureAdapter
 from .bert import BertAdapter
 from .gpt2 import GPT2Adapter
+from .llama import LlamaAdapter
 
 
-ADAPTERS: tuple[ArchitectureAdapter, ...] = (GPT2Adapter(), BertAdapter())
+ADAPTERS: tuple[ArchitectureAdapter, ...] = (GPT2Adapter(), BertAdapter(), LlamaAdapter())
 
 
 def supported_model_types() -> list[str]:

@@ -44,6 +44,10 @@ class ArchitectureAdapter(ABC):
     grown_base_class: type[PreTrainedModel]
     #: Plain model class -> grown model class.
     grown_classes: Mapping[type[PreTrainedModel], type[PreTrainedModel]] = {}
+    #: The growth modes the architecture supports (see `hf_grow.growth.problem.MODES`); the first is the default.
+    growth_modes: tuple[str, ...] = ("refactor", "append")
+    #: Why a mode outside `growth_modes` cannot work, for the error message.
+    refused_mode_reason: str = ""
 
     @abstractmethod
     def attention_modules(self, model: PreTrainedModel) -> list[nn.Module]:
@@ -56,6 +60,10 @@ class ArchitectureAdapter(ABC):
     @abstractmethod
     def read_qk(self, attention: nn.Module, source: Mapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """Augmented query and key weights ``(heads, d_e + 1, d_k)`` of one layer, as float64 copies.
+
+        Architectures without Q/K biases may return ``(heads, d_e, d_k)`` (no bias row: the solve then drops
+        the statistics' ones column), and keys may have fewer heads than queries (grouped-query attention:
+        consecutive query heads share a key head).
 
         ``source`` maps the `qk_parameter_names` to tensors shaped like those parameters (e.g. optimizer
         moments) to read instead of the parameters themselves.
@@ -83,6 +91,18 @@ class ArchitectureAdapter(ABC):
 
     def num_heads(self, config: PreTrainedConfig) -> int:
         return config.num_attention_heads
+
+    def check_mode(self, model: PreTrainedModel, mode: str | None) -> str:
+        """The growth mode to run: ``mode``, or the architecture's default when None; a ValueError, before any
+        work, for a mode the architecture cannot grow by."""
+        if mode is None:
+            return self.growth_modes[0]
+        if mode not in self.growth_modes:
+            raise ValueError(
+                f"{type(model).__name__} cannot grow by mode {mode!r}: {self.refused_mode_reason}. "
+                f"Use mode {' or '.join(map(repr, self.growth_modes))} (the default for this architecture)."
+            )
+        return mode
 
     def hidden_size(self, config: PreTrainedConfig) -> int:
         return config.hidden_size

@@ -40,8 +40,10 @@ def grow_model(
     checked before any data is read (an unknown keyword is a TypeError naming the fields).
 
     Args:
-        model: a supported transformers model (GPT-2 or BERT classes, or a model grown by hf_grow), or a
-            PeftModel around one (its adapters are merged into a copy first). Left unchanged.
+        model: a supported transformers model (GPT-2, BERT or Llama-family classes, or a model grown by
+            hf_grow), or a PeftModel around one (its adapters are merged into a copy first). Left unchanged.
+            GPT-2 and BERT grow by "refactor" (all Q/K rewritten), rotary models by "append" (content dims
+            added beside the rotary ones).
         dataloader: dict batches passed as ``model(**batch)``; the loss is ``outputs.loss`` (or ``loss_fn``).
         p: dimensions added per head, in every layer, or a mapping ``{layer: p}`` (`GrowthConfig.p`).
         config: the growth options; see `GrowthConfig` for each.
@@ -70,7 +72,7 @@ def grow_model(
         model,
         dataloader,
         config,
-        mode="refactor",
+        mode=None,  # the architecture's own: "refactor" for GPT-2 and BERT, "append" for rotary models
         eval_dataloader=eval_dataloader,
         loss_fn=loss_fn,
         statistics=statistics,

@@ -24,10 +24,14 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
             delta_kept = torch.zeros_like(delta)
             _, direction = solved.whitened_pair(layer, "whitened")
             added = problem.qk_dim_after - qk_before
-            spectrum = solved.decompose(
-                ("unit", layer, "whitened"), -lam * direction, problem.metric, max(added, 1)
-            ).singular_values
-            marginal = linalg.rank_gains(spectrum, lam)[:, : problem.qk_dim_after - qk_before]
+            if problem.groups < problem.query.shape[0]:  # each head's share of its group's singular values
+                shares = linalg.grouped_truncation(-direction, None, max(added, 1), problem.groups).singular_values
+                spectrum = lam * shares
+            else:
+                spectrum = solved.decompose(
+                    ("unit", layer, "whitened"), -lam * direction, problem.metric, max(added, 1)
+                ).singular_values
+            marginal = linalg.rank_gains(spectrum, lam)[:, :added]
         else:
             decomposition = solved.decomposition(layer, step_size, solved.truncation)
             grown, kept = decomposition.truncate(problem.qk_dim_after), decomposition.truncate(qk_before)
@@ -37,7 +41,7 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
                 decomposition = solved.decomposition(layer, step_size, "whitened")
             spectrum = decomposition.singular_values
             marginal = linalg.rank_gains(spectrum, lam)[:, qk_before : problem.qk_dim_after]
-        gradient = solved.statistics.mean_gradient(layer)
+        gradient = solved.gradient(layer)
         expected = linalg.predicted_decrease(gradient, delta, problem.metric, lam)
         expected_kept = linalg.predicted_decrease(gradient, delta_kept, problem.metric, lam)
         first_order = -(gradient * delta).sum(dim=(-2, -1))

@@ -60,6 +60,12 @@ def evaluate_loss(
     return total / weight, weight
 
 
+def held_out_count(total: int, eval_fraction: float) -> int:
+    """How many of ``total`` batches are held out for the line search: the last ``eval_fraction``, at least one.
+    The command line holds out as many of its sequences of text the same way."""
+    return max(1, round(eval_fraction * total))
+
+
 def split_batches(
     dataloader: Iterable,
     eval_dataloader: Iterable | None,
@@ -82,7 +88,7 @@ def split_batches(
             f"the dataloader yielded {len(batches)} batch(es): the line search holds out the last "
             f"{eval_fraction:.0%} of at least 2 batches. Pass more data, an eval_dataloader, or a step_size."
         )
-    num_eval = max(1, round(eval_fraction * len(batches)))
+    num_eval = held_out_count(len(batches), eval_fraction)
     if num_eval >= len(batches):
         raise ValueError(
             f"eval_fraction={eval_fraction} holds out all {len(batches)} batches, leaving none for the statistics: "

@@ -133,7 +133,7 @@ def prepare_growth(
     dataloader: Iterable[Mapping[str, Tensor]] | None,
     config: GrowthConfig,
     *,
-    mode: str,
+    mode: str | None,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None,
     loss_fn: LossFn | None,
     statistics: GrowthStatistics | None,
@@ -141,13 +141,19 @@ def prepare_growth(
     progress: bool,
 ) -> PreparedGrowth:
     """Check what the config could not check alone (before any work), collect or check the statistics and
-    solve the problem."""
+    solve the problem. ``mode`` None: the architecture's default (`ArchitectureAdapter.growth_modes`)."""
     processes = Processes(accelerator)
     adapter = get_adapter(model)
     qk_before = adapter.qk_head_dims(model.config)
     max_rank = adapter.hidden_size(model.config) + 1
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = adapter.check_mode(model, mode)
+    if config.search == "fast" and "refactor" not in adapter.growth_modes:
+        raise ValueError(
+            f"search='fast' brackets the step with the full-rank refactored form, which {type(model).__name__} "
+            "cannot take (rotary dims): use search='exact' (the default)."
+        )
     growth: list[int] | None = None
     if config.budget is not None:
         check_budget(config.budget, config.multiple_of, [max_rank - dim for dim in qk_before])

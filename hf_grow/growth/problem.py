@@ -42,9 +42,16 @@ class LayerProblem:
     metric: linalg.Metric
 
     @property
+    def groups(self) -> int:
+        """Key heads: fewer than query heads under grouped-query attention (each shared by a group)."""
+        return self.key.shape[0]
+
+    @property
     def bilinear(self) -> Tensor:
-        """Z = scaling * W'_Q W'_K^T of the old weights."""
-        return linalg.bilinear_form(self.query, self.key, self.scaling_before)
+        """Z = scaling * W'_Q W'_K^T of the old weights, each query head with its group's key head. (With rotary
+        position embeddings this is the form at relative position 0, a measure of the scores' size.)"""
+        key = self.key.repeat_interleave(self.query.shape[0] // self.groups, dim=0)
+        return linalg.bilinear_form(self.query, key, self.scaling_before)
 
 
 class GrowthProblem:
@@ -83,7 +90,9 @@ class GrowthProblem:
                 scaling_before = adapter.scaling(config, layer, qk_before)
                 device = statistics.gradients[layer].device
                 query, key = query.to(device), key.to(device)
-                metric = linalg.metric_from_second_moment(statistics.mean_second_moment(layer), rtol=rtol)
+                inputs = query.shape[-2]
+                second_moment = statistics.mean_second_moment(layer)[:inputs, :inputs]
+                metric = linalg.metric_from_second_moment(second_moment, rtol=rtol)
                 self.layers.append(
                     LayerProblem(
                         query=query,
@@ -91,13 +100,19 @@ class GrowthProblem:
                         scaling_before=scaling_before,
                         scaling_after=adapter.scaling(config, layer, qk_dims_after[layer]),
                         qk_dim_after=qk_dims_after[layer],
-                        direction=linalg.solve_direction(statistics.mean_gradient(layer), metric),
+                        direction=linalg.solve_direction(self.gradient(layer, inputs), metric),
                         metric=metric,
                     )
                 )
         #: The model-wide lam per unit step size (with steps per layer, the root mean square of the layers'),
         #: and each layer's own.
         self.lam_unit, self.layer_lam_units = _lam_units(self.layers, truncation, step_mode)
+
+    def gradient(self, layer: int, inputs: int | None = None) -> Tensor:
+        """M of ``layer`` over the inputs its Q/K weights read: X' = [X | 1], or X alone where Q/K have no bias
+        (the statistics always hold the ones column)."""
+        inputs = self.layers[layer].query.shape[-2] if inputs is None else inputs
+        return self.statistics.mean_gradient(layer)[:, :inputs, :inputs]
 
     def lam(self, step_size: float, layer: int | None = None) -> float:
         """The absolute step of ``layer`` at a relative ``step_size`` (None: the model-wide `lam_unit` scale)."""
@@ -117,11 +132,23 @@ class GrowthProblem:
     def gain_rates(self, layer: int) -> linalg.GainRates:
         """First-order expected gains of ``layer`` per unit step size (see `linalg.growth_gain_rates`)."""
         problem = self.layers[layer]
+        unit = self.layer_lam_units[layer]
+        if self.mode == "append":
+            return self._append_gain_rates(layer, unit)
         with torch.no_grad():
             width = problem.query.shape[-1]
             rates = linalg.growth_gain_rates(problem.bilinear, problem.direction, problem.metric, width)
-        unit = self.layer_lam_units[layer]
         return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit)
+
+    def _append_gain_rates(self, layer: int, unit: float) -> linalg.GainRates:
+        """In "append" mode the old form stays, so nothing is gained without growth; the r-th added dim of a head gains
+        lam * s_r^2 / 2, s_r its share of the r-th singular value of its group's whitened -P (`rank_gains`)."""
+        problem = self.layers[layer]
+        with torch.no_grad():
+            _, direction = self.whitened_pair(layer, "whitened")
+            capacity = max(1, direction.shape[-1] - problem.query.shape[-1])  # as the widths are capped
+            shares = linalg.grouped_truncation(-direction, None, capacity, problem.groups).singular_values
+        return linalg.GainRates(torch.zeros_like(shares[:, 0]), shares.square() / 2 * unit)
 
     def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
         """The decomposition of layer's ``Z - lam P`` (whitened or not) for truncations up to the grown width."""
@@ -132,14 +159,19 @@ class GrowthProblem:
         return self.decompose(("step", layer, truncation), target, metric, problem.qk_dim_after)
 
     def unit_update(self, layer: int) -> linalg.Factorization:
-        """The "append" update at lam = 1: the truncation of -P to the p added dimensions (computed once)."""
+        """The "append" update at lam = 1: the truncation of -P to the p added dimensions (computed once); under
+        grouped-query attention, the joint truncation of each group's heads with one key
+        (`linalg.grouped_truncation`)."""
         if layer not in self._unit_updates:
             problem = self.layers[layer]
             metric = problem.metric if self.truncation == "whitened" else None
             added = problem.qk_dim_after - problem.query.shape[-1]
             _, direction = self.whitened_pair(layer, self.truncation)
-            decomposition = self.decompose(("unit", layer, self.truncation), -direction, metric, added)
-            self._unit_updates[layer] = decomposition.truncate(added)
+            if problem.groups < problem.query.shape[0]:  # grouped-query attention: keys shared within a group
+                self._unit_updates[layer] = linalg.grouped_truncation(-direction, metric, added, problem.groups)
+            else:
+                decomposition = self.decompose(("unit", layer, self.truncation), -direction, metric, added)
+                self._unit_updates[layer] = decomposition.truncate(added)
         return self._unit_updates[layer]
 
     def whitened_pair(self, layer: int, truncation: str) -> tuple[Tensor, Tensor]:
@@ -176,6 +208,9 @@ class GrowthProblem:
             for layer, problem in enumerate(self.layers):
                 if self.mode == "append" and problem.qk_dim_after > problem.query.shape[-1]:
                     update = linalg.rescaled_to_step(self.unit_update(layer), self.lam(step_size, layer))
+                    if problem.groups < problem.query.shape[0]:  # one key per group (repeated in the update)
+                        per_group = problem.query.shape[0] // problem.groups
+                        update = linalg.Factorization(update.left, update.right[::per_group], update.singular_values)
                     weights[layer] = linalg.appended_weights(
                         problem.query, problem.key, problem.scaling_before, problem.scaling_after, update
                     )

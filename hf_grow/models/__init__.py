@@ -9,7 +9,7 @@ from types import ModuleType
 
 import transformers
 
-from . import grown_bert, grown_gpt2
+from . import grown_bert, grown_gpt2, grown_llama
 from .grown_bert import (
     GrownBertConfig,
     GrownBertForMaskedLM,
@@ -32,9 +32,16 @@ from .grown_gpt2 import (
     GrownGPT2Model,
     GrownGPT2PreTrainedModel,
 )
+from .grown_llama import (
+    GrownLlamaConfig,
+    GrownLlamaForCausalLM,
+    GrownLlamaForSequenceClassification,
+    GrownLlamaModel,
+    GrownLlamaPreTrainedModel,
+)
 
 
-GROWN_PACKAGES: tuple[ModuleType, ...] = (grown_gpt2, grown_bert)
+GROWN_PACKAGES: tuple[ModuleType, ...] = (grown_gpt2, grown_bert, grown_llama)
 
 
 def _register(package: ModuleType) -> None:
@@ -67,4 +74,9 @@ __all__ = [
     "GrownGPT2LMHeadModel",
     "GrownGPT2Model",
     "GrownGPT2PreTrainedModel",
+    "GrownLlamaConfig",
+    "GrownLlamaForCausalLM",
+    "GrownLlamaForSequenceClassification",
+    "GrownLlamaModel",
+    "GrownLlamaPreTrainedModel",
 ]

@@ -78,13 +78,24 @@ def statistics_attention(
         # Every layer runs eager attention, also those whose M is collected in another pass: the same forward.
         hook = collector.score_hook(layer) if collects else None
         zero_masked_rows = not collector.eager_model  # as the model's own sdpa attention does
+        key, value = _repeat_key_value_heads(query, key, value)
         return _eager_attention(query, key, value, attention_mask, scaling, is_causal, zero_masked_rows, hook)
     output, weights = sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
     if collects and output.requires_grad:
+        key, value = _repeat_key_value_heads(query, key, value)
         collector.on_attention_output(layer, output, query, key, value, attention_mask, scaling, is_causal)
     return output, weights
+
+
+def _repeat_key_value_heads(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Grouped-query attention's key/value heads repeated for each query head of their group, (b, h, s, d):
+    the score gradients G_i of query head i pair with its group's keys."""
+    groups = query.shape[1] // key.shape[1]
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
 
 
 def _eager_attention(

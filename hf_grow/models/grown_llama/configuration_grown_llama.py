@@ -1,0 +1,60 @@
+# Copyright 2026 The hf_grow authors. Licensed under the Apache License, Version 2.0.
+"""Configuration of a Llama whose attention heads carry unrotated "content" query/key dims beside the rotary ones.
+
+This file is self-contained (transformers and its own dependency huggingface_hub only) so that it can be
+copied next to a checkpoint and loaded with `trust_remote_code=True` where hf_grow is not installed.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers import LlamaConfig
+
+
+@strict
+class GrownLlamaConfig(LlamaConfig):
+    r"""
+    A [`LlamaConfig`] whose query/key heads hold `head_dim` rotary dims plus a per-layer number of content dims.
+
+    qk_nope_dims (`list[int]`, *optional*):
+        Query/key dims per head that carry no rotary position embedding ("NoPE" or content dims, as DeepSeek-V3's
+        `qk_nope_head_dim`), one entry per layer, after the `head_dim` rotary dims of each head. Values keep
+        `head_dim` dims. Defaults to 0 in every layer (a plain Llama).
+    qkv_bias (`bool`, *optional*):
+        Whether the query, key and value projections have a bias; `None` (default) follows `attention_bias`,
+        as Llama does. Qwen2 checkpoints set it to `True` with `attention_bias=False` (no output bias).
+
+    The attention scale is `1 / sqrt(head_dim + qk_nope_dims[layer])`, Llama's rule applied to the query/key width.
+    `qk_head_dims` (read and set) is that width per layer.
+    """
+
+    model_type = "grown_llama"
+    qk_nope_dims: list[int] | None = None
+    qkv_bias: bool | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.qk_nope_dims is None:
+            self.qk_nope_dims = [0] * self.num_hidden_layers
+        self.qk_nope_dims = [int(dim) for dim in self.qk_nope_dims]
+        super().__post_init__(**kwargs)
+
+    @property
+    def qk_head_dims(self) -> list[int]:
+        """Query/key width of the heads of each layer: the rotary `head_dim` plus the layer's content dims."""
+        return [self.head_dim + dim for dim in self.qk_nope_dims]
+
+    @qk_head_dims.setter
+    def qk_head_dims(self, dims: list[int]) -> None:
+        self.qk_nope_dims = [int(dim) - self.head_dim for dim in dims]
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: Llama's checks, and one non-negative content width per layer."""
+        super().validate_architecture()
+        if len(self.qk_nope_dims) != self.num_hidden_layers:
+            raise ValueError(
+                f"qk_nope_dims has {len(self.qk_nope_dims)} entries but the model has "
+                f"num_hidden_layers={self.num_hidden_layers} layers."
+            )
+        if any(dim < 0 for dim in self.qk_nope_dims):
+            raise ValueError(f"Every entry of qk_nope_dims must be >= 0, got {self.qk_nope_dims}.")
+
+
+__all__ = ["GrownLlamaConfig"]

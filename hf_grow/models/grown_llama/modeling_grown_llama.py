@@ -1,0 +1,224 @@
+# Copyright 2026 The hf_grow authors. Licensed under the Apache License, Version 2.0.
+"""Llama whose query/key heads hold unrotated content dims beside the rotary ones, a number of its own per layer.
+
+Each query and key head is `[head_dim rotary dims | qk_nope_dims[layer] content dims]`: rotary position embeddings
+rotate the first part only, so the content part adds a position-free bilinear form of the layer input to the
+scores (DeepSeek-V3's split into `qk_rope_head_dim` and `qk_nope_head_dim`). Values, the output projection, the
+rotary frequencies, grouped-query attention and everything outside the attention are Llama's as shipped by
+transformers: the classes below subclass the Llama classes and only build `GrownLlamaAttention`; all `forward`
+methods above the attention are inherited, so losses, generation, caching and outputs behave as in Llama.
+
+This file imports only torch and transformers, so that `save_pretrained` can copy it next to the weights and
+people without hf_grow can load the checkpoint with `trust_remote_code=True`.
+"""
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    LlamaMLP,
+    LlamaModel,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from .configuration_grown_llama import GrownLlamaConfig
+
+
+#: `push_to_hub`'s options that `save_pretrained(push_to_hub=True, ...)` passes on to it.
+_PUSH_KWARGS = ("commit_message", "commit_description", "private", "revision", "create_pr", "tags")
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_grown_llama.GrownLlamaConfig",
+    "AutoModel": "modeling_grown_llama.GrownLlamaModel",
+    "AutoModelForCausalLM": "modeling_grown_llama.GrownLlamaForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_grown_llama.GrownLlamaForSequenceClassification",
+}
+
+
+class GrownLlamaAttention(LlamaAttention):
+    """Llama attention whose query/key heads have `head_dim` rotary dims followed by `qk_nope_dim` content dims.
+
+    `q_proj` and `k_proj` output `heads * qk_head_dim` features, head-major (each head's rotary dims, then its
+    content dims); `v_proj` and `o_proj` are Llama's.
+    """
+
+    def __init__(self, config: GrownLlamaConfig, layer_idx: int):
+        nn.Module.__init__(self)  # LlamaAttention.__init__ would build projections of the wrong width
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.qk_nope_dim = config.qk_nope_dims[layer_idx]
+        self.qk_head_dim = self.head_dim + self.qk_nope_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.qk_head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+        qkv_bias = config.attention_bias if config.qkv_bias is None else config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.qk_head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.qk_head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        input_shape = hidden_states.shape[:-1]
+        qk_shape = (*input_shape, -1, self.qk_head_dim)
+
+        query_states = self.q_proj(hidden_states).view(qk_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(qk_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        split = [self.head_dim, self.qk_nope_dim]
+        query_rope, query_content = query_states.split(split, dim=-1)
+        key_rope, key_content = key_states.split(split, dim=-1)
+        query_rope, key_rope = apply_rotary_pos_emb(query_rope, key_rope, cos, sin)
+        query_states = torch.cat([query_rope, query_content], dim=-1)
+        key_states = torch.cat([key_rope, key_content], dim=-1)
+
+        # Older transformers pass the layer's cache as ``past_key_values``; it would otherwise stay empty.
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+
+class GrownLlamaDecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder layer with `GrownLlamaAttention`; `forward` is Llama's."""
+
+    def __init__(self, config: GrownLlamaConfig, layer_idx: int):
+        GradientCheckpointingLayer.__init__(self)  # LlamaDecoderLayer.__init__ would build a plain LlamaAttention
+        self.hidden_size = config.hidden_size
+        self.self_attn = GrownLlamaAttention(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class GrownLlamaPreTrainedModel(LlamaPreTrainedModel):
+    config_class = GrownLlamaConfig
+    config: GrownLlamaConfig
+    _no_split_modules = ["GrownLlamaDecoderLayer"]
+    # Flash-attention kernels need equal query/key and value widths; eager and sdpa handle different widths.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_record_outputs = {
+        "hidden_states": GrownLlamaDecoderLayer,
+        "attentions": GrownLlamaAttention,
+    }
+
+    def save_pretrained(
+        self, save_directory, is_main_process: bool = True, *args, push_to_hub: bool = False, **kwargs
+    ):
+        """`PreTrainedModel.save_pretrained`, plus what a grown checkpoint carries beside the weights.
+
+        The two source files and `auto_map` (for `trust_remote_code`), and `growth_report.json` when the
+        model holds the report of the growth that made it (`model.growth_report`, set by hf_grow). With
+        ``push_to_hub``, the folder is complete before `push_to_hub` uploads it (transformers' own upload
+        inside `save_pretrained` would run before these files are written).
+        """
+        self.config.auto_map = dict(AUTO_MAP)
+        if push_to_hub:
+            repo_id = kwargs.pop("repo_id", Path(save_directory).name)
+            hub_kwargs = {key: kwargs.pop(key) for key in _PUSH_KWARGS if key in kwargs}
+        super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+        if not self.should_save_on_this_rank(is_main_process):
+            return
+        here = Path(__file__)
+        for source in [here, *map(Path, get_relative_import_files(str(here)))]:
+            shutil.copyfile(source, Path(save_directory) / source.name)
+        report = getattr(self, "growth_report", None)
+        if report is not None:
+            report.to_json_file(Path(save_directory) / "growth_report.json")
+        if push_to_hub:
+            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub_kwargs)
+
+
+class GrownLlamaModel(GrownLlamaPreTrainedModel, LlamaModel):
+    """`LlamaModel` built from `GrownLlamaDecoderLayer`s."""
+
+    def __init__(self, config: GrownLlamaConfig):
+        GrownLlamaPreTrainedModel.__init__(self, config)  # LlamaModel.__init__ would build plain layers
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [GrownLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+
+# Each task model below is its Llama counterpart with a GrownLlamaModel backbone: `__init__` repeats the
+# counterpart's (which would build a plain LlamaModel), `forward` and everything else are inherited.
+
+
+class GrownLlamaForCausalLM(GrownLlamaPreTrainedModel, LlamaForCausalLM):
+    def __init__(self, config: GrownLlamaConfig):
+        GrownLlamaPreTrainedModel.__init__(self, config)
+        self.model = GrownLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+
+class GrownLlamaForSequenceClassification(GrownLlamaPreTrainedModel, LlamaForSequenceClassification):
+    def __init__(self, config: GrownLlamaConfig):
+        GrownLlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = GrownLlamaModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+__all__ = [
+    "GrownLlamaAttention",
+    "GrownLlamaDecoderLayer",
+    "GrownLlamaPreTrainedModel",
+    "GrownLlamaModel",
+    "GrownLlamaForCausalLM",
+    "GrownLlamaForSequenceClassification",
+]
