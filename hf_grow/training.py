@@ -4,7 +4,8 @@
 must survive. Here the model is already of a grown type (built from a grown config, or converted once with
 `to_grown_model` before the optimizer is created), and growth resizes its Q/K Parameters in place
 (``param.data = ...``: the optimizer's param_groups, the LR scheduler and the Trainer keep working) and remaps
-the optimizer state: moments of entries that keep their meaning are kept, new entries start at zero, the step
+the optimizer state: moments of entries that keep their meaning are kept, new entries start at zero (or, with
+``new_moments="head_mean"``, their second moments at their head's; see `hf_grow.optimizer_state`), the step
 count is kept.
 
 Growth modes (the first two solved from the loss statistics, the last two baselines without statistics):
@@ -18,7 +19,11 @@ Growth modes (the first two solved from the loss statistics, the last two baseli
 - ``"random"``: new query and key dims both random (``init_std``): not function-preserving.
 
 With Adam, entries whose moments start at zero while the step count is large take up to a few times the
-usual update size for their first ~1/(1 - beta2) steps (the bias correction assumes moments of age ``step``).
+usual update size for their first ~1/(1 - beta2) steps (the bias correction assumes moments of age ``step``);
+``new_moments="head_mean"`` avoids that; it measured no better on the plateau task, so it is not the default.
+
+The default ``mode="refactor"`` is what measured best on a retrieval task whose training stalls on a plateau
+(`recipes/benchmarks/bench_bottleneck.py`, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from .distributed import (
     unwrap_model,
 )
 from .growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
+from .optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments, fill_new_moments
 from .report import GrowthReport
 from .statistics import GrowthStatistics, LossFn
 
@@ -57,6 +63,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_grow")
 
 GROWTH_MODES: tuple[str, ...] = ("refactor", "append", "zero", "random")
+#: On bench_bottleneck's plateau preset (3 seeds) refactor left the plateau first (step 208 against 233 for
+#: append and 275 for zero/random) with the lowest mean loss over training, 0.81x the better baseline's (append
+#: 0.88x); on the easy retrieval task and on text the two tie (BENCHMARKS.md).
+DEFAULT_MODE = "refactor"
 
 #: Optimizer state entries that can be remapped, and their degree in the gradient: when a weight is rescaled by
 #: ``fold`` its gradient scales by ``1 / fold``, so a moment of degree k scales by ``fold ** -k``.
@@ -128,6 +138,7 @@ def resize_qk_(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     keep_moments: bool,
+    new_moments: str = "zero",
 ) -> None:
     """Give the layers in ``weights`` these augmented Q/K weights, of any width, in place; remap the optimizer.
 
@@ -136,7 +147,9 @@ def resize_qk_(
     With ``keep_moments`` the optimizer state of the old Q/K dimensions is kept, the queries' rescaled by the
     change of attention scale (the weights must then hold the old queries times ``scaling_before /
     scaling_after``, as every mode but "refactor" does); otherwise the Q/K state is reset to zero. New
-    dimensions start at zero, entries that are not Q/K (GPT-2's fused values) and scalars (``step``) are kept.
+    dimensions start at zero, or with ``new_moments="head_mean"`` their second moments at the mean of the old
+    entries' of the same head and role (`hf_grow.optimizer_state`); entries that are not Q/K (GPT-2's fused
+    values) and scalars (``step``) are kept.
     """
     adapter = get_adapter(model)
     optimizer = _torch_optimizer(optimizer)
@@ -162,12 +175,16 @@ def resize_qk_(
                     continue  # scalars such as the step count are kept
                 source = dict(zip(names, present))
                 old_query, old_key = adapter.read_qk(attention, source)
+                degree = OPTIMIZER_STATE_DEGREES[state_key]
                 if keep_moments:
-                    degree = OPTIMIZER_STATE_DEGREES[state_key]
-                    new_query, new_key = _pad(old_query * fold**-degree, new_dim), _pad(old_key, new_dim)
+                    old_query = old_query * fold**-degree
+                    new_query, new_key = _pad(old_query, new_dim), _pad(old_key, new_dim)
                 else:
                     new_query = old_query.new_zeros(*old_query.shape[:-1], new_dim)
                     new_key = old_key.new_zeros(*old_key.shape[:-1], new_dim)
+                start = dims[layer] if keep_moments else 0
+                new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
+                new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
                 for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
                     optimizer.state[parameters[name]][state_key] = value
             for name, value in adapter.qk_parameters(attention, query, key).items():
@@ -223,7 +240,8 @@ def grow_in_training(
     dataloader: Iterable[Mapping[str, Tensor]] | None,
     p: int | Mapping[int, int] | None,
     *,
-    mode: str = "append",
+    mode: str = DEFAULT_MODE,
+    new_moments: str = DEFAULT_NEW_MOMENTS,
     config: GrowthConfig | None = None,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
     statistics: GrowthStatistics | None = None,
@@ -248,9 +266,12 @@ def grow_in_training(
     FSDP and DeepSpeed are refused.
 
     Args:
-        mode: ``"refactor"`` or ``"append"`` (solved from statistics over ``dataloader``, line search on
+        mode: ``"refactor"`` (default) or ``"append"`` (solved from statistics over ``dataloader``, line search on
             ``eval_dataloader`` or the last ``eval_fraction`` of the batches), ``"zero"`` or ``"random"``
             (baselines: no data needed); see the module docstring.
+        new_moments: how the optimizer moments of the new Q/K entries (all Q/K entries in mode "refactor")
+            start: ``"zero"`` (default), as a fresh optimizer, or ``"head_mean"``: second moments at the mean of
+            the old entries' of the same head and role, first moments zero (see `hf_grow.optimizer_state`).
         init_std: standard deviation of the random new dims of the baselines (default:
             ``config.initializer_range``).
         seed: seed of the baselines' random new dims (the global RNG is not touched).
@@ -269,6 +290,7 @@ def grow_in_training(
     """
     if mode not in GROWTH_MODES:
         raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
+    check_new_moments(new_moments)
     overrides = overrides if p is None else {**overrides, "p": p}
     config = resolve_config(config, overrides, eval_fraction=0.25, measure_realized_gains=False)
     if config.budget is not None:
@@ -289,7 +311,7 @@ def grow_in_training(
         if not math.isfinite(std) or std < 0:
             raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
         weights = _initialized_weights(model, adapter, added, mode, std, seed)
-        resize_qk_(model, weights, torch_optimizer, keep_moments=True)
+        resize_qk_(model, weights, torch_optimizer, keep_moments=True, new_moments=new_moments)
         synchronize_after_growth(_qk_parameters(model, adapter, weights), wrappers, accelerator)
         return None
 
@@ -308,7 +330,7 @@ def grow_in_training(
     at_zero = prepared.problem.weights(0.0)
     if mode == "append":  # layers that do not grow keep their weights and moments untouched
         at_zero = {layer: w for layer, w in at_zero.items() if prepared.qk_after[layer] > prepared.qk_before[layer]}
-    resize_qk_(model, at_zero, torch_optimizer, keep_moments=mode == "append")
+    resize_qk_(model, at_zero, torch_optimizer, keep_moments=mode == "append", new_moments=new_moments)
     try:
         report = search_and_report(
             prepared, model, measure_realized_gains=config.measure_realized_gains, progress=progress and is_main,
@@ -349,7 +371,8 @@ class GrowthCallback(TrainerCallback):
         grow_at: ``{global_step: p}``, the dims to add per head at each step (an int, or ``{layer: p}``).
         qk_dims_at: alternatively ``{global_step: width}``, the total query/key width to reach (an int for
             every layer, or one per layer); layers already that wide get no new dims.
-        mode: ``"append"`` (default), ``"refactor"``, ``"zero"`` or ``"random"`` (see `hf_grow.training`).
+        mode: ``"refactor"`` (default), ``"append"``, ``"zero"`` or ``"random"`` (see `hf_grow.training`).
+        new_moments: how the optimizer moments of new Q/K entries start (see `grow_in_training`).
         statistics_batches, eval_batches: batches drawn for the statistics and for the line search.
         dataloader, eval_dataloader: fixed batches to use instead of drawing from the training set.
         seed: seed of the batch draw (plus the global step) and of the baselines' random dims.
@@ -373,7 +396,8 @@ class GrowthCallback(TrainerCallback):
         grow_at: Mapping[int, int | Mapping[int, int]] | None = None,
         *,
         qk_dims_at: Mapping[int, int | Sequence[int]] | None = None,
-        mode: str = "append",
+        mode: str = DEFAULT_MODE,
+        new_moments: str = DEFAULT_NEW_MOMENTS,
         statistics_batches: int = 8,
         eval_batches: int = 4,
         dataloader: Iterable[Mapping[str, Tensor]] | None = None,
@@ -391,6 +415,7 @@ class GrowthCallback(TrainerCallback):
             raise ValueError(f"growth steps must be positive global steps (optimizer steps), got {bad_steps}")
         if mode not in GROWTH_MODES:
             raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
+        check_new_moments(new_moments)
         if statistics_batches < 1 or eval_batches < 1:
             raise ValueError("statistics_batches and eval_batches must be at least 1")
         if qk_dims_at is not None:
@@ -401,6 +426,7 @@ class GrowthCallback(TrainerCallback):
         self.grow_at = dict(grow_at) if grow_at is not None else None
         self.qk_dims_at = dict(qk_dims_at) if qk_dims_at is not None else None
         self.mode = mode
+        self.new_moments = new_moments
         self.statistics_batches = statistics_batches
         self.eval_batches = eval_batches
         self.dataloader = dataloader
@@ -473,6 +499,7 @@ class GrowthCallback(TrainerCallback):
             batches,
             added,
             mode=self.mode,
+            new_moments=self.new_moments,
             eval_dataloader=eval_dataloader,
             seed=self.seed + step,
             config=self.config,

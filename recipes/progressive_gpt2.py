@@ -57,12 +57,14 @@ VARIANT_NAMES = ("fixed-small", "fixed-large", "grown-refactor", "grown-append",
 
 @dataclass
 class Variant:
-    """One training run's Q/K plan: the starting width and, for grown runs, ``{step: width}`` and a mode."""
+    """One training run's Q/K plan: the starting width and, for grown runs, ``{step: width}``, a mode and
+    options of `grow_in_training` (e.g. ``{"new_moments": "zero"}``)."""
 
     name: str
     qk_start: int
     mode: str | None = None
     schedule: dict[int, int] = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
 
 
 def standard_variants(small: int, large: int, schedule: dict[int, int], names: Sequence[str] = VARIANT_NAMES) -> list[Variant]:
@@ -90,6 +92,10 @@ class Task:
     growth_batches: Callable[[int, int], list[dict]]
     eval_batches: list[dict]
     metrics: Callable[[GrownGPT2LMHeadModel], dict[str, float]] | None = None
+    loss_fn: Callable[[GrownGPT2LMHeadModel, dict], torch.Tensor] | None = None
+
+    def loss(self, model: GrownGPT2LMHeadModel, batch: dict) -> torch.Tensor:
+        return self.loss_fn(model, batch) if self.loss_fn is not None else model(**batch).loss
 
 
 @dataclass
@@ -182,7 +188,7 @@ def _tokens(batch: dict) -> int:
 
 
 def _evaluate(model: GrownGPT2LMHeadModel, task: Task) -> tuple[float, dict[str, float]]:
-    loss = evaluate_loss(model, task.eval_batches)[0]
+    loss = evaluate_loss(model, task.eval_batches, loss_fn=task.loss_fn)[0]
     return loss, (task.metrics(model) if task.metrics else {})
 
 
@@ -230,7 +236,7 @@ def train_variant(
         for group in optimizer.param_groups:
             group["lr"] = _schedule_lr(step - 1, steps, lr, warmup)
         model.train()
-        loss = model(**batch).loss
+        loss = task.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -246,7 +252,7 @@ def train_variant(
             config_before = GrownGPT2Config(**model.config.to_dict())
             report = grow_in_training(
                 model, optimizer, stats, added, mode=variant.mode, eval_dataloader=search, seed=seed + step,
-                **(growth_kwargs or {}),
+                loss_fn=task.loss_fn, **{**(growth_kwargs or {}), **variant.options},
             )
             cost = 0.0
             if report is not None:

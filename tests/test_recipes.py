@@ -7,8 +7,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes", "benchmarks"))
-from bench_bottleneck import retrieval_task  # noqa: E402
-from progressive_gpt2 import Variant, train_variant  # noqa: E402
+import bench_bottleneck  # noqa: E402
+from bench_bottleneck import plateau_task, retrieval_task, steps_to_escape  # noqa: E402
+from progressive_gpt2 import CurvePoint, Run, Variant, train_variant  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,3 +37,36 @@ def test_growth_inside_train_variant_preserves_the_held_out_loss(task, mode):
     else:
         assert growth.search_loss_after <= growth.search_loss_before
     assert run.overhead_flops > 0 if mode == "append" else run.overhead_flops == 0
+
+
+def test_plateau_task_asks_stored_keys_and_labels_their_values():
+    task = plateau_task(keys=64, values=4, pairs=8, queries=3, n_embd=16, n_head=1, batch_size=5, eval_batches=1)
+    batch = task.train_batch(1)
+    keys, values, labels = batch["input_ids"], batch["value_ids"], batch["labels"]
+    assert keys.shape == values.shape == labels.shape == (5, 11)
+    assert (labels[:, :8] == -100).all() and (values[:, 8:] == 64 + 4).all()  # the query marker token
+    for row in range(5):
+        stored = dict(zip(keys[row, :8].tolist(), values[row, :8].tolist()))
+        assert len(stored) == 8  # distinct stored keys
+        assert [stored[key] for key in keys[row, 8:].tolist()] == labels[row, 8:].tolist()
+    assert task.train_batch(1)["input_ids"].equal(keys) and not task.train_batch(2)["input_ids"].equal(keys)
+    torch.manual_seed(0)
+    model = train_variant(Variant("fixed", 4), task, steps=1, lr=1e-3, warmup=1, eval_every=1, log=lambda _: None)
+    assert model.curve[0].eval_loss > 0.5 * torch.log(torch.tensor(4.0))  # an untrained model is on the plateau
+
+
+def test_steps_to_escape_is_the_first_scheduled_evaluation_below_the_threshold():
+    curve = [CurvePoint(step, 0, 0.0, loss, scheduled=scheduled) for step, loss, scheduled in
+             [(0, 3.0, True), (10, 2.8, True), (15, 0.5, False), (20, 1.0, True), (30, 0.1, True)]]
+    run = Run("v", curve, [], 0.0, 0.0, 0.0)
+    assert steps_to_escape(run, 1.2) == 20  # the extra evaluation at a growth (step 15) does not count
+    assert steps_to_escape(run, 0.05) is None
+
+
+def test_bench_bottleneck_runs_the_plateau_preset(tmp_path, capsys):
+    output = str(tmp_path / "out")
+    bench_bottleneck.main(["--preset", "tiny", "--tasks", "plateau", "--seeds", "1", "--steps", "20", "--output", output])
+    printed = capsys.readouterr().out
+    assert "steps to escape" in printed
+    assert "grown-append (new_moments=head_mean)" in printed
+    assert (tmp_path / "out.json").exists()

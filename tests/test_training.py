@@ -80,7 +80,7 @@ def test_growth_keeps_the_function_parameters_and_moments(trained, stdlib_bytes,
     model.train()
     live_graph = model(**batch).loss  # a user's loop often keeps the last loss, and so its graph, alive
     live_graph.backward()
-    report = grow_in_training(model, optimizer, stats, 8, mode=mode, step_size=0.0)
+    report = grow_in_training(model, optimizer, stats, 8, mode=mode, step_size=0.0, new_moments="zero")
     assert (report is None) == (mode == "zero")
 
     # Same Parameter objects (the optimizer's param_groups stay valid), new widths everywhere.
@@ -264,3 +264,54 @@ def test_append_mode_with_the_subspace_solver_matches_eigh(trained, stdlib_bytes
     for a, b in zip(subspace.layers, eigh.layers):
         for head_a, head_b in zip(a.heads, b.heads):
             assert head_a.marginal_gains == pytest.approx(head_b.marginal_gains, rel=1e-6)
+
+
+def qk_state(model, optimizer, key: str, qk: int, role: int) -> torch.Tensor:
+    """Layer 0's optimizer ``key`` state of the queries (role 0) or keys (role 1), as (heads, d + 1, qk)."""
+    attention = model.transformer.h[0].attn.c_attn
+    columns = slice(role * 4 * qk, (role + 1) * 4 * qk)
+    weight = optimizer.state[attention.weight][key][:, columns]
+    bias = optimizer.state[attention.bias][key][columns]
+    return torch.cat([weight, bias[None]]).reshape(65, 4, qk).transpose(0, 1)
+
+
+@pytest.mark.parametrize("mode", ["append", "zero", "refactor"])
+def test_head_mean_moments_start_new_entries_at_their_head_s_second_moment(trained, stdlib_bytes, mode):
+    """new_moments="head_mean": the new entries' exp_avg_sq is the mean of the old entries' of the same head and
+    role (in the units of the new weights), exp_avg 0, old entries untouched; the function at step 0 is the old
+    one, and the first step after growth moves the new entries less than zero moments do (those take ~3 lr)."""
+    batch = lm_batches(stdlib_bytes["eval"], 1, seed=5)[0]
+    stats = lm_batches(stdlib_bytes["stats"], 3, seed=6)
+    model, optimizer = copied(trained)
+    old = {role: qk_state(model, optimizer, "exp_avg_sq", 8, role) for role in (0, 1)}
+    model.eval()
+    with torch.no_grad():
+        loss_before = float(model(**batch).loss)
+    moved = {}
+    for new_moments in ("zero", "head_mean"):
+        model, optimizer = copied(trained)
+        grow_in_training(model, optimizer, stats, 8, mode=mode, step_size=0.0, new_moments=new_moments)
+        model.eval()
+        with torch.no_grad():
+            assert float(model(**batch).loss) == pytest.approx(loss_before, abs=2e-6)
+        start = 0 if mode == "refactor" else 8
+        for role, scale in ((0, 2.0), (1, 1.0)):  # the queries' second moments follow the fold sqrt(16 / 8)
+            squares = qk_state(model, optimizer, "exp_avg_sq", 16, role)
+            assert not qk_state(model, optimizer, "exp_avg", 16, role)[..., start:].any()
+            if mode != "refactor":
+                torch.testing.assert_close(squares[..., :8], old[role] / scale, rtol=1e-6, atol=0)
+            if new_moments == "zero":
+                assert not squares[..., start:].any()
+            else:
+                expected = (old[role] / (1.0 if mode == "refactor" else scale)).mean(dim=(1, 2))
+                torch.testing.assert_close(squares[..., start:], expected[:, None, None].expand(4, 65, 16 - start))
+                assert (expected > 0).all()
+        weight_before = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+        train(model, optimizer, [batch])
+        step = (model.transformer.h[0].attn.c_attn.weight.detach() - weight_before)[:, : 2 * 4 * 16]
+        moved[new_moments] = step.reshape(64, 2, 4, 16)[..., start:].abs()
+    if mode == "append":
+        return  # at step 0 the new query and key dims are both zero: no gradient reaches them yet
+    lr = optimizer.param_groups[0]["lr"]
+    assert float(moved["head_mean"].max()) <= 3.2 * lr  # bounded
+    assert float(moved["head_mean"].mean()) < 0.5 * float(moved["zero"].mean())

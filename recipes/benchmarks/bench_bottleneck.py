@@ -1,28 +1,34 @@
 """Benchmark: growth where the query/key rank binds, measured by learning speed across seeds.
 
-Two tasks, each trained with the variants of `recipes/progressive_gpt2.py` (fixed small Q/K width, fixed large,
+Three tasks, each trained with the variants of `recipes/progressive_gpt2.py` (fixed small Q/K width, fixed large,
 grown small -> large by hf_grow in "refactor" and "append" mode, and the same schedule with zero-initialised
-keys or small random new dims), at the same steps and growth schedule, over several seeds:
+keys or small random new dims), at the same steps and growth schedule, over several seeds, plus the preset's
+option variants (a grown variant with other options of `grow_in_training`, e.g. ``new_moments``):
 
-- ``retrieval``: key -> value lookup in one attention layer. Each position holds a stored pair, embedded as
-  E_key[k] + E_value[v] with fixed random tables; the last position holds a query key, and the model must
-  output the value stored under it. The query must pick its key among ``pairs`` stored ones out of ``keys``
-  nearly orthogonal key embeddings: the score matrix E_key^T Z E_key must peak on its diagonal, which a
-  rank-d_k bilinear form Z only does with margins that vanish as d_k shrinks. With the cpu preset a head of
-  d_k = 2 plateaus near 60% accuracy while d_k = 8 learns the task in a few hundred steps.
+- ``plateau``: key -> value retrieval where training itself stalls. One attention layer, learned embeddings of
+  ``keys`` (1024) keys and ``values`` values, ``pairs`` stored pairs per sequence (one per position, the sum of
+  the key's and the value's embedding), then ``queries`` stored keys asked (the key's embedding plus a learned
+  marker), loss at the query positions only. Until embeddings and W_Q, W_K align, attention is near-uniform
+  and the loss sits at log(values) for hundreds of steps, at d_k = 8 and d_k = 32 alike. Growth 8 -> 16 -> 24
+  -> 32 happens on that plateau. "Steps to escape" is the first evaluation below half of log(values).
+- ``retrieval``: the easy contrast. Key -> value lookup in one attention layer with fixed random embeddings:
+  each position holds a stored pair, E_key[k] + E_value[v]; the last position holds a query key. With the cpu
+  preset a head of d_k = 2 plateaus near 60% accuracy while d_k = 8 learns the task in ~120 steps, so every
+  widened variant learns it soon after the growth.
 - ``text``: byte-level language modelling of the Python standard library's sources with a deliberately tiny
   initial d_k (2) grown to the standard n_embd / n_head.
 
 For each variant it reports, as mean ± standard deviation over seeds: the final held-out loss (and accuracy),
-the area under the held-out loss curve (mean loss over training), the steps and FLOPs (growth overhead
-included) at which a run first reaches fixed-large's final loss (the worst over its seeds, so that every
-fixed-large run reaches it; with how many seeds get there), for the retrieval task the steps to 99% accuracy,
-and the held-out loss just before and right after each growth. Each variant's final loss and AUC are compared with the
+the area under the held-out loss curve (mean loss over training) and its ratio to the better of the zero and
+random baselines, for the plateau task the steps to escape, the steps and FLOPs (growth overhead included) at
+which a run first reaches fixed-large's final loss (the worst over its seeds, so that every fixed-large run
+reaches it; with how many seeds get there), for the retrieval tasks the steps to 99% accuracy, and the
+held-out loss just before and right after each growth. Each variant's final loss and AUC are compared with the
 zero and random baselines: a difference smaller than the sum of the two standard deviations is reported as no
-difference. Writes a PNG of the loss curves (mean ± std) per
-task and a JSON of every run.
+difference. Writes a PNG of the loss curves (mean ± std) per task and a JSON of every run.
 
-    python recipes/benchmarks/bench_bottleneck.py --preset cpu        # ~15 min on 2 CPU cores
+    python recipes/benchmarks/bench_bottleneck.py --preset cpu --tasks plateau &          # side by side on
+    python recipes/benchmarks/bench_bottleneck.py --preset cpu --tasks retrieval text    # 2 cores: ~20 min
     python recipes/benchmarks/bench_bottleneck.py --preset gpu --device cuda
     python recipes/benchmarks/bench_bottleneck.py --preset tiny       # smoke test, ~1 min
 """
@@ -39,18 +45,25 @@ import statistics as pystats
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from transformers.utils import logging as transformers_logging
 
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from progressive_gpt2 import Run, Task, standard_variants, text_task, train_variant  # noqa: E402
+from progressive_gpt2 import (  # noqa: E402
+    CurvePoint, GrowthEvent, Run, Task, Variant, standard_variants, text_task, train_variant,
+)
 
 from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel  # noqa: E402
 
 
+#: Variants beyond the standard ones: (standard variant, options of `grow_in_training`), named after both.
+OPTION_VARIANTS = [
+    ("grown-refactor", {"new_moments": "head_mean"}),
+    ("grown-append", {"new_moments": "head_mean"}),
+]
 PRESETS = {
     "cpu": dict(
         seeds=3,
@@ -58,9 +71,15 @@ PRESETS = {
             keys=32, values=8, pairs=16, n_embd=64, n_head=1, small=2, large=8, schedule={150: 8},
             steps=500, batch_size=64, eval_every=25, eval_batches=2, lr=3e-3, warmup=20,
         ),
+        plateau=dict(
+            keys=1024, values=16, pairs=32, queries=8, n_embd=64, n_inner=64, n_head=1, small=8, large=32,
+            schedule={150: 16, 300: 24, 450: 32}, steps=800, batch_size=64, eval_every=25, eval_batches=2, lr=3e-3,
+            warmup=50, statistics_batches=4, search_batches=4, option_variants=OPTION_VARIANTS,
+        ),
         text=dict(
             n_embd=64, n_layer=2, n_head=4, seq_len=64, small=2, large=16, schedule={200: 16},
             steps=600, batch_size=16, eval_every=50, eval_batches=8, lr=3e-3, warmup=50,
+            option_variants=OPTION_VARIANTS,
         ),
     ),
     "gpu": dict(
@@ -69,9 +88,15 @@ PRESETS = {
             keys=128, values=32, pairs=64, n_embd=256, n_head=4, small=4, large=32, schedule={500: 16, 1000: 32},
             steps=4000, batch_size=128, eval_every=100, eval_batches=4, lr=1e-3, warmup=100,
         ),
+        plateau=dict(
+            keys=4096, values=32, pairs=64, queries=16, n_embd=128, n_head=1, small=8, large=32,
+            schedule={300: 16, 600: 24, 900: 32}, steps=2000, batch_size=128, eval_every=25, eval_batches=4, lr=2e-3,
+            warmup=100, option_variants=OPTION_VARIANTS,
+        ),
         text=dict(
             n_embd=256, n_layer=4, n_head=8, seq_len=256, small=4, large=32, schedule={1000: 16, 2000: 32},
             steps=6000, batch_size=32, eval_every=200, eval_batches=32, lr=1e-3, warmup=200,
+            option_variants=OPTION_VARIANTS,
         ),
     ),
     "tiny": dict(
@@ -80,13 +105,18 @@ PRESETS = {
             keys=16, values=4, pairs=8, n_embd=32, n_head=1, small=2, large=8, schedule={20: 8},
             steps=60, batch_size=32, eval_every=20, eval_batches=1, lr=3e-3, warmup=5,
         ),
+        plateau=dict(
+            keys=64, values=4, pairs=8, queries=2, n_embd=32, n_head=1, small=4, large=8, schedule={10: 6, 20: 8},
+            steps=40, batch_size=16, eval_every=10, eval_batches=1, lr=3e-3, warmup=5,
+            option_variants=[("grown-append", {"new_moments": "head_mean"})],
+        ),
         text=dict(
             n_embd=32, n_layer=1, n_head=2, seq_len=32, small=2, large=16, schedule={20: 16},
             steps=60, batch_size=8, eval_every=20, eval_batches=2, lr=3e-3, warmup=5,
         ),
     ),
 }
-TASKS = ("retrieval", "text")
+TASKS = ("retrieval", "plateau", "text")
 #: The widening baselines every variant is compared with: zero-initialised keys, small random new dims.
 BASELINES = ("zero", "random")
 #: Retrieval: the accuracy at which the task counts as learnt.
@@ -148,7 +178,78 @@ def retrieval_task(keys: int, values: int, pairs: int, n_embd: int, n_head: int,
     return Task(config, train_batch, growth_batches, evaluation, accuracy)
 
 
+def plateau_task(
+    keys: int, values: int, pairs: int, queries: int, n_embd: int, n_head: int, batch_size: int, eval_batches: int,
+    n_inner: int | None = None,
+) -> Task:
+    """Key -> value retrieval with learned embeddings, where training itself stalls on a loss plateau.
+
+    Each sequence stores ``pairs`` (key, value) pairs with distinct keys out of ``keys``, one per position
+    (embedded as the sum of the model's own learned token embeddings of the key and of the value), then asks
+    ``queries`` of the stored keys, one per position (the key's embedding plus a learned query marker's); the
+    loss is the cross-entropy of the value at each query position. Until the query/key embeddings and W_Q, W_K
+    align, attention is near-uniform and the loss sits at about log(values): a plateau of hundreds of steps.
+    ``n_inner`` is the MLP width (the lookup needs none; a narrow one keeps the preset cheap).
+    """
+    if pairs > keys or queries > pairs:
+        raise ValueError(f"need queries ({queries}) <= pairs ({pairs}) <= keys ({keys}): stored keys are distinct")
+    marker = keys + values
+    config = GrownGPT2Config(
+        vocab_size=keys + values + 1, n_positions=pairs + queries, n_embd=n_embd, n_layer=1, n_head=n_head,
+        n_inner=n_inner, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+
+    def sample(count: int, generator: torch.Generator) -> dict:
+        stored = torch.stack([torch.randperm(keys, generator=generator)[:pairs] for _ in range(count)])
+        stored_values = torch.randint(0, values, (count, pairs), generator=generator)
+        asked = torch.stack([torch.randperm(pairs, generator=generator)[:queries] for _ in range(count)])
+        labels = torch.full((count, pairs + queries), -100)
+        labels[:, pairs:] = keys + stored_values.gather(1, asked)
+        return {
+            "input_ids": torch.cat([stored, stored.gather(1, asked)], 1),
+            "value_ids": torch.cat([keys + stored_values, torch.full((count, queries), marker)], 1),
+            "labels": labels,
+        }
+
+    def logits(model: GrownGPT2LMHeadModel, batch: dict) -> torch.Tensor:
+        """The logits at the query positions (the last ``queries``): the LM head runs only there."""
+        embed = model.get_input_embeddings()
+        inputs = embed(batch["input_ids"]) + embed(batch["value_ids"])
+        return model(inputs_embeds=inputs, logits_to_keep=queries).logits
+
+    def loss_fn(model: GrownGPT2LMHeadModel, batch: dict) -> torch.Tensor:
+        scores = logits(model, batch)
+        return torch.nn.functional.cross_entropy(scores.flatten(0, 1).float(), batch["labels"][:, pairs:].flatten())
+
+    def train_batch(step: int) -> dict:
+        return sample(batch_size, torch.Generator().manual_seed(step))
+
+    def growth_batches(step: int, count: int) -> list[dict]:
+        generator = torch.Generator().manual_seed(10**6 + step)
+        return [sample(batch_size, generator) for _ in range(count)]
+
+    evaluation = [sample(256, torch.Generator().manual_seed(2**31 - 1 - index)) for index in range(eval_batches)]
+
+    def accuracy(model: GrownGPT2LMHeadModel) -> dict[str, float]:
+        device = next(model.parameters()).device
+        correct = total = 0
+        model.eval()
+        with torch.no_grad():
+            for batch in evaluation:
+                batch = {key: value.to(device) for key, value in batch.items()}
+                predicted = logits(model, batch).argmax(-1)
+                correct += int((predicted == batch["labels"][:, pairs:]).sum())
+                total += predicted.numel()
+        return {"accuracy": correct / total}
+
+    return Task(config, train_batch, growth_batches, evaluation, accuracy, loss_fn)
+
+
 def build_task(name: str, settings: dict) -> Task:
+    if name == "plateau":
+        keys = ("keys", "values", "pairs", "queries", "n_embd", "n_head", "batch_size", "eval_batches", "n_inner")
+        return plateau_task(**{key: settings.get(key) for key in keys})
     if name == "retrieval":
         keys = ("keys", "values", "pairs", "n_embd", "n_head", "batch_size", "eval_batches")
         return retrieval_task(**{key: settings[key] for key in keys})
@@ -157,6 +258,21 @@ def build_task(name: str, settings: dict) -> Task:
         n_head=settings["n_head"], bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     return text_task(config, None, settings["seq_len"], settings["batch_size"], settings["eval_batches"])
+
+
+def task_variants(settings: dict) -> list[Variant]:
+    """The standard variants, then the preset's option variants (a standard one with options of its own)."""
+    variants = standard_variants(settings["small"], settings["large"], settings["schedule"])
+    by_name = {variant.name: variant for variant in variants}
+    for base, options in settings.get("option_variants", []):
+        label = ", ".join(f"{key}={value}" for key, value in options.items())
+        variants.append(replace(by_name[base], name=f"{base} ({label})", options=dict(options)))
+    return variants
+
+
+def escape_loss(task: str, settings: dict) -> float | None:
+    """The plateau task's escape threshold: half the plateau's loss log(values), between it and the solution."""
+    return 0.5 * math.log(settings["values"]) if task == "plateau" else None
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -180,45 +296,59 @@ def _steps_to_accuracy(run: Run) -> int | None:
     return next((point.step for point in run.curve if point.metrics.get("accuracy", 0.0) >= ACCURACY_TARGET), None)
 
 
-def summary(task: str, runs: dict[str, list[Run]]) -> str:
+def steps_to_escape(run: Run, threshold: float) -> int | None:
+    """The first scheduled evaluation step whose held-out loss is below ``threshold`` (None: never)."""
+    return next((point.step for point in run.curve if point.scheduled and point.eval_loss < threshold), None)
+
+
+def _reached(steps: Sequence[int | None]) -> str:
+    """Mean ± std of the runs that got there, with how many did."""
+    got = [step for step in steps if step is not None]
+    return f"{fmt(got, 0)} ({len(got)}/{len(steps)})" if got else f"never (0/{len(steps)})"
+
+
+def summary(task: str, runs: dict[str, list[Run]], escape: float | None = None) -> str:
     """The task's table: one row per variant, mean ± std over seeds."""
     target = max(run.final_loss for run in runs["fixed-large"])
     has_accuracy = "accuracy" in runs["fixed-large"][0].curve[-1].metrics
-    header = ["variant", "final held-out loss"] + (["final accuracy"] if has_accuracy else []) + [
-        "mean loss (AUC)",
-        f"steps to {target:.4f}",
-        "GFLOPs to it",
-    ] + ([f"steps to {ACCURACY_TARGET:.0%} accuracy"] if has_accuracy else []) + [
-        "loss before -> after growth",
-    ] + [f"final loss / AUC vs {baseline}" for baseline in BASELINES if baseline in runs]
+    baselines = [name for name in BASELINES if name in runs]
+    best_baseline = min((pystats.fmean(r.area_under_curve() for r in runs[name]) for name in baselines), default=None)
+    header = ["variant", "final held-out loss"] + (["final accuracy"] if has_accuracy else []) + ["mean loss (AUC)"]
+    header += ["AUC / best of zero, random"] if best_baseline else []
+    header += [f"steps to escape (loss < {escape:.3f})"] if escape is not None else []
+    header += [f"steps to {target:.4f}", "GFLOPs to it"]
+    header += [f"steps to {ACCURACY_TARGET:.0%} accuracy"] if has_accuracy else []
+    header += ["loss before -> after growth"] + [f"final loss / AUC vs {baseline}" for baseline in baselines]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for variant, variant_runs in runs.items():
         finals = [run.final_loss for run in variant_runs]
         areas = [run.area_under_curve() for run in variant_runs]
         reached = [(run.steps_to_reach(target), run.flops_to_reach(target)) for run in variant_runs]
-        reached = [pair for pair in reached if pair[0] is not None]
-        steps = f"{fmt([s for s, _ in reached], 0)} ({len(reached)}/{len(variant_runs)})" if reached else f"never (0/{len(variant_runs)})"
-        flops = fmt([f / 1e9 for _, f in reached], 2) if reached else "-"
+        flops = [f / 1e9 for s, f in reached if s is not None]
         growths = []
         for index in range(len(variant_runs[0].growths)):
             events = [run.growths[index] for run in variant_runs]
             growths.append(
-                f"@{events[0].step}: {fmt([e.eval_loss_before for e in events], 3)} -> {fmt([e.eval_loss_after for e in events], 3)}"
+                f"@{events[0].step}: {fmt([e.eval_loss_before for e in events], 3)} -> "
+                f"{fmt([e.eval_loss_after for e in events], 3)}"
             )
         cells = [variant, fmt(finals)]
         if has_accuracy:
             cells.append(fmt([run.curve[-1].metrics["accuracy"] for run in variant_runs], 3))
-        cells += [fmt(areas), steps, flops]
+        cells.append(fmt(areas))
+        if best_baseline:
+            cells.append(f"{pystats.fmean(areas) / best_baseline:.2f}")
+        if escape is not None:
+            cells.append(_reached([steps_to_escape(run, escape) for run in variant_runs]))
+        cells += [_reached([s for s, _ in reached]), fmt(flops, 2) if flops else "-"]
         if has_accuracy:
-            accurate = [_steps_to_accuracy(run) for run in variant_runs]
-            accurate = [step for step in accurate if step is not None]
-            cells.append(f"{fmt(accurate, 0)} ({len(accurate)}/{len(variant_runs)})" if accurate else f"never (0/{len(variant_runs)})")
+            cells.append(_reached([_steps_to_accuracy(run) for run in variant_runs]))
         cells.append("; ".join(growths) or "-")
-        for baseline in (name for name in BASELINES if name in runs):
+        for baseline in baselines:
             others = runs[baseline]
+            other_finals, other_areas = [r.final_loss for r in others], [r.area_under_curve() for r in others]
             cells.append(
-                "-" if variant == baseline else
-                f"{compare(finals, [r.final_loss for r in others])} / {compare(areas, [r.area_under_curve() for r in others])}"
+                "-" if variant == baseline else f"{compare(finals, other_finals)} / {compare(areas, other_areas)}"
             )
         rows.append("| " + " | ".join(cells) + " |")
     return f"### {task}\n\n" + "\n".join(rows)
@@ -255,6 +385,46 @@ def plot(results: dict[str, dict[str, list[Run]]], path: str) -> bool:
     return True
 
 
+def load_runs(path: str) -> tuple[dict, dict[str, dict[str, list[Run]]]]:
+    """The settings and runs a bench_bottleneck JSON holds."""
+    with open(path) as handle:
+        saved = json.load(handle)
+    results = {
+        task: {
+            variant: [
+                Run(**{
+                    **run,
+                    "curve": [CurvePoint(**point) for point in run["curve"]],
+                    "growths": [GrowthEvent(**event) for event in run["growths"]],
+                })
+                for run in variant_runs
+            ]
+            for variant, variant_runs in runs.items()
+        }
+        for task, runs in saved["results"].items()
+    }
+    return saved["settings"], results
+
+
+def merge(paths: Sequence[str], output: str) -> None:
+    """One table and one plot per task from runs of several parts (e.g. variants run side by side)."""
+    settings: dict[str, dict] = {}
+    results: dict[str, dict[str, list[Run]]] = {}
+    for path in paths:
+        part_settings, part = load_runs(path)
+        settings.update(part_settings)
+        for task, runs in part.items():
+            for variant, variant_runs in runs.items():
+                results.setdefault(task, {}).setdefault(variant, []).extend(variant_runs)
+    order = {task: [variant.name for variant in task_variants(settings[task])] for task in results}
+    for task, runs in results.items():
+        runs = {name: runs[name] for name in order[task] if name in runs}
+        results[task] = runs
+        print("\n" + summary(task, runs, escape_loss(task, settings[task])), flush=True)
+    if plot(results, f"{output}.png"):
+        print(f"\nwrote {output}.png")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -264,7 +434,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", default="bench_bottleneck", help="prefix of the .png and .json outputs")
+    parser.add_argument("--variants", nargs="*", help="run only these variants (merge the parts with --merge)")
+    parser.add_argument("--merge", nargs="*", metavar="JSON", help="print the tables of these runs' JSONs together")
     args = parser.parse_args(argv)
+    if args.merge:
+        merge(args.merge, args.output)
+        return
     preset = PRESETS[args.preset]
     seeds = args.seeds or preset["seeds"]
     torch.set_num_threads(args.threads)
@@ -287,26 +462,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         task = build_task(task_name, settings)
         print(f"\n## {task_name}: {settings}", flush=True)
         runs: dict[str, list[Run]] = {}
-        for variant in standard_variants(settings["small"], settings["large"], settings["schedule"]):
+        for variant in task_variants(settings):
+            if args.variants and variant.name not in args.variants:
+                continue
             for seed in range(seeds):
                 run = train_variant(
                     variant, task, settings["steps"], settings["lr"], settings["warmup"], settings["eval_every"], seed,
-                    device=args.device, log=lambda message: None,
+                    statistics_batches=settings.get("statistics_batches", 8),
+                    search_batches=settings.get("search_batches", 4), device=args.device, log=lambda message: None,
                 )
                 runs.setdefault(variant.name, []).append(run)
                 accuracy = run.curve[-1].metrics.get("accuracy")
                 print(
-                    f"  {variant.name:15s} seed {seed}: final held-out loss {run.final_loss:.4f}"
+                    f"  {variant.name:38s} seed {seed}: final held-out loss {run.final_loss:.4f}"
                     + ("" if accuracy is None else f", accuracy {accuracy:.3f}")
                     + f"  ({run.seconds:.0f} s)",
                     flush=True,
                 )
         results[task_name] = runs
-        print("\n" + summary(task_name, runs), flush=True)
+        if "fixed-large" in runs:  # the target of the table (a part without it is merged later)
+            print("\n" + summary(task_name, runs, escape_loss(task_name, settings)), flush=True)
     with open(f"{args.output}.json", "w") as handle:
         serialized = {task: {v: [asdict(run) for run in rs] for v, rs in runs.items()} for task, runs in results.items()}
         json.dump({"preset": args.preset, "seeds": seeds, "settings": used_settings, "results": serialized}, handle, indent=1, default=str)
-    written = [f"{args.output}.json"] + ([f"{args.output}.png"] if plot(results, f"{args.output}.png") else [])
+    plotted = not args.variants and plot(results, f"{args.output}.png")
+    written = [f"{args.output}.json"] + ([f"{args.output}.png"] if plotted else [])
     print(f"\nwrote {', '.join(written)}")
 
 
