@@ -271,8 +271,13 @@ class Collector:
 
         return hook
 
-    def score_hook(self, layer: int) -> Callable[[Tensor], None]:
-        """The reference method: receives G = dLoss/dS of ``layer`` as a whole (paired with this pass's X')."""
+    def score_hook(self, layer: int) -> Callable[[Tensor], None] | None:
+        """The reference method: receives G = dLoss/dS of ``layer`` as a whole (paired with this pass's X').
+
+        None for a checkpointed layer's recomputation whose first forward pass took its X' (and hooked its scores).
+        """
+        if self.in_backward and layer not in self.inputs:
+            return None
         augmented = self.inputs.pop(layer)
 
         def hook(grad: Tensor) -> None:
