@@ -65,7 +65,8 @@ logger = logging.getLogger("hf_grow")
 GROWTH_MODES: tuple[str, ...] = ("refactor", "append", "zero", "random")
 #: On bench_bottleneck's plateau preset (3 seeds) refactor left the plateau first (step 208 against 233 for
 #: append and 275 for zero/random) with the lowest mean loss over training, 0.81x the better baseline's (append
-#: 0.88x); on the easy retrieval task and on text the two tie (BENCHMARKS.md).
+#: 0.88x); on the easy retrieval task and on text the two tie (BENCHMARKS.md). Architectures that cannot
+#: refactor (rotary models) take their own default (`ArchitectureAdapter.check_mode`) when mode is None.
 DEFAULT_MODE = "refactor"
 
 #: Optimizer state entries that can be remapped, and their degree in the gradient: when a weight is rescaled by
@@ -234,13 +235,20 @@ def _initialized_weights(
     return weights
 
 
+def _resolved_mode(model: PreTrainedModel, adapter: ArchitectureAdapter, mode: str | None) -> str:
+    """``mode``, or for None `DEFAULT_MODE` where the architecture supports it, else its own default."""
+    if mode is not None:
+        return mode
+    return DEFAULT_MODE if DEFAULT_MODE in adapter.growth_modes else adapter.check_mode(model, None)
+
+
 def grow_in_training(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer | None,
     dataloader: Iterable[Mapping[str, Tensor]] | None,
     p: int | Mapping[int, int] | None,
     *,
-    mode: str = DEFAULT_MODE,
+    mode: str | None = None,
     new_moments: str = DEFAULT_NEW_MOMENTS,
     config: GrowthConfig | None = None,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
@@ -266,9 +274,10 @@ def grow_in_training(
     FSDP and DeepSpeed are refused.
 
     Args:
-        mode: ``"refactor"`` (default) or ``"append"`` (solved from statistics over ``dataloader``, line search on
+        mode: ``"refactor"`` or ``"append"`` (solved from statistics over ``dataloader``, line search on
             ``eval_dataloader`` or the last ``eval_fraction`` of the batches), ``"zero"`` or ``"random"``
-            (baselines: no data needed); see the module docstring.
+            (baselines: no data needed); see the module docstring. None (default): ``"refactor"``, or the
+            architecture's own solved mode where it cannot refactor (``"append"`` for rotary models).
         new_moments: how the optimizer moments of the new Q/K entries (all Q/K entries in mode "refactor")
             start: ``"zero"`` (default), as a fresh optimizer, or ``"head_mean"``: second moments at the mean of
             the old entries' of the same head and role, first moments zero (see `hf_grow.optimizer_state`).
@@ -288,7 +297,7 @@ def grow_in_training(
         The `GrowthReport` of the solved modes (also set as ``model.growth_report``, so that checkpoints carry
         it), None for the baselines.
     """
-    if mode not in GROWTH_MODES:
+    if mode is not None and mode not in GROWTH_MODES:
         raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
     check_new_moments(new_moments)
     overrides = overrides if p is None else {**overrides, "p": p}
@@ -297,12 +306,13 @@ def grow_in_training(
         raise ValueError("grow_in_training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
     refuse_sharded_training(model, accelerator)
     wrappers, model, is_main = ddp_wrappers(model), unwrap_model(model, accelerator), Processes(accelerator).is_main
+    adapter = get_adapter(model)
+    mode = _resolved_mode(model, adapter, mode)
     if wrappers and accelerator is None and mode in ("refactor", "append"):
         raise ValueError(
             "the model is wrapped by DistributedDataParallel: pass accelerator=accelerate.Accelerator() on every "
             "process, so that the statistics are summed across processes and every process grows the same way."
         )
-    adapter = get_adapter(model)
     torch_optimizer = _torch_optimizer(optimizer)
     _check_growable(model, adapter, torch_optimizer)
     if mode in ("zero", "random"):
@@ -371,7 +381,8 @@ class GrowthCallback(TrainerCallback):
         grow_at: ``{global_step: p}``, the dims to add per head at each step (an int, or ``{layer: p}``).
         qk_dims_at: alternatively ``{global_step: width}``, the total query/key width to reach (an int for
             every layer, or one per layer); layers already that wide get no new dims.
-        mode: ``"refactor"`` (default), ``"append"``, ``"zero"`` or ``"random"`` (see `hf_grow.training`).
+        mode: ``"refactor"``, ``"append"``, ``"zero"`` or ``"random"`` (see `hf_grow.training`); None (default)
+            as in `grow_in_training`.
         new_moments: how the optimizer moments of new Q/K entries start (see `grow_in_training`).
         statistics_batches, eval_batches: batches drawn for the statistics and for the line search.
         dataloader, eval_dataloader: fixed batches to use instead of drawing from the training set.
@@ -396,7 +407,7 @@ class GrowthCallback(TrainerCallback):
         grow_at: Mapping[int, int | Mapping[int, int]] | None = None,
         *,
         qk_dims_at: Mapping[int, int | Sequence[int]] | None = None,
-        mode: str = DEFAULT_MODE,
+        mode: str | None = None,
         new_moments: str = DEFAULT_NEW_MOMENTS,
         statistics_batches: int = 8,
         eval_batches: int = 4,
@@ -413,7 +424,7 @@ class GrowthCallback(TrainerCallback):
         bad_steps = [step for step in schedule if isinstance(step, bool) or not isinstance(step, int) or step <= 0]
         if bad_steps:
             raise ValueError(f"growth steps must be positive global steps (optimizer steps), got {bad_steps}")
-        if mode not in GROWTH_MODES:
+        if mode is not None and mode not in GROWTH_MODES:
             raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
         check_new_moments(new_moments)
         if statistics_batches < 1 or eval_batches < 1:
@@ -490,7 +501,8 @@ class GrowthCallback(TrainerCallback):
                 return
         eval_dataloader = self.eval_dataloader
         batches = self.dataloader
-        if batches is None and self.mode in ("refactor", "append"):  # the baselines need no data
+        mode = _resolved_mode(model, get_adapter(model), self.mode)
+        if batches is None and mode in ("refactor", "append"):  # the baselines need no data
             batches, drawn_eval = self._draw_batches(train_dataloader, args, step)
             eval_dataloader = drawn_eval if eval_dataloader is None else eval_dataloader
         report = grow_in_training(
@@ -498,7 +510,7 @@ class GrowthCallback(TrainerCallback):
             optimizer,
             batches,
             added,
-            mode=self.mode,
+            mode=mode,
             new_moments=self.new_moments,
             eval_dataloader=eval_dataloader,
             seed=self.seed + step,
@@ -507,11 +519,11 @@ class GrowthCallback(TrainerCallback):
             **self.growth_kwargs,
         )
         self.reports[step] = report
-        entry = {"step": step, "growth_mode": self.mode, "qk_head_dims": list(model.config.qk_head_dims)}
+        entry = {"step": step, "growth_mode": mode, "qk_head_dims": list(model.config.qk_head_dims)}
         if report is not None:
             entry.update(growth_eval_loss_before=report.eval_loss_before, growth_eval_loss_after=report.eval_loss_after)
         state.log_history.append(entry)
-        logger.info("step %d: grew query/key heads to %s (%s)", step, model.config.qk_head_dims, self.mode)
+        logger.info("step %d: grew query/key heads to %s (%s)", step, model.config.qk_head_dims, mode)
 
 
 def _unwrapped(model: torch.nn.Module) -> PreTrainedModel:
