@@ -235,10 +235,11 @@ def _initialized_weights(
     return weights
 
 
-def _resolved_mode(model: PreTrainedModel, adapter: ArchitectureAdapter, mode: str | None) -> str:
+def _resolved_mode(model: PreTrainedModel, mode: str | None) -> str:
     """``mode``, or for None `DEFAULT_MODE` where the architecture supports it, else its own default."""
     if mode is not None:
         return mode
+    adapter = get_adapter(model)
     return DEFAULT_MODE if DEFAULT_MODE in adapter.growth_modes else adapter.check_mode(model, None)
 
 
@@ -307,7 +308,7 @@ def grow_in_training(
     refuse_sharded_training(model, accelerator)
     wrappers, model, is_main = ddp_wrappers(model), unwrap_model(model, accelerator), Processes(accelerator).is_main
     adapter = get_adapter(model)
-    mode = _resolved_mode(model, adapter, mode)
+    mode = _resolved_mode(model, mode)
     if wrappers and accelerator is None and mode in ("refactor", "append"):
         raise ValueError(
             "the model is wrapped by DistributedDataParallel: pass accelerator=accelerate.Accelerator() on every "
@@ -501,7 +502,7 @@ class GrowthCallback(TrainerCallback):
                 return
         eval_dataloader = self.eval_dataloader
         batches = self.dataloader
-        mode = _resolved_mode(model, get_adapter(model), self.mode)
+        mode = _resolved_mode(model, self.mode)
         if batches is None and mode in ("refactor", "append"):  # the baselines need no data
             batches, drawn_eval = self._draw_batches(train_dataloader, args, step)
             eval_dataloader = drawn_eval if eval_dataloader is None else eval_dataloader
