@@ -72,11 +72,8 @@ def outputs_of(model, batch) -> list[torch.Tensor]:
     return [value for value in outputs.values() if isinstance(value, torch.Tensor)]
 
 
-@pytest.fixture(scope="session")
-def trained_gpt2(stdlib_bytes) -> GPT2LMHeadModel:
-    """A 2-layer GPT-2 (d_k = 16) trained for 200 steps on real text, so that its loss means something."""
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(tiny_gpt2_config())
+def trained_on_text(model: torch.nn.Module, stdlib_bytes) -> torch.nn.Module:
+    """``model`` trained for 200 AdamW steps on real text (so that its loss means something), in eval mode."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for batch in lm_batches(stdlib_bytes["train"], 200, seed=1):
         loss = model(**batch).loss
@@ -84,6 +81,13 @@ def trained_gpt2(stdlib_bytes) -> GPT2LMHeadModel:
         loss.backward()
         optimizer.step()
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def trained_gpt2(stdlib_bytes) -> GPT2LMHeadModel:
+    """A 2-layer GPT-2 (d_k = 16) trained for 200 steps on real text."""
+    torch.manual_seed(0)
+    return trained_on_text(GPT2LMHeadModel(tiny_gpt2_config()), stdlib_bytes)
 
 
 @pytest.fixture

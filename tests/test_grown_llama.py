@@ -45,7 +45,7 @@ from hf_grow import (
     to_grown_model,
 )
 
-from conftest import lm_batches, outputs_of, sum_of_outputs
+from conftest import lm_batches, outputs_of, sum_of_outputs, trained_on_text
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
@@ -59,14 +59,7 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
 
 def trained_llama(stdlib_bytes, key_value_heads: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(num_key_value_heads=key_value_heads))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for batch in lm_batches(stdlib_bytes["train"], 200, seed=1):
-        loss = model(**batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.eval()
+    return trained_on_text(LlamaForCausalLM(tiny_llama_config(num_key_value_heads=key_value_heads)), stdlib_bytes)
 
 
 @pytest.fixture(scope="session")
