@@ -77,15 +77,53 @@ def outputs_of(model, batch) -> list[torch.Tensor]:
     return [value for value in outputs.values() if isinstance(value, torch.Tensor)]
 
 
-def trained_on_text(model: torch.nn.Module, stdlib_bytes) -> torch.nn.Module:
-    """``model`` trained for 200 AdamW steps on real text (so that its loss means something), in eval mode."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for batch in lm_batches(stdlib_bytes["train"], 200, seed=1):
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches) -> list[float]:
+    """One optimizer step per batch on the model's own loss, in train mode; the losses."""
+    model.train()
+    losses = []
+    for batch in batches:
         loss = model(**batch).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def trained_on_text(model: torch.nn.Module, stdlib_bytes) -> torch.nn.Module:
+    """``model`` trained for 200 AdamW steps on real text (so that its loss means something), in eval mode."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    train(model, optimizer, lm_batches(stdlib_bytes["train"], 200, seed=1))
     return model.eval()
+
+
+def trainer_dataset(stdlib_bytes, count: int, seed: int) -> list[dict]:
+    """``count`` sequences of real text labelled for next-token loss, one a row, for a `transformers.Trainer`."""
+    return [
+        {"input_ids": batch["input_ids"][0], "labels": batch["input_ids"][0]}
+        for batch in lm_batches(stdlib_bytes["train"], count, batch_size=1, seed=seed)
+    ]
+
+
+def trainer_arguments(output_dir, batch_size: int = 4, gradient_accumulation_steps: int = 2,
+                      learning_rate: float = 3e-3):
+    """The growth-in-training tests' Trainer settings: 6 steps on the CPU with a linear schedule, every loss logged,
+    a checkpoint at step 4 (after the growth at step 3)."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=6,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        learning_rate=learning_rate,
+        lr_scheduler_type="linear",
+        save_steps=4,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,6 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
     Trainer,
-    TrainingArguments,
 )
 
 from hf_grow import (
@@ -50,7 +49,10 @@ from conftest import (
     lm_batches,
     outputs_of,
     sum_of_outputs,
+    train,
     trained_on_text,
+    trainer_arguments,
+    trainer_dataset,
 )
 
 
@@ -293,18 +295,6 @@ def test_modes_and_settings_rotary_models_cannot_take_are_refused(llama_gqa, std
         GrownLlamaConfig(**tiny_llama_config().to_dict() | {"qk_nope_dims": [4]})
 
 
-def train(model, optimizer, batches) -> list[float]:
-    model.train()
-    losses = []
-    for batch in batches:
-        loss = model(**batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 @pytest.mark.parametrize("mode", ["append", "zero", "random"])
 def test_growth_in_training_keeps_parameters_and_moments(llama_gqa, stdlib_bytes, mode):
     model = to_grown_model(copy.deepcopy(llama_gqa))
@@ -338,14 +328,8 @@ def test_growth_in_training_keeps_parameters_and_moments(llama_gqa, stdlib_bytes
 
 
 def test_growth_in_training_with_trainer_callback(llama_gqa, stdlib_bytes, tmp_path):
-    dataset = [
-        {"input_ids": batch["input_ids"][0], "labels": batch["input_ids"][0]}
-        for batch in lm_batches(stdlib_bytes["train"], 48, batch_size=1, seed=11)
-    ]
-    arguments = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, learning_rate=1e-3, save_steps=4,
-        logging_steps=1, report_to=[], use_cpu=True, seed=0,
-    )
+    dataset = trainer_dataset(stdlib_bytes, 48, seed=11)
+    arguments = trainer_arguments(tmp_path, gradient_accumulation_steps=1, learning_rate=1e-3)
     callback = GrowthCallback({3: 8}, statistics_batches=3, eval_batches=2)
     model = to_grown_model(copy.deepcopy(llama_gqa))
     trainer = Trainer(model=model, args=arguments, train_dataset=dataset, callbacks=[callback])
