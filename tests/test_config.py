@@ -152,7 +152,7 @@ def test_grow_in_training_keeps_its_own_defaults_and_takes_a_config(stdlib_bytes
 def test_the_callback_passes_its_config_and_keywords_on(monkeypatch):
     import types
 
-    import hf_grow.training as training
+    import hf_grow.training.callback as training
 
     calls = []
     monkeypatch.setattr(training, "grow_in_training", lambda *args, **kwargs: calls.append((args, kwargs)))

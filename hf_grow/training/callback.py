@@ -1,0 +1,192 @@
+"""`GrowthCallback`: growth on a schedule inside `transformers.Trainer` training."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from transformers import PreTrainedModel, TrainerCallback
+
+from ..adapters import get_adapter
+from ..config import GrowthConfig
+from ..distributed import refuse_sharded_training, sharded_training_message
+from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
+from ..report import GrowthReport
+from .grow import GROWTH_MODES, _resolved_mode, grow_in_training
+from .resize import _check_growable, _torch_optimizer
+
+logger = logging.getLogger("hf_grow")
+
+
+class GrowthCallback(TrainerCallback):
+    """Grow a model's query/key heads during `transformers.Trainer` training, keeping the optimizer.
+
+    At the end of each scheduled optimizer step, draws ``statistics_batches + eval_batches`` batches from the
+    training set (with the Trainer's collator and batch size, from a generator of its own: the training
+    order and the global RNG are untouched), collects statistics on the first ones, line-searches the step on
+    the held-out rest, and resizes the model in place (`grow_in_training`). Training then continues with the
+    same optimizer, step count and LR schedule; checkpoints saved afterwards carry the new ``qk_head_dims``.
+
+    To resume from such a checkpoint, build the model from it (``AutoModelForCausalLM.from_pretrained(
+    checkpoint)``) so that its shapes match, then ``trainer.train(resume_from_checkpoint=checkpoint)``;
+    growths scheduled at steps already done are not repeated.
+
+    Args:
+        grow_at: ``{global_step: p}``, the dims to add per head at each step (an int, or ``{layer: p}``).
+        qk_dims_at: alternatively ``{global_step: width}``, the total query/key width to reach (an int for
+            every layer, or one per layer); layers already that wide get no new dims.
+        mode: ``"refactor"``, ``"append"``, ``"zero"`` or ``"random"`` (see `hf_grow.training`); None (default)
+            as in `grow_in_training`.
+        new_moments: how the optimizer moments of new Q/K entries start (see `grow_in_training`).
+        statistics_batches, eval_batches: batches drawn for the statistics and for the line search.
+        dataloader, eval_dataloader: fixed batches to use instead of drawing from the training set.
+        seed: seed of the batch draw (plus the global step) and of the baselines' random dims.
+        config: the growth options (`GrowthConfig`) of every growth, passed to `grow_in_training` (used as it
+            is: `grow_in_training`'s own defaults apply without one); ``p`` comes from the schedule.
+        trainer: the `transformers.Trainer`, required with several processes (DDP under ``torchrun`` or
+            ``accelerate launch``): the callback then grows the Trainer's DDP-wrapped model with its accelerator
+            (``trainer.add_callback(GrowthCallback(..., trainer=trainer))``). Each process draws the same
+            ``(statistics_batches + eval_batches) * world_size`` batches and uses every world_size-th, so the
+            processes together read the samples that one process whose batch is the global batch would;
+            fixed ``dataloader``/``eval_dataloader`` are each process's own shard, as in `grow_model`.
+        growth_kwargs: passed to `grow_in_training` (``step_size``, ``truncation``, ``loss_fn``, ...).
+
+    ``reports`` maps each step at which the model grew to its `GrowthReport` (None for the baselines); a
+    summary also goes to ``state.log_history`` (and so to ``trainer_state.json``).
+    One process or DDP; FSDP and DeepSpeed are refused (they shard parameters and optimizer state by shape).
+    """
+
+    def __init__(
+        self,
+        grow_at: Mapping[int, int | Mapping[int, int]] | None = None,
+        *,
+        qk_dims_at: Mapping[int, int | Sequence[int]] | None = None,
+        mode: str | None = None,
+        new_moments: str = DEFAULT_NEW_MOMENTS,
+        statistics_batches: int = 8,
+        eval_batches: int = 4,
+        dataloader: Iterable[Mapping[str, Tensor]] | None = None,
+        eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
+        seed: int = 0,
+        config: GrowthConfig | None = None,
+        trainer: Any | None = None,
+        **growth_kwargs,
+    ):
+        if (grow_at is None) == (qk_dims_at is None):
+            raise ValueError("pass exactly one of grow_at={step: p} and qk_dims_at={step: width}")
+        schedule = grow_at if grow_at is not None else qk_dims_at
+        bad_steps = [step for step in schedule if isinstance(step, bool) or not isinstance(step, int) or step <= 0]
+        if bad_steps:
+            raise ValueError(f"growth steps must be positive global steps (optimizer steps), got {bad_steps}")
+        if mode is not None and mode not in GROWTH_MODES:
+            raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
+        check_new_moments(new_moments)
+        if statistics_batches < 1 or eval_batches < 1:
+            raise ValueError("statistics_batches and eval_batches must be at least 1")
+        if qk_dims_at is not None:
+            widths = sorted(schedule.items())
+            flat = [min(w) if isinstance(w, Sequence) else w for _, w in widths]
+            if any(not isinstance(w, int) or w <= 0 for w in flat) or flat != sorted(flat):
+                raise ValueError(f"qk_dims_at must map steps to positive, non-decreasing widths, got {dict(widths)}")
+        self.grow_at = dict(grow_at) if grow_at is not None else None
+        self.qk_dims_at = dict(qk_dims_at) if qk_dims_at is not None else None
+        self.mode = mode
+        self.new_moments = new_moments
+        self.statistics_batches = statistics_batches
+        self.eval_batches = eval_batches
+        self.dataloader = dataloader
+        self.eval_dataloader = eval_dataloader
+        self.seed = seed
+        self.config = config
+        self.trainer = trainer
+        self.growth_kwargs = growth_kwargs
+        self.reports: dict[int, GrowthReport | None] = {}
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if args.deepspeed or args.fsdp:
+            raise ValueError(sharded_training_message("DeepSpeed" if args.deepspeed else "FSDP"))
+        if args.world_size > 1 and self.trainer is None:
+            raise ValueError(
+                f"GrowthCallback with {args.world_size} processes needs the Trainer, to grow its DDP-wrapped model "
+                "with its accelerator: trainer.add_callback(GrowthCallback(..., trainer=trainer))."
+            )
+        if self.trainer is not None:
+            refuse_sharded_training(self.trainer.model_wrapped, self.trainer.accelerator)
+        _check_growable(_unwrapped(model), get_adapter(_unwrapped(model)), _torch_optimizer(optimizer))
+
+    def _added_dims(self, step: int, model: PreTrainedModel) -> int | dict[int, int]:
+        if self.grow_at is not None:
+            return self.grow_at[step]
+        current = get_adapter(model).qk_head_dims(model.config)
+        target = self.qk_dims_at[step]
+        targets = [target] * len(current) if isinstance(target, int) else list(target)
+        if len(targets) != len(current):
+            raise ValueError(f"qk_dims_at[{step}] has {len(targets)} widths but the model has {len(current)} layers")
+        return {layer: max(0, want - have) for layer, (want, have) in enumerate(zip(targets, current))}
+
+    def _draw_batches(self, train_dataloader, args, step: int) -> tuple[list, list]:
+        """This process's statistics and held-out batches, from the training set through the Trainer's collator,
+        in an order of their own: every process draws the same batches and takes every world_size-th."""
+        eval_batches = 0 if self.eval_dataloader is not None else self.eval_batches
+        count = (self.statistics_batches + eval_batches) * args.world_size
+        dataset, collate_fn = train_dataloader.dataset, train_dataloader.collate_fn
+        batch_size = args.per_device_train_batch_size
+        if isinstance(dataset, IterableDataset):
+            loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn)
+        else:
+            generator = torch.Generator().manual_seed(self.seed + step)
+            sampler = RandomSampler(dataset, generator=generator)
+            loader = DataLoader(
+                dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator
+            )
+        drawn = list(itertools.islice(loader, count))[args.process_index :: args.world_size]
+        return drawn[: self.statistics_batches], drawn[self.statistics_batches :]
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
+        schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
+        step = state.global_step
+        if step not in schedule or step in self.reports:
+            return
+        model = _unwrapped(model)
+        added = self._added_dims(step, model)
+        if isinstance(added, dict):
+            added = {layer: extra for layer, extra in added.items() if extra}
+            if not added:
+                return
+        eval_dataloader = self.eval_dataloader
+        batches = self.dataloader
+        mode = _resolved_mode(model, self.mode)
+        if batches is None and mode in ("refactor", "append"):  # the baselines need no data
+            batches, drawn_eval = self._draw_batches(train_dataloader, args, step)
+            eval_dataloader = drawn_eval if eval_dataloader is None else eval_dataloader
+        report = grow_in_training(
+            model if self.trainer is None else self.trainer.model_wrapped,
+            optimizer,
+            batches,
+            added,
+            mode=mode,
+            new_moments=self.new_moments,
+            eval_dataloader=eval_dataloader,
+            seed=self.seed + step,
+            config=self.config,
+            accelerator=None if self.trainer is None else self.trainer.accelerator,
+            **self.growth_kwargs,
+        )
+        self.reports[step] = report
+        entry = {"step": step, "growth_mode": mode, "qk_head_dims": list(model.config.qk_head_dims)}
+        if report is not None:
+            entry.update(growth_eval_loss_before=report.eval_loss_before, growth_eval_loss_after=report.eval_loss_after)
+        state.log_history.append(entry)
+        logger.info("step %d: grew query/key heads to %s (%s)", step, model.config.qk_head_dims, mode)
+
+
+def _unwrapped(model: torch.nn.Module) -> PreTrainedModel:
+    """The model inside a torch wrapper such as DataParallel (``.module``)."""
+    while not isinstance(model, PreTrainedModel) and hasattr(model, "module"):
+        model = model.module
+    return model

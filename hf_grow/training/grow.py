@@ -1,0 +1,190 @@
+"""`grow_in_training`: one growth of a model being trained, in place (the solved modes and the baselines)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from ..adapters import ArchitectureAdapter, get_adapter
+from ..config import GrowthConfig, resolve_config
+from ..distributed import Processes, ddp_wrappers, refuse_sharded_training, synchronize_after_growth, unwrap_model
+from ..growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
+from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
+from ..report import GrowthReport
+from ..statistics import GrowthStatistics, LossFn
+from .resize import _check_growable, _torch_optimizer, resize_qk_
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+GROWTH_MODES: tuple[str, ...] = ("refactor", "append", "zero", "random")
+#: On bench_bottleneck's plateau preset (3 seeds) refactor left the plateau first (step 208 against 233 for
+#: append and 275 for zero/random) with the lowest mean loss over training, 0.81x the better baseline's (append
+#: 0.88x); on the easy retrieval task and on text the two tie (BENCHMARKS.md). Architectures that cannot
+#: refactor (rotary models) take their own default (`ArchitectureAdapter.check_mode`) when mode is None.
+DEFAULT_MODE = "refactor"
+
+
+def _initialized_weights(
+    model: PreTrainedModel, adapter: ArchitectureAdapter, added: list[int], mode: str, init_std: float, seed: int
+) -> QKWeights:
+    """The baselines' weights: old Q/K kept (scale folded into the queries), new dims random or zero."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    config = model.config
+    for layer, (attention, extra) in enumerate(zip(adapter.attention_modules(model), added)):
+        if extra == 0:
+            continue
+        query, key = adapter.read_qk(attention)
+        old_dim = query.shape[-1]
+        fold = adapter.scaling(config, layer, old_dim) / adapter.scaling(config, layer, old_dim + extra)
+        width = query.shape[1]
+        has_bias = width == adapter.hidden_size(config) + 1  # augmented weights (Llama's have no bias row)
+
+        def draw(heads: int) -> Tensor:  # key heads may be fewer (grouped-query attention)
+            new = torch.randn(heads, width, extra, generator=generator, dtype=torch.float64) * init_std
+            if has_bias:
+                new[:, -1] = 0  # biases of new dims start at zero
+            return new
+
+        new_query = draw(query.shape[0])
+        new_key = draw(key.shape[0]) if mode == "random" else key.new_zeros(key.shape[0], width, extra)
+        weights[layer] = (torch.cat([query * fold, new_query], -1), torch.cat([key, new_key], -1))
+    return weights
+
+
+def _resolved_mode(model: PreTrainedModel, mode: str | None) -> str:
+    """``mode``, or for None `DEFAULT_MODE` where the architecture supports it, else its own default."""
+    if mode is not None:
+        return mode
+    adapter = get_adapter(model)
+    return DEFAULT_MODE if DEFAULT_MODE in adapter.growth_modes else adapter.check_mode(model, None)
+
+
+def grow_in_training(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer | None,
+    dataloader: Iterable[Mapping[str, Tensor]] | None,
+    p: int | Mapping[int, int] | None,
+    *,
+    mode: str | None = None,
+    new_moments: str = DEFAULT_NEW_MOMENTS,
+    config: GrowthConfig | None = None,
+    eval_dataloader: Iterable[Mapping[str, Tensor]] | None = None,
+    statistics: GrowthStatistics | None = None,
+    loss_fn: LossFn | None = None,
+    init_std: float | None = None,
+    seed: int = 0,
+    progress: bool = False,
+    accelerator: Accelerator | None = None,
+    **overrides: Any,
+) -> GrowthReport | None:
+    """Grow ``model``'s query/key heads by ``p`` in place, mid-training, and remap ``optimizer``'s state.
+
+    Unlike `grow_model` this modifies ``model`` (a grown model type; see `to_grown_model`): its Parameters are
+    resized in place, so ``optimizer`` (a torch optimizer or accelerate's wrapper around one), the LR schedule
+    and a `transformers.Trainer` carry on. Call it between optimizer steps (after ``zero_grad``).
+
+    With several processes (DDP: torchrun, ``accelerate launch``), call it on every process with that process's
+    own shard of the batches and the ``accelerator``, passing the DDP-wrapped model (what ``accelerator.prepare``
+    returned: the wrapper cannot be found from the model inside it). The statistics and held-out losses are
+    summed across processes, every process gets the main process's grown weights, and the DDP wrapper's gradient
+    buckets are rebuilt for the new shapes, in place: the wrapped model and the optimizer carry on as they are.
+    FSDP and DeepSpeed are refused.
+
+    Args:
+        mode: ``"refactor"`` or ``"append"`` (solved from statistics over ``dataloader``, line search on
+            ``eval_dataloader`` or the last ``eval_fraction`` of the batches), ``"zero"`` or ``"random"``
+            (baselines: no data needed); see the module docstring. None (default): ``"refactor"``, or the
+            architecture's own solved mode where it cannot refactor (``"append"`` for rotary models).
+        new_moments: how the optimizer moments of the new Q/K entries (all Q/K entries in mode "refactor")
+            start: ``"zero"`` (default), as a fresh optimizer, or ``"head_mean"``: second moments at the mean of
+            the old entries' of the same head and role, first moments zero (see `hf_grow.optimizer_state`).
+        init_std: standard deviation of the random new dims of the baselines (default:
+            ``config.initializer_range``).
+        seed: seed of the baselines' random new dims (the global RNG is not touched).
+        accelerator: an `accelerate.Accelerator`, to grow with several processes (required for the solved
+            modes when the model is DDP-wrapped; the baselines draw the same dims on every process).
+        p: dimensions added per head, in every layer, or ``{layer: p}``; None takes ``config.p`` (default 8,
+            for the solved modes).
+        config, overrides: the growth options as in `grow_model`. Without a config, this function's defaults
+            differ from `GrowthConfig`'s: ``eval_fraction=0.25`` and ``measure_realized_gains=False`` (keyword
+            overrides apply on top of them); a config passed is used as it is. A ``budget`` is `grow_model`'s.
+        Other arguments as in `grow_model`.
+
+    Returns:
+        The `GrowthReport` of the solved modes (also set as ``model.growth_report``, so that checkpoints carry
+        it), None for the baselines.
+    """
+    if mode is not None and mode not in GROWTH_MODES:
+        raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
+    check_new_moments(new_moments)
+    overrides = overrides if p is None else {**overrides, "p": p}
+    config = resolve_config(config, overrides, eval_fraction=0.25, measure_realized_gains=False)
+    if config.budget is not None:
+        raise ValueError("grow_in_training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
+    refuse_sharded_training(model, accelerator)
+    wrappers, model, is_main = ddp_wrappers(model), unwrap_model(model, accelerator), Processes(accelerator).is_main
+    adapter = get_adapter(model)
+    mode = _resolved_mode(model, mode)
+    if wrappers and accelerator is None and mode in ("refactor", "append"):
+        raise ValueError(
+            "the model is wrapped by DistributedDataParallel: pass accelerator=accelerate.Accelerator() on every "
+            "process, so that the statistics are summed across processes and every process grows the same way."
+        )
+    torch_optimizer = _torch_optimizer(optimizer)
+    _check_growable(model, adapter, torch_optimizer)
+    if mode in ("zero", "random"):
+        added = resolve_growth(config.p, len(adapter.attention_modules(model)))
+        std = getattr(model.config, "initializer_range", 0.02) if init_std is None else init_std
+        if not math.isfinite(std) or std < 0:
+            raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
+        weights = _initialized_weights(model, adapter, added, mode, std, seed)
+        resize_qk_(model, weights, torch_optimizer, keep_moments=True, new_moments=new_moments)
+        synchronize_after_growth(_qk_parameters(model, adapter, weights), wrappers, accelerator)
+        return None
+
+    started = time.perf_counter()
+    prepared = prepare_growth(
+        model,
+        dataloader,
+        config,
+        mode=mode,
+        eval_dataloader=eval_dataloader,
+        loss_fn=loss_fn,
+        statistics=statistics,
+        accelerator=accelerator,
+        progress=progress and is_main,
+    )
+    at_zero = prepared.problem.weights(0.0)
+    if mode == "append":  # layers that do not grow keep their weights and moments untouched
+        at_zero = {layer: w for layer, w in at_zero.items() if prepared.qk_after[layer] > prepared.qk_before[layer]}
+    resize_qk_(model, at_zero, torch_optimizer, keep_moments=mode == "append", new_moments=new_moments)
+    try:
+        report = search_and_report(
+            prepared, model, measure_realized_gains=config.measure_realized_gains, progress=progress and is_main,
+            started=started,
+        )
+    except BaseException:
+        write_weights(adapter, model, at_zero)  # the old function, at the new width: a single process can go on
+        raise
+    synchronize_after_growth(_qk_parameters(model, adapter, at_zero), wrappers, accelerator)
+    model.growth_report = report
+    return report
+
+
+def _qk_parameters(model: PreTrainedModel, adapter: ArchitectureAdapter, layers: Iterable[int]) -> list[Tensor]:
+    """The Parameters that hold the query/key weights of ``layers``."""
+    attentions = adapter.attention_modules(model)
+    return [
+        dict(attentions[layer].named_parameters())[name]
+        for layer in layers
+        for name in adapter.qk_parameter_names(attentions[layer])
+    ]

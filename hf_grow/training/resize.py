@@ -1,0 +1,153 @@
+"""Resizing a model's query/key Parameters in place, and remapping its optimizer state to the new shapes.
+
+The Parameter objects stay (``param.data = ...``), so the optimizer's param_groups, an LR scheduler and a
+`transformers.Trainer` keep working; the optimizer moments of entries that keep their meaning are kept, the
+others start as `hf_grow.optimizer_state` says.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from ..adapters import ArchitectureAdapter, get_adapter
+from ..growth import QKWeights
+from ..optimizer_state import fill_new_moments
+
+#: Optimizer state entries that can be remapped, and their degree in the gradient: when a weight is rescaled by
+#: ``fold`` its gradient scales by ``1 / fold``, so a moment of degree k scales by ``fold ** -k``.
+OPTIMIZER_STATE_DEGREES: dict[str, int] = {
+    "exp_avg": 1,  # Adam, AdamW
+    "exp_avg_sq": 2,
+    "max_exp_avg_sq": 2,
+    "momentum_buffer": 1,  # SGD, RMSprop
+    "sum": 2,  # Adagrad
+    "square_avg": 2,  # RMSprop
+    "grad_avg": 1,
+}
+
+
+def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
+    """``model`` as its grown type, computing exactly the same function, ready to grow during training.
+
+    A plain model (e.g. `GPT2LMHeadModel`) becomes a new grown model (e.g. `GrownGPT2LMHeadModel`) with the
+    same weights; a model already of a grown type is returned as is. Convert before creating the optimizer.
+    """
+    adapter = get_adapter(model)
+    if isinstance(model, adapter.grown_base_class):
+        return model
+    return adapter.build_grown_model(model, adapter.qk_head_dims(model.config), {})
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside an accelerate ``AcceleratedOptimizer`` (or the optimizer itself)."""
+    while (
+        optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer")
+    ):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _check_growable(model: PreTrainedModel, adapter: ArchitectureAdapter, optimizer: torch.optim.Optimizer | None):
+    """Refuse, before any work, a model that is not of a grown type or optimizer state that cannot be remapped."""
+    if not isinstance(model, adapter.grown_base_class):
+        raise ValueError(
+            f"{type(model).__name__} is not of a grown model type, so its Q/K cannot be resized in place: build it "
+            "from a grown config (e.g. hf_grow.GrownGPT2Config(qk_head_dims=...)) or convert it once with "
+            "hf_grow.to_grown_model(model) before creating the optimizer."
+        )
+    if optimizer is None:
+        return
+    for attention in adapter.attention_modules(model):
+        parameters = dict(attention.named_parameters())
+        for name in adapter.qk_parameter_names(attention):
+            state = optimizer.state.get(parameters[name], {})
+            unknown = sorted(
+                key
+                for key, value in state.items()
+                if isinstance(value, Tensor) and value.dim() > 0 and key not in OPTIMIZER_STATE_DEGREES
+            )
+            if unknown:
+                raise ValueError(
+                    f"cannot remap the {type(optimizer).__name__} state {unknown} of {name}: supported state entries "
+                    f"are {sorted(OPTIMIZER_STATE_DEGREES)} (Adam/AdamW, SGD, Adagrad, RMSprop) and scalars."
+                )
+
+
+def _pad(tensor: Tensor, width: int) -> Tensor:
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
+
+
+def resize_qk_(
+    model: PreTrainedModel,
+    weights: QKWeights,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    keep_moments: bool,
+    new_moments: str = "zero",
+) -> None:
+    """Give the layers in ``weights`` these augmented Q/K weights, of any width, in place; remap the optimizer.
+
+    ``weights[layer]`` is ``(query, key)`` of shape ``(heads, d_e + 1, qk_dim)``. The Parameter objects stay,
+    their ``.grad`` is cleared, ``model.config.qk_head_dims`` and the attention modules follow the new width.
+    With ``keep_moments`` the optimizer state of the old Q/K dimensions is kept, the queries' rescaled by the
+    change of attention scale (the weights must then hold the old queries times ``scaling_before /
+    scaling_after``, as every mode but "refactor" does); otherwise the Q/K state is reset to zero. New
+    dimensions start at zero, or with ``new_moments="head_mean"`` their second moments at the mean of the old
+    entries' of the same head and role (`hf_grow.optimizer_state`); entries that are not Q/K (GPT-2's fused
+    values) and scalars (``step``) are kept.
+    """
+    adapter = get_adapter(model)
+    optimizer = _torch_optimizer(optimizer)
+    _check_growable(model, adapter, optimizer)
+    config = model.config
+    dims = adapter.qk_head_dims(config)
+    attentions = adapter.attention_modules(model)
+    with torch.no_grad():
+        for layer, (query, key) in weights.items():
+            attention = attentions[layer]
+            new_dim = query.shape[-1]
+            if new_dim < dims[layer]:
+                raise ValueError(
+                    f"layer {layer} has {dims[layer]} query/key dims: growth cannot shrink it to {new_dim}"
+                )
+            parameters = dict(attention.named_parameters())
+            names = adapter.qk_parameter_names(attention)
+            fold = adapter.scaling(config, layer, dims[layer]) / adapter.scaling(config, layer, new_dim)
+            states = [optimizer.state.get(parameters[name], {}) for name in names] if optimizer is not None else []
+            for state_key in {key for state in states for key in state}:
+                present = [state.get(state_key) for state in states]
+                if not all(isinstance(value, Tensor) and value.dim() > 0 for value in present):
+                    continue  # scalars such as the step count are kept
+                source = dict(zip(names, present))
+                old_query, old_key = adapter.read_qk(attention, source)
+                degree = OPTIMIZER_STATE_DEGREES[state_key]
+                if keep_moments:
+                    old_query = old_query * fold**-degree
+                    new_query, new_key = _pad(old_query, new_dim), _pad(old_key, new_dim)
+                else:
+                    new_query = old_query.new_zeros(*old_query.shape[:-1], new_dim)
+                    new_key = old_key.new_zeros(*old_key.shape[:-1], new_dim)
+                start = dims[layer] if keep_moments else 0
+                new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
+                new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
+                for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
+                    optimizer.state[parameters[name]][state_key] = value
+            for name, value in adapter.qk_parameters(attention, query, key).items():
+                _resize_parameter(parameters[name], value)
+            adapter.set_qk_head_dim(attention, config, layer, new_dim)
+            dims[layer] = new_dim
+    config.qk_head_dims = dims
+
+
+def _resize_parameter(parameter: torch.nn.Parameter, value: Tensor) -> None:
+    """``parameter.data = value`` for a new shape, keeping the Parameter object, its gradient cleared.
+
+    Autograd caches a parameter's gradient accumulator (with its shape) while any graph that used it is alive,
+    e.g. through a ``loss`` variable of the last step, and ``.data =`` drops that cache only on a change of
+    dtype or device: passing through another dtype first makes the next backward accumulate at the new shape.
+    """
+    parameter.data = value.to(torch.float64 if value.dtype != torch.float64 else torch.float32)
+    parameter.data = value
+    parameter.grad = None
