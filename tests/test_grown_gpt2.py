@@ -1,14 +1,10 @@
 """The grown GPT-2 type: exact at step 0 for every class and setting, save/load, remote code, generate."""
 
 import os
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
@@ -25,7 +21,15 @@ from transformers import (
 import hf_grow
 from hf_grow import GrownGPT2LMHeadModel, grow_model, load_growth_report
 
-from conftest import lm_batches, outputs_of, sum_of_outputs, tiny_gpt2_config
+from conftest import (
+    assert_causal_lm_loads_without_hf_grow,
+    assert_generation_is_unchanged,
+    grown_twice,
+    lm_batches,
+    outputs_of,
+    sum_of_outputs,
+    tiny_gpt2_config,
+)
 
 
 CLASSES = [
@@ -123,59 +127,16 @@ def test_remote_code_loads_without_hf_grow(trained_gpt2, stdlib_bytes, tmp_path)
     folder = tmp_path / "grown"
     grown.save_pretrained(folder)
     batch = lm_batches(stdlib_bytes["test"], 1, seed=5)[0]
-    save_file({"input_ids": batch["input_ids"], "logits": outputs_of(grown, batch)[1]}, tmp_path / "expected.safetensors")
-    script = textwrap.dedent(
-        f"""
-        import sys
-        sys.modules["hf_grow"] = None  # hf_grow is not importable in this process
-        try:
-            import hf_grow
-        except ImportError:
-            pass
-        else:
-            raise SystemExit("hf_grow should not be importable")
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModel, AutoModelForCausalLM
-        expected = load_file({str(tmp_path / "expected.safetensors")!r})
-        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
-        assert type(model).__name__ == "GrownGPT2LMHeadModel", type(model)
-        assert not type(model).__module__.startswith("hf_grow"), type(model).__module__
-        with torch.no_grad():
-            logits = model(expected["input_ids"]).logits
-        assert torch.equal(logits, expected["logits"]), (logits - expected["logits"]).abs().max()
-        base = AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True)
-        assert type(base).__name__ == "GrownGPT2Model"
-        print("remote code ok")
-        """
-    )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "remote code ok" in result.stdout
+    assert_causal_lm_loads_without_hf_grow(grown, folder, batch, tmp_path, base_class="GrownGPT2Model")
 
 
 def test_generate_with_cache_matches_the_original(trained_gpt2, stdlib_bytes):
-    grown = grow_model(trained_gpt2, lm_batches(stdlib_bytes["stats"], 2), p=8, step_size=0.0)
-    prompt = lm_batches(stdlib_bytes["test"], 1, batch_size=2, seq_len=12, seed=6)[0]["input_ids"]
-    settings = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
-    expected = trained_gpt2.generate(prompt, **settings)
-    assert torch.equal(grown.generate(prompt, **settings), expected)
-    assert torch.equal(grown.generate(prompt, use_cache=False, **settings), expected)
+    assert_generation_is_unchanged(trained_gpt2, stdlib_bytes)
 
 
 def test_growing_twice(trained_gpt2, stdlib_bytes):
-    batches = lm_batches(stdlib_bytes["stats"], 6)
-    evaluation = lm_batches(stdlib_bytes["eval"], 2, seed=11)
-    once = grow_model(trained_gpt2, batches, p=4, eval_dataloader=evaluation, measure_realized_gains=False)
-    twice = grow_model(once, batches, p={0: 4, 1: 8}, eval_dataloader=evaluation, measure_realized_gains=False)
+    once, twice = grown_twice(trained_gpt2, stdlib_bytes, p=4)
     assert once.config.qk_head_dims == [20, 20] and twice.config.qk_head_dims == [24, 28]
-    assert type(twice) is type(once)
-    assert twice.growth_report.eval_loss_before == pytest.approx(once.growth_report.eval_loss_after, abs=1e-5)
-    assert twice.growth_report.eval_loss_after <= twice.growth_report.eval_loss_before
-    exact = grow_model(once, batches, p=8, step_size=0.0)
-    batch = evaluation[0]
-    assert (outputs_of(once, batch)[1] - outputs_of(exact, batch)[1]).abs().max() <= 1e-4
 
 
 def test_bad_inputs_fail_before_any_work(trained_gpt2, stdlib_bytes):

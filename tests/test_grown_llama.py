@@ -10,11 +10,9 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -26,7 +24,6 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
     Trainer,
-    TrainingArguments,
 )
 
 from hf_grow import (
@@ -45,7 +42,18 @@ from hf_grow import (
     to_grown_model,
 )
 
-from conftest import lm_batches, outputs_of, sum_of_outputs, trained_on_text
+from conftest import (
+    assert_causal_lm_loads_without_hf_grow,
+    assert_generation_is_unchanged,
+    grown_twice,
+    lm_batches,
+    outputs_of,
+    sum_of_outputs,
+    train,
+    trained_on_text,
+    trainer_arguments,
+    trainer_dataset,
+)
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
@@ -184,57 +192,22 @@ def test_save_and_remote_code_load_without_hf_grow(llama_gqa, stdlib_bytes, tmp_
     assert isinstance(loaded, GrownLlamaForCausalLM) and loaded.config.qk_nope_dims == [8, 8]
     assert torch.equal(outputs_of(grown, batch)[1], outputs_of(loaded, batch)[1])
     assert (folder / "modeling_grown_llama.py").is_file() and (folder / "growth_report.json").is_file()
-    expected = {"input_ids": batch["input_ids"], "logits": outputs_of(grown, batch)[1]}
-    save_file(expected, tmp_path / "expected.safetensors")
-    script = textwrap.dedent(
-        f"""
-        import sys
-        sys.modules["hf_grow"] = None  # hf_grow is not importable in this process
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModel, AutoModelForCausalLM
-        expected = load_file({str(tmp_path / "expected.safetensors")!r})
-        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
-        assert type(model).__name__ == "GrownLlamaForCausalLM", type(model)
-        assert not type(model).__module__.startswith("hf_grow"), type(model).__module__
-        with torch.no_grad():
-            logits = model(expected["input_ids"]).logits
-        assert torch.equal(logits, expected["logits"]), (logits - expected["logits"]).abs().max()
+    generation = """
         prompt = expected["input_ids"][:2, :12]
         settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(prompt, **settings), model.generate(prompt, use_cache=False, **settings))
-        base = AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True)
-        assert type(base).__name__ == "GrownLlamaModel"
-        print("remote code ok")
         """
-    )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "remote code ok" in result.stdout
+    assert_causal_lm_loads_without_hf_grow(grown, folder, batch, tmp_path, base_class="GrownLlamaModel",
+                                           more_checks=generation)
 
 
 def test_generate_with_cache_matches_the_original(llama, stdlib_bytes):
-    grown = grow_model(llama, lm_batches(stdlib_bytes["stats"], 2), p=8, step_size=0.0)
-    prompt = lm_batches(stdlib_bytes["test"], 1, batch_size=2, seq_len=12, seed=6)[0]["input_ids"]
-    settings = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
-    expected = llama.generate(prompt, **settings)
-    assert torch.equal(grown.generate(prompt, **settings), expected)
-    assert torch.equal(grown.generate(prompt, use_cache=False, **settings), expected)
+    assert_generation_is_unchanged(llama, stdlib_bytes)
 
 
 def test_growing_twice(llama_gqa, stdlib_bytes):
-    batches = lm_batches(stdlib_bytes["stats"], 6)
-    evaluation = lm_batches(stdlib_bytes["eval"], 2, seed=11)
-    once = grow_model(llama_gqa, batches, p=8, eval_dataloader=evaluation, measure_realized_gains=False)
-    twice = grow_model(once, batches, p={0: 4, 1: 8}, eval_dataloader=evaluation, measure_realized_gains=False)
+    once, twice = grown_twice(llama_gqa, stdlib_bytes, p=8)
     assert once.config.qk_nope_dims == [8, 8] and twice.config.qk_nope_dims == [12, 16]
-    assert type(twice) is type(once)
-    assert twice.growth_report.eval_loss_before == pytest.approx(once.growth_report.eval_loss_after, abs=1e-5)
-    assert twice.growth_report.eval_loss_after <= twice.growth_report.eval_loss_before
-    exact = grow_model(once, batches, p=8, step_size=0.0)
-    batch = evaluation[0]
-    assert (outputs_of(once, batch)[1] - outputs_of(exact, batch)[1]).abs().max() <= 1e-4
 
 
 def test_bfloat16(llama_gqa, stdlib_bytes):
@@ -322,18 +295,6 @@ def test_modes_and_settings_rotary_models_cannot_take_are_refused(llama_gqa, std
         GrownLlamaConfig(**tiny_llama_config().to_dict() | {"qk_nope_dims": [4]})
 
 
-def train(model, optimizer, batches) -> list[float]:
-    model.train()
-    losses = []
-    for batch in batches:
-        loss = model(**batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 @pytest.mark.parametrize("mode", ["append", "zero", "random"])
 def test_growth_in_training_keeps_parameters_and_moments(llama_gqa, stdlib_bytes, mode):
     model = to_grown_model(copy.deepcopy(llama_gqa))
@@ -367,14 +328,8 @@ def test_growth_in_training_keeps_parameters_and_moments(llama_gqa, stdlib_bytes
 
 
 def test_growth_in_training_with_trainer_callback(llama_gqa, stdlib_bytes, tmp_path):
-    dataset = [
-        {"input_ids": batch["input_ids"][0], "labels": batch["input_ids"][0]}
-        for batch in lm_batches(stdlib_bytes["train"], 48, batch_size=1, seed=11)
-    ]
-    arguments = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, learning_rate=1e-3, save_steps=4,
-        logging_steps=1, report_to=[], use_cpu=True, seed=0,
-    )
+    dataset = trainer_dataset(stdlib_bytes, 48, seed=11)
+    arguments = trainer_arguments(tmp_path, gradient_accumulation_steps=1, learning_rate=1e-3)
     callback = GrowthCallback({3: 8}, statistics_batches=3, eval_batches=2)
     model = to_grown_model(copy.deepcopy(llama_gqa))
     trainer = Trainer(model=model, args=arguments, train_dataset=dataset, callbacks=[callback])

@@ -4,9 +4,6 @@ loads with plain SentenceTransformer(path) where hf_grow is imported and with tr
 
 import os
 import random
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,6 +13,8 @@ import hf_grow
 from hf_grow import evaluate_loss, grow_model
 from hf_grow.sentence import SentenceLoss, tokenize_pairs
 from sentence_pairs import docstring_code_pairs, mean_pooled, stdlib_files
+
+from conftest import run_without_hf_grow
 
 
 sentence_transformers = pytest.importorskip("sentence_transformers", reason="the test extra installs it")
@@ -118,10 +117,8 @@ def test_saved_folder_loads_both_ways(grown_st, tmp_path):
     assert hf_grow.load_growth_report(folder).to_dict() == grown_st.growth_report.to_dict()
 
     save_file({"embeddings": expected}, tmp_path / "expected.safetensors")
-    script = textwrap.dedent(
+    run_without_hf_grow(
         f"""
-        import sys
-        sys.modules["hf_grow"] = None  # hf_grow is not importable in this process
         import torch
         from safetensors.torch import load_file
         from sentence_transformers import SentenceTransformer
@@ -131,13 +128,9 @@ def test_saved_folder_loads_both_ways(grown_st, tmp_path):
         embeddings = model.encode({TEXTS!r}, convert_to_tensor=True)
         expected = load_file({str(tmp_path / "expected.safetensors")!r})["embeddings"]
         assert torch.equal(embeddings, expected), (embeddings - expected).abs().max()
-        print("remote code ok")
-        """
+        """,
+        tmp_path,
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "remote code ok" in result.stdout
 
 
 def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):

@@ -9,7 +9,6 @@ from transformers import (
     AutoModelForCausalLM,
     BertConfig,
     Trainer,
-    TrainingArguments,
 )
 
 from hf_grow import (
@@ -23,23 +22,11 @@ from hf_grow import (
     to_grown_model,
 )
 
-from conftest import lm_batches, tiny_gpt2_config
+from conftest import lm_batches, tiny_gpt2_config, train, trainer_arguments, trainer_dataset
 
 
 def grown_config(qk: int = 8) -> GrownGPT2Config:
     return GrownGPT2Config(**tiny_gpt2_config().to_dict() | {"qk_head_dims": [qk, qk]})
-
-
-def train(model, optimizer, batches) -> list[float]:
-    losses = []
-    model.train()
-    for batch in batches:
-        loss = model(**batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 @pytest.fixture(scope="module")
@@ -144,28 +131,11 @@ def test_training_continues_after_growth_and_the_loss_keeps_decreasing(trained, 
 
 def test_growth_with_trainer_callback_and_resume(stdlib_bytes, tmp_path):
     torch.manual_seed(0)
-    dataset = [
-        {"input_ids": batch["input_ids"][0], "labels": batch["input_ids"][0]}
-        for batch in lm_batches(stdlib_bytes["train"], 64, batch_size=1, seed=11)
-    ]
-
-    def arguments(max_steps: int) -> TrainingArguments:
-        return TrainingArguments(
-            output_dir=str(tmp_path),
-            max_steps=max_steps,
-            per_device_train_batch_size=4,
-            gradient_accumulation_steps=2,
-            learning_rate=3e-3,
-            lr_scheduler_type="linear",
-            save_steps=4,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            seed=0,
-        )
+    dataset = trainer_dataset(stdlib_bytes, 64, seed=11)
 
     callback = GrowthCallback({3: 8}, mode="append", statistics_batches=3, eval_batches=2)
-    trainer = Trainer(model=GrownGPT2LMHeadModel(grown_config(8)), args=arguments(6), train_dataset=dataset, callbacks=[callback])
+    trainer = Trainer(model=GrownGPT2LMHeadModel(grown_config(8)), args=trainer_arguments(tmp_path),
+                      train_dataset=dataset, callbacks=[callback])
     trainer.train()
     model = trainer.model
     assert model.config.qk_head_dims == [16, 16]
@@ -184,7 +154,8 @@ def test_growth_with_trainer_callback_and_resume(stdlib_bytes, tmp_path):
     resumed_model = AutoModelForCausalLM.from_pretrained(checkpoint)
     assert isinstance(resumed_model, GrownGPT2LMHeadModel) and resumed_model.config.qk_head_dims == [16, 16]
     resumed_callback = GrowthCallback({3: 8}, mode="append", statistics_batches=3, eval_batches=2)
-    resumed = Trainer(model=resumed_model, args=arguments(6), train_dataset=dataset, callbacks=[resumed_callback])
+    resumed = Trainer(model=resumed_model, args=trainer_arguments(tmp_path), train_dataset=dataset,
+                      callbacks=[resumed_callback])
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 6 and resumed_callback.reports == {}
     assert resumed_model.config.qk_head_dims == [16, 16]

@@ -16,7 +16,7 @@ from torch import distributed as dist
 
 from hf_grow import GrowthCallback, GrownGPT2LMHeadModel, grow_in_training
 
-from conftest import lm_batches
+from conftest import lm_batches, trainer_arguments, trainer_dataset
 from test_distributed import WORLD_SIZE, run_processes
 from test_training import grown_config
 
@@ -113,22 +113,9 @@ def test_accelerate_loop_grows_under_ddp_like_one_process(stdlib_bytes, tmp_path
 
 def train_with_growth(model, dataset, output_dir: str, batch_size: int, resume: str | None = None) -> dict:
     """Trainer, 6 optimizer steps of 2 accumulated batches, growth d_k 8 -> 16 after step 3, checkpoint at 4."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
-    args = TrainingArguments(
-        output_dir=output_dir,
-        max_steps=6,
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=2,
-        learning_rate=3e-3,
-        lr_scheduler_type="linear",
-        save_steps=4,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer = Trainer(model=model, args=trainer_arguments(output_dir, batch_size=batch_size), train_dataset=dataset)
     callback = GrowthCallback({3: 8}, statistics_batches=2, eval_batches=1, trainer=trainer)
     trainer.add_callback(callback)
     trainer.train(resume_from_checkpoint=resume)
@@ -162,10 +149,7 @@ def trainer_worker(rank: int, state_dict, dataset, folder: str) -> None:
 def test_trainer_grows_under_ddp_like_one_process_and_resumes(stdlib_bytes, tmp_path):
     torch.manual_seed(0)
     state_dict = GrownGPT2LMHeadModel(grown_config(8)).state_dict()
-    dataset = [
-        {"input_ids": batch["input_ids"][0], "labels": batch["input_ids"][0]}
-        for batch in lm_batches(stdlib_bytes["train"], 48, batch_size=1, seed=44)
-    ]
+    dataset = trainer_dataset(stdlib_bytes, 48, seed=44)
     run_processes(trainer_worker, (state_dict, dataset, str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
     assert [result["qk_head_dims"] for result in results] == [[16, 16], [16, 16]]

@@ -12,10 +12,13 @@ import importlib.util
 import time
 from pathlib import Path
 
-from .adapters import supported_model_types
-from .distributed import OtherProcessFailed, Processes
-from .growth import grow_model
-from .progress import stage
+from ..adapters import supported_model_types
+from ..distributed import OtherProcessFailed, Processes
+from ..growth import grow_model
+from ..progress import stage
+from .checks import CommandError
+from .loading import DTYPES, _load_statistics
+from .running import _shard, _write_atomically
 
 
 def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,8 +38,6 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
                     show_progress: bool) -> None:
     """``--pairs``: a SentenceTransformer grown with MultipleNegativesRankingLoss on text pairs, saved by
     sentence-transformers (its modules, pooling and normalization config) with the grown model inside."""
-    from .cli import DTYPES, CommandError, _load_statistics, _shard, _write_atomically
-
     if args.data or args.dataset or args.push_to_hub:
         raise CommandError("--pairs grows a SentenceTransformer: give no --data, --dataset or --push-to-hub "
                            "(push the output folder with SentenceTransformer.push_to_hub)")
@@ -44,7 +45,7 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         raise CommandError('--pairs needs sentence-transformers: pip install "hf_grow[sentence-transformers]"')
     from sentence_transformers import SentenceTransformer
 
-    from .sentence import read_pairs, tokenize_pairs, transformer_module
+    from ..sentence import read_pairs, tokenize_pairs, transformer_module
 
     try:
         pairs = read_pairs(args.pairs, args.pair_columns, args.split, args.streaming)

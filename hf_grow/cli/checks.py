@@ -1,0 +1,116 @@
+"""Checks of the command's arguments that fail before any work: a problem the user can fix is a `CommandError`,
+printed as one line (exit status 2) before any model or text is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from .. import hub
+from ..config import GrowthConfig
+from ..statistics import parse_bytes
+
+
+class CommandError(Exception):
+    """A problem the user can fix: printed as one line, exit status 2."""
+
+
+def _check_data_arguments(args: argparse.Namespace) -> None:
+    for name in ("seq_len", "batch_size", "max_tokens", "eval_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise CommandError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 < args.mlm_probability < 1:
+        raise CommandError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
+    if args.data and args.dataset:
+        raise CommandError("give either --data or --dataset, not both")
+    if args.eval_fraction is not None:
+        if not 0 < args.eval_fraction < 1:
+            raise CommandError(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
+        if args.eval_tokens is not None:
+            raise CommandError("give either --eval-tokens or --eval-fraction, not both")
+        if not _held_out_of_the_same_text(args):
+            raise CommandError(
+                f"--eval-fraction applies to held-out text cut from the statistics' text; here it is read from "
+                f"--eval-split {args.eval_split} (--eval-tokens sets how much)"
+            )
+
+
+def _held_out_of_the_same_text(args: argparse.Namespace) -> bool:
+    """Whether the held-out text is the tail of the statistics' text (local files, or one dataset split)."""
+    return bool(args.data) or args.eval_split == args.split
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    if args.budget is not None and args.p is not None:
+        raise CommandError("give either --p or --budget, not both")
+    if args.budget is None:
+        args.p = 8 if args.p is None else args.p
+        if args.p <= 0:
+            raise CommandError(f"--p must be a positive number of dimensions to add, got {args.p}")
+        if args.multiple_of != 1:
+            raise CommandError("--multiple-of applies to --budget")
+    elif args.multiple_of <= 0 or args.budget <= 0 or args.budget % args.multiple_of:
+        raise CommandError(
+            f"--budget must be a positive multiple of --multiple-of, got --budget {args.budget} --multiple-of "
+            f"{args.multiple_of}"
+        )
+    _check_data_arguments(args)
+    if args.memory_budget is not None:
+        try:
+            parse_bytes(args.memory_budget)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+    if args.push_to_hub:
+        try:
+            hub.check_push(args.push_to_hub)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+    _check_device(args)
+    _check_output_folder(Path(args.output_dir), args.overwrite)
+    _check_file_folders(("--report", args.report))
+    args.config = _growth_config(args)
+
+
+def _growth_config(args: argparse.Namespace) -> GrowthConfig:
+    """The `GrowthConfig` of the growth flags; its checks as one-line errors, before any data is read."""
+    options = {option.name: getattr(args, option.name) for option in dataclasses.fields(GrowthConfig)}
+    if options["eval_fraction"] is None:  # not given: the config's default, which the command holds out too
+        del options["eval_fraction"]
+    try:
+        return GrowthConfig(**options)
+    except (TypeError, ValueError) as error:
+        raise CommandError(str(error)) from None
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise CommandError(f"--device {args.device!r} is not a device: write e.g. cpu, cuda or cuda:1") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {args.device}: this PyTorch sees no CUDA device; use --device cpu")
+
+
+def _check_output_folder(output: Path, overwrite: bool) -> None:
+    """A ready or creatable output folder, refused if it holds anything (unless ``overwrite``)."""
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
+        raise CommandError(f"{output} exists and is not empty: choose another --output-dir or pass --overwrite")
+    ancestor = output.resolve().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
+        raise CommandError(f"--output-dir {output}: cannot create folders in {ancestor}")
+
+
+def _check_file_folders(*options: tuple[str, str | None]) -> None:
+    """Output files' folders exist: found before any work, not when the results are written."""
+    for option, path in options:
+        if path and not Path(path).resolve().parent.is_dir():
+            raise CommandError(f"{option}: the folder of {path} does not exist")
+        if path and Path(path).is_dir():
+            raise CommandError(f"{option} {path} is a folder: give a file name")

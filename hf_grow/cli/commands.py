@@ -1,0 +1,166 @@
+"""The commands themselves: ``hf-grow MODEL ...`` grows and writes (and pushes), ``hf-grow inspect MODEL ...``
+reports; `main` parses, runs one of them and turns a `CommandError` into one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+from .. import hub
+from ..adapters import get_adapter
+from ..distributed import OtherProcessFailed, Processes
+from ..growth import grow_model
+from ..inspection import PLOT_EXTRA, inspect_growth
+from ..progress import stage
+from ..statistics import collect_statistics
+from .checks import CommandError, _check_arguments, _check_data_arguments, _check_device, _check_file_folders
+from .loading import _load_model, _load_statistics, _load_tokenizer, _objective
+from .pairs import grow_from_pairs
+from .parsers import build_inspect_parser, build_parser
+from .running import _accelerator, _shard, _start, _write_atomically
+from .text import _batches, _data_description
+
+
+def run(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    _check_arguments(args)
+    accelerator = _accelerator(args)
+    try:
+        _grow_and_write(args, accelerator, started)
+    finally:
+        if accelerator is not None:
+            accelerator.end_training()  # destroys the process group: a clean exit on every process
+
+
+def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> None:
+    is_main = accelerator is None or accelerator.is_main_process
+    show_progress = _start(args, is_main)
+    if args.pairs:
+        return grow_from_pairs(args, accelerator, started, is_main, show_progress)
+    objective = _objective(args)
+    statistics = _load_statistics(args.stats) if args.stats else None
+    if statistics is not None and accelerator is not None:
+        raise CommandError("--stats holds the statistics of all the data: run it in one process")
+    tokenizer = _load_tokenizer(args)
+    statistics_batches, held_out_batches = _batches(args, tokenizer, objective, is_main)  # data before the model
+    statistics_batches = _shard(statistics_batches, accelerator, "statistics")
+    held_out_batches = _shard(held_out_batches, accelerator, "held-out")
+    model = _load_model(args, objective)
+    try:
+        grown = grow_model(
+            model,
+            None if statistics else statistics_batches,
+            config=args.config,
+            statistics=statistics,
+            eval_dataloader=held_out_batches,
+            accelerator=accelerator,
+            progress=show_progress,
+        )
+    except (ValueError, OtherProcessFailed) as error:
+        raise CommandError(str(error)) from None
+    try:
+        # Only the main process writes and pushes; the others wait for it, and learn if it failed.
+        with Processes(accelerator).failing_together():
+            if is_main:
+                _write_outputs(args, grown, tokenizer, started, accelerator, show_progress)
+    except OtherProcessFailed as error:
+        raise CommandError(f"{error}: nothing was written") from None
+
+
+def _write_outputs(
+    args: argparse.Namespace, grown, tokenizer, started: float, accelerator, show_progress: bool
+) -> None:
+    report = grown.growth_report
+    output = Path(args.output_dir)
+    data, datasets = _data_description(args)
+
+    def write(folder: Path) -> None:
+        grown.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        # A local model is named by its absolute path: the card stays true wherever it is pushed from later.
+        base_model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+        card = hub.model_card(folder, base_model=base_model, repo_id=args.push_to_hub or output.name, data=data,
+                              datasets=datasets)
+        card.save(folder / hub.CARD_FILENAME)
+
+    try:
+        with stage(f"writing the grown model to {output}", enabled=show_progress):
+            _write_atomically(output, write, args.overwrite)
+    except OSError as error:
+        raise CommandError(f"writing {output} failed ({error}); nothing was written") from None
+    if args.report:
+        try:
+            report.to_json_file(args.report)
+        except OSError as error:
+            raise CommandError(
+                f"writing --report {args.report} failed ({error}); the grown model is in {output}"
+            ) from None
+    elapsed = time.perf_counter() - started
+    print(report.summary())
+    processes = f" on {accelerator.num_processes} processes" if accelerator is not None else ""
+    print(f"wall time {elapsed:.1f} s{processes}; grown model written to {output}")
+    if args.push_to_hub:
+        try:
+            commit = hub.push_to_hub(output, args.push_to_hub, private=args.private or None, revision=args.revision,
+                                     commit_message=args.commit_message)
+        except Exception as error:  # network and Hub errors come in many types; the model is safe on disk
+            reason = (str(error).splitlines() or [""])[0]
+            raise CommandError(
+                f"pushing to {args.push_to_hub} failed ({type(error).__name__}: {reason}); the grown model is in "
+                f"{output}: push it later with hf_grow.push_to_hub"
+            ) from None
+        if commit is not None:
+            print(f"pushed to {getattr(commit, 'commit_url', None) or args.push_to_hub}")
+
+
+def run_inspect(args: argparse.Namespace) -> None:
+    _check_data_arguments(args)
+    if args.max_dims <= 0:
+        raise CommandError(f"--max-dims must be positive, got {args.max_dims}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise CommandError(f"--plot: {PLOT_EXTRA}")
+    _check_device(args)
+    _check_file_folders(("--plot", args.plot), ("--json", args.json), ("--save-stats", args.save_stats))
+    show_progress = _start(args)
+    objective = _objective(args)
+    tokenizer = _load_tokenizer(args)
+    statistics_batches, _ = _batches(args, tokenizer, objective)  # the same split as the main command
+    model = _load_model(args, objective)
+    try:
+        statistics = collect_statistics(model, statistics_batches, get_adapter(model), progress=show_progress)
+        if args.save_stats:
+            statistics.save(args.save_stats)
+        inspection = inspect_growth(model, statistics=statistics, max_dims=args.max_dims)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    print(inspection.table(heads=not args.layers_only))
+    if args.json:
+        inspection.to_json_file(args.json)
+    if args.plot:
+        inspection.plot(args.plot)
+    written = [f"{kind} {path}" for kind, path in (("spectra", args.plot), ("inspection", args.json),
+                                                   ("statistics", args.save_stats)) if path]
+    if written:
+        print("wrote " + ", ".join(written))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    inspecting = argv[:1] == ["inspect"]
+    args = build_inspect_parser().parse_args(argv[1:]) if inspecting else build_parser().parse_args(argv)
+    try:
+        if inspecting:
+            run_inspect(args)
+        else:
+            run(args)
+    except CommandError as error:
+        print(f"hf-grow: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hf-grow: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    return 0

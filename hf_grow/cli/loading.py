@@ -1,0 +1,117 @@
+"""Loading what the command grows: the tokenizer, the model's config (which gives the loss, causal or masked),
+the model itself and saved statistics, each failure as a one-line `CommandError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..adapters import supported_model_types
+from ..statistics import GrowthStatistics
+from .checks import CommandError
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _load_tokenizer(args: argparse.Namespace):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as error:
+        raise CommandError(
+            f"cannot load a tokenizer for {args.model!r} ({str(error).splitlines()[0]}): check the name, "
+            "that the folder holds tokenizer files, and network access (HF_HUB_OFFLINE)"
+        ) from None
+    # transformers builds an empty tokenizer for a folder without vocabulary files: it encodes nothing.
+    if not tokenizer("def grow(): pass", add_special_tokens=False)["input_ids"]:
+        raise CommandError(f"{args.model!r} has no usable tokenizer: save the model's tokenizer into that folder")
+    return tokenizer
+
+
+def _objective(args: argparse.Namespace) -> str:
+    """``"causal"`` or ``"masked"``: the loss the command grows the model on, from the model's config.
+
+    Also checks the architecture, resolves ``--seq-len`` against the model's positions and records the vocabulary
+    size, before any data is read.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as error:
+        raise CommandError(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}") from None
+    if config.model_type not in supported_model_types():
+        raise CommandError(
+            f"hf_grow cannot grow {args.model!r} (model_type={config.model_type!r}); "
+            f"supported model types: {', '.join(supported_model_types())}"
+        )
+    _check_local_weights(args.model)
+    positions = getattr(config, "max_position_embeddings", None)
+    args.vocab_size = getattr(config, "vocab_size", None)  # for the tokenizer's ids (`_check_token_ids`)
+    if args.seq_len is None:
+        args.seq_len = min(512, positions or 512)
+    elif positions is not None and args.seq_len > positions:
+        raise CommandError(f"--seq-len {args.seq_len} exceeds the {positions} positions of {args.model!r}")
+    if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False):
+        return "masked"
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return "causal"
+    raise CommandError(
+        f"{args.model!r} ({config.model_type}) is neither a causal nor a masked language model: the command line "
+        "only knows those losses; use the Python API: grow_model(model, batches, loss_fn=...)"
+    )
+
+
+def _check_local_weights(model: str) -> None:
+    """A local folder's safetensors files have whole headers and data (a truncated copy or download is found
+    before any text is read; reading the headers costs nothing)."""
+    for path in sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []:
+        try:
+            safe_open(path, framework="pt").keys()
+        except SafetensorError as error:
+            raise CommandError(
+                f"cannot load model {model!r}: its weights file {path.name} is damaged or incomplete ({error}); "
+                "download or save it again"
+            ) from None
+
+
+def _load_model(args: argparse.Namespace, objective: str):
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    auto_class = AutoModelForMaskedLM if objective == "masked" else AutoModelForCausalLM
+    try:
+        model, loading = auto_class.from_pretrained(args.model, dtype=DTYPES[args.dtype], output_loading_info=True)
+    except ValueError as error:
+        raise CommandError(
+            f"{args.model!r} cannot be loaded as a {objective} language model ({str(error).splitlines()[0]}); "
+            "for other heads use the Python API: grow_model(..., loss_fn=...)"
+        ) from None
+    except OSError as error:
+        raise CommandError(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}") from None
+    except SafetensorError as error:
+        raise CommandError(
+            f"cannot load model {args.model!r}: its weights file is damaged or incomplete ({error}); download or "
+            "save it again"
+        ) from None
+    if loading["missing_keys"]:
+        missing = sorted(loading["missing_keys"])
+        raise CommandError(
+            f"{args.model!r} has no trained {objective}-LM head (missing {', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): its loss would measure random weights. Use the Python API "
+            "with a loss for this model: grow_model(model, batches, loss_fn=...)"
+        )
+    return model.to(args.device)
+
+
+def _load_statistics(path: str) -> GrowthStatistics:
+    try:
+        return GrowthStatistics.load(path)
+    except ValueError as error:
+        raise CommandError(f"{error}: pass a file written by `hf-grow inspect --save-stats`") from None

@@ -1,0 +1,144 @@
+"""The command's argument parsers and help texts: ``hf-grow MODEL ...`` and ``hf-grow inspect MODEL ...``.
+
+The growth options come from `GrowthConfig`'s fields; the data and run options are shared by both subcommands, so
+the same options give the same statistics and held-out text.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import HfArgumentParser
+
+from .. import __version__
+from ..config import GrowthConfig
+from ..data import DEFAULT_EVAL_TOKENS
+from .loading import DTYPES
+from .pairs import add_pairs_arguments
+
+
+EXAMPLES = """examples:
+  hf-grow gpt2 --p 8 --output-dir gpt2-grown
+      statistics from wikitext-2-raw-v1 (train), line search on its validation split
+  hf-grow ./my-gpt2 --p 8 --data 'corpus/*.txt' --output-dir my-gpt2-grown
+      a local model and local text files (the last 10% of the text, at most 50,000 tokens, is held out)
+  hf-grow google-bert/bert-base-uncased --p 8 --seq-len 128 --output-dir bert-grown
+      a masked LM: masked-LM loss with 15% of tokens masked
+  hf-grow gpt2 --p 16 --dataset wikitext --dataset-config wikitext-103-raw-v1 --max-tokens 2000000 \\
+      --output-dir gpt2-grown --report growth.json
+  hf-grow gpt2 --budget 96 --multiple-of 8 --output-dir gpt2-grown --push-to-hub me/gpt2-grown
+      96 added dims per head in all, allocated to the layers by expected gain; pushed to the Hub
+  hf-grow sentence-transformers/all-MiniLM-L6-v2 --p 8 --pairs pairs.tsv --batch-size 32 --output-dir minilm-grown
+      a SentenceTransformer on text pairs with MultipleNegativesRankingLoss (the last 10% held out)
+
+  hf-grow inspect MODEL --help: the expected gain of adding 1..k dims per layer and head, without growing
+"""
+
+
+INSPECT_EXAMPLES = """examples:
+  hf-grow inspect gpt2 --plot spectra.png --save-stats gpt2-stats.safetensors
+      the table of expected gains, a PNG of the spectra, and the statistics for a later run:
+  hf-grow gpt2 --stats gpt2-stats.safetensors --budget 96 --output-dir gpt2-grown
+      grows from those statistics (same data options: the held-out text is read again, not the rest)
+"""
+
+
+def _add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="Hub id (e.g. gpt2) or local folder of a causal or masked LM and its tokenizer")
+
+
+EVAL_FRACTION_HELP = (
+    "share of the text held out for the line search (its tail) when it comes from the same text as the statistics "
+    f"(--data, or --eval-split equal to --split), at most {DEFAULT_EVAL_TOKENS:,} tokens (default "
+    f"{GrowthConfig.eval_fraction}, as grow_model's eval_fraction)"
+)
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser, eval_fraction: bool = True) -> None:
+    """The data options of both subcommands: the same options give the same statistics and held-out text
+    (the main command's ``--eval-fraction`` is `GrowthConfig`'s field)."""
+    data = parser.add_argument_group("data (default: --dataset wikitext --dataset-config wikitext-2-raw-v1)")
+    data.add_argument("--data", nargs="+", metavar="FILE", help="plain text files or globs")
+    data.add_argument("--dataset", help="a datasets name (Hub or local script/folder)")
+    data.add_argument("--dataset-config", help="the dataset's configuration name")
+    data.add_argument("--split", default="train", help="split for the statistics (default train)")
+    data.add_argument("--eval-split", default="validation", help="split for held-out text (default validation)")
+    data.add_argument("--text-column", default="text", help="column holding the text (default text)")
+    data.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it")
+    data.add_argument(
+        "--seq-len", type=int, help="tokens per sequence (default 512, or the model's positions if fewer)"
+    )
+    data.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
+    data.add_argument("--max-tokens", type=int, default=500_000, help="tokens for the statistics")
+    data.add_argument(
+        "--eval-tokens", type=int, help=f"held-out tokens for the line search (default: {DEFAULT_EVAL_TOKENS:,} from "
+        "--eval-split, or --eval-fraction of the same text)"
+    )
+    if eval_fraction:
+        data.add_argument("--eval-fraction", type=float, help=EVAL_FRACTION_HELP)
+    data.add_argument("--mlm-probability", type=float, default=0.15, help="masked LMs: share of tokens masked")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    run = parser.add_argument_group("run")
+    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (statistics are float32+)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--quiet", action="store_true", help="no progress bars (on a terminal) or lines (in a log)")
+    return run
+
+
+def build_parser() -> HfArgumentParser:
+    """The growth options come from `GrowthConfig` (flags and help text from its fields); the model, data,
+    output, run and Hub options are the command's own."""
+    parser = HfArgumentParser(
+        GrowthConfig,
+        prog="hf-grow",
+        description="Grow the query/key dimension of every attention head of a language model (causal LMs "
+        "such as GPT-2 on next-token loss, masked LMs such as BERT on masked-LM loss), with weights solved from "
+        "first-order loss statistics. `hf-grow inspect MODEL` reports the expected gains without growing.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for action in parser._actions:  # show the dash spelling the README uses (the underscore one works too)
+        action.option_strings.sort(key=lambda option: "_" in option)
+        if action.dest == "eval_fraction":  # the share of text held out (None: not given, the config's default)
+            action.help, action.default = EVAL_FRACTION_HELP, None
+    _add_model_argument(parser)
+    parser.add_argument("--output-dir", required=True, help="folder for the grown model (must be empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    _add_data_arguments(parser, eval_fraction=False)
+    add_pairs_arguments(parser)
+    parser.add_argument("--stats", metavar="FILE", help="statistics saved by `hf-grow inspect --save-stats` for this "
+                        "model: the statistics text is not read again")
+    run = _add_run_arguments(parser)
+    run.add_argument("--report", help="also write the JSON growth report to this file")
+    push = parser.add_argument_group("Hugging Face Hub")
+    push.add_argument("--push-to-hub", metavar="REPO_ID", help="also push the grown model and its card to this repo")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--revision", help="branch to push to (created if needed; default main)")
+    push.add_argument("--commit-message", help="message of the commit")
+    parser.add_argument("--version", action="version", version=f"hf-grow {__version__}")
+    return parser
+
+
+def build_inspect_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-grow inspect",
+        description="Collect the statistics once and report, per layer and head, the expected first-order loss "
+        "decrease of adding 1..k query/key dimensions, without changing the model: a table, optionally a PNG of "
+        "the spectra and the statistics for a later `hf-grow MODEL --stats FILE`.",
+        epilog=INSPECT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_argument(parser)
+    _add_data_arguments(parser)
+    output = parser.add_argument_group("output")
+    output.add_argument("--max-dims", type=int, default=16, help="report adding 1..this many dims (default 16)")
+    output.add_argument("--layers-only", action="store_true", help="one table row per layer, no per-head rows")
+    output.add_argument("--plot", metavar="PNG", help="write the spectra per layer to this PNG (needs matplotlib)")
+    output.add_argument("--json", metavar="FILE", help="write the full inspection as JSON")
+    output.add_argument("--save-stats", metavar="FILE", help="save the statistics (safetensors) for `hf-grow --stats`")
+    _add_run_arguments(parser)
+    return parser

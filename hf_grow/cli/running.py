@@ -1,0 +1,88 @@
+"""How a run behaves, for both the text and the ``--pairs`` commands: progress and seeding, several processes
+(an `accelerate.Accelerator` and every N-th batch per process), and output folders written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as transformers_logging
+
+from .checks import CommandError, _check_output_folder
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress unless --quiet: bars on a terminal, a line every half minute in a log (`hf_grow.progress`)."""
+    return not args.quiet
+
+
+def _write_atomically(output: Path, write, overwrite: bool) -> None:
+    """Write into a temporary sibling folder, then rename it into place: no half-written model, ever.
+
+    The output folder is checked again just before the rename: what appeared there meanwhile is replaced
+    only with ``overwrite``.
+    """
+    output = output.resolve()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.hf-grow-{os.getpid()}"
+    replaced = output.parent / f".{output.name}.hf-grow-old-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir()
+        write(staging)
+        _check_output_folder(output, overwrite)
+        if output.exists():
+            output.rename(replaced)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if replaced.exists() and not output.exists():
+            replaced.rename(output)
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _accelerator(args: argparse.Namespace):
+    """An `accelerate.Accelerator` when launched with several processes (``WORLD_SIZE`` > 1), else None.
+
+    The model then goes to the accelerator's device (one GPU per process, or the CPU with ``--device cpu``).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=torch.device(args.device).type == "cpu")
+    args.device = str(accelerator.device)
+    return accelerator
+
+
+def _shard(batches: list, accelerator, what: str) -> list:
+    """Every N-th batch, from this process's index: the processes' shards add up to all the batches."""
+    if accelerator is None:
+        return batches
+    if len(batches) < accelerator.num_processes:
+        raise CommandError(
+            f"{len(batches)} {what} batches cannot be shared by {accelerator.num_processes} processes: pass more text "
+            "or a smaller --batch-size"
+        )
+    return batches[accelerator.process_index :: accelerator.num_processes]
+
+
+def _bars(args: argparse.Namespace) -> bool:
+    """Other libraries' progress bars (transformers' loading and saving, datasets'): on a terminal only."""
+    return _progress(args) and sys.stderr.isatty()
+
+
+def _start(args: argparse.Namespace, is_main: bool = True) -> bool:
+    """Seed and logging; whether progress shows (on the main process only)."""
+    torch.manual_seed(args.seed)
+    show_progress = _progress(args) and is_main
+    transformers_logging.set_verbosity_error()
+    if not (show_progress and _bars(args)):
+        transformers_logging.disable_progress_bar()
+    return show_progress
