@@ -72,6 +72,16 @@ def test_step_zero_is_exact_and_the_input_is_unchanged(minilm_st, pairs):
     assert all(torch.equal(tensor, before[name]) for name, tensor in transformer.state_dict().items())
 
 
+def test_the_loss_objects_statistics_lower_the_loss_of_unseen_pairs(minilm_st, pairs):
+    """The fast check of the slow test below: statistics of MultipleNegativesRankingLoss from four batches, a small
+    fixed step (no line search), and the loss on standard-library files the statistics never saw goes down."""
+    loss = MultipleNegativesRankingLoss(minilm_st, scale=20.0)
+    grown = grow_model(minilm_st, pairs["stats"][:4], p=8, step_size=0.005, loss_fn=loss, measure_realized_gains=False)
+    before = evaluate_loss(minilm_st[0].model, pairs["test"], loss_fn=SentenceLoss(loss))[0]
+    after = evaluate_loss(grown[0].model, pairs["test"], loss_fn=SentenceLoss(loss))[0]
+    assert after < before - 0.005, (before, after)
+
+
 @pytest.mark.slow
 def test_the_loss_object_lowers_its_held_out_loss(minilm_st, pairs):
     """MultipleNegativesRankingLoss (all-MiniLM-L6-v2's training loss) passed as the loss object, on standard-library
