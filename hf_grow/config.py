@@ -32,11 +32,13 @@ SEARCHES = ("exact", "fast")
 #: with lam_unit = sqrt(sum ||Z||^2 / sum ||P||^2) over every head (whitened norms). "per_layer": the original
 #: notes' lam_l = t * ||Z_l|| / ||P_l|| for each layer (norms in the truncation's own metric: whitened, or
 #: plain Frobenius), so that layers whose gradient is small against their weights are not under-stepped.
-#: "layer_search": each layer's step line-searched alone on the held-out batches (the others at step 0), then
-#: one multiplier t of all of them. "coordinate": the "per_layer" step, then each layer's step refined in turn
-#: (first to last, the others fixed). The searches per layer run only when the step is searched (not with a
-#: given ``step_size``, where they take the "per_layer" lam); see `hf_grow.growth.layer_steps`.
-STEP_MODES = ("global", "per_layer", "layer_search", "coordinate")
+#: "per_head": the notes' normalization per head, lam_lh = t * ||Z_lh|| / ||P_lh|| (per group of heads sharing a
+#: key under grouped-query attention), at no extra cost. "layer_search": each layer's step line-searched alone
+#: on the held-out batches (the others at step 0), then one multiplier t of all of them. "coordinate": the
+#: "per_layer" step, then each layer's step refined in turn (first to last, the others fixed). The searches per
+#: layer run only when the step is searched (not with a given ``step_size``, where they take the "per_layer"
+#: lam); see `hf_grow.growth.layer_steps`.
+STEP_MODES = ("global", "per_layer", "per_head", "layer_search", "coordinate")
 #: Measured on four trained models, three held-out/test splits each (BENCHMARKS.md, bench_step_modes.py): with
 #: whitened truncation, steps per layer never gave less test decrease than the notes' formula (1.28x at the
 #: least, 4.95x on average), where one global lam fell to 0.80x on one MiniLM split.
@@ -46,7 +48,7 @@ COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 @dataclass
 class GrowthConfig:
-    """How a model grows. Every option has the default `grow_model` has always had.
+    """How a model grows. Every option has the default `grow_model` has always had, but ``step_mode`` (measured).
 
     ``GrowthConfig(p=16, truncation="frobenius")``; ``config.replace(step_size=0.0)`` for a checked variant;
     ``config.to_json_file(path)`` / ``GrowthConfig.from_json_file(path)`` to keep it. Each field's help text
@@ -91,11 +93,12 @@ class GrowthConfig:
         default=None,
         metadata={"help": "skip the line search and take this (relative) step; 0 keeps exactly the old function"},
     )
-    step_mode: Literal["global", "per_layer", "layer_search", "coordinate"] = field(
+    step_mode: Literal["global", "per_layer", "per_head", "layer_search", "coordinate"] = field(
         default=DEFAULT_STEP_MODE,
         metadata={"help": "global: one step lam for all layers; per_layer: each layer steps by t * ||Z_l|| / ||P_l|| "
-                  "with one t searched (the original notes' step); layer_search: each layer's step searched alone, "
-                  "then one multiplier; coordinate: per_layer, then each layer's step refined with the others fixed"},
+                  "with one t searched (the original notes' step); per_head: the same ratio per head; layer_search: "
+                  "each layer's step searched alone, then one multiplier; coordinate: per_layer, then each layer's "
+                  "step refined with the others fixed"},
     )
     truncation: Literal["whitened", "frobenius"] = field(
         default=DEFAULT_TRUNCATION,

@@ -323,39 +323,44 @@ def truncate(target: Tensor, rank: int, metric: Metric | None = None, method: st
     return decompose(target, metric, method).truncate(rank)
 
 
-def predicted_decrease(gradient: Tensor, delta: Tensor, metric: Metric, lam: float) -> Tensor:
-    """Loss decrease predicted for Z -> Z + delta by the local model of step size lam.
+def predicted_decrease(gradient: Tensor, delta: Tensor, metric: Metric, lam: float | Tensor) -> Tensor:
+    """Loss decrease predicted for Z -> Z + delta by the local model of step size lam (one, or one per head).
 
     ``-(<M, delta> + ||C^{1/2} delta C^{1/2}||^2 / (2 lam))``: the first-order change, penalized by the
-    curvature 1/lam under which ``-lam P`` is the optimal step. Zero for ``lam == 0``.
+    curvature 1/lam under which ``-lam P`` is the optimal step. Zero where ``lam == 0``.
     """
-    if lam == 0:
-        return torch.zeros(gradient.shape[:-2], dtype=gradient.dtype, device=gradient.device)
+    lam = torch.as_tensor(lam, dtype=gradient.dtype, device=gradient.device)
     first_order = (gradient * delta).sum(dim=(-2, -1))
-    return -(first_order + whitened_norm_sq(delta, metric) / (2 * lam))
+    decrease = -(first_order + whitened_norm_sq(delta, metric) / (2 * lam.clamp_min(torch.finfo(lam.dtype).tiny)))
+    return torch.where(lam == 0, torch.zeros_like(decrease), decrease)
 
 
-def rank_gains(singular_values: Tensor, lam: float) -> Tensor:
+def rank_gains(singular_values: Tensor, lam: float | Tensor) -> Tensor:
     """Predicted loss decrease of each rank of a whitened truncation, sigma_i^2 / (2 lam).
 
     With A the whitened target, keeping rank r instead of r-1 lowers the local model by sigma_r^2 / (2 lam):
-    the gain of growing a head from d_k to d_k + p is the sum over ranks d_k+1 .. d_k+p.
+    the gain of growing a head from d_k to d_k + p is the sum over ranks d_k+1 .. d_k+p. ``lam``: one step, or
+    one per head (shape (heads,), for ``singular_values`` of shape (heads, r)).
     """
-    if lam == 0:
-        return torch.zeros_like(singular_values)
-    return singular_values.square() / (2 * lam)
+    lam = torch.as_tensor(lam, dtype=singular_values.dtype, device=singular_values.device)
+    lam = lam[..., None] if lam.dim() else lam
+    gains = singular_values.square() / (2 * lam.clamp_min(torch.finfo(lam.dtype).tiny))
+    return torch.where(lam == 0, torch.zeros_like(gains), gains)
 
 
-def rescaled_to_step(factors: Factorization, lam: float) -> Factorization:
-    """The truncation of ``-lam * P`` from the truncation of ``-P``: each factor times sqrt(lam), lam >= 0.
+def rescaled_to_step(factors: Factorization, lam: float | Tensor) -> Factorization:
+    """The truncation of ``-lam * P`` from the truncation of ``-P``: each factor times sqrt(lam), lam >= 0 (one
+    step, or one per head: shape (heads,)).
 
     Rank truncation commutes with a non-negative scale, so the "append" update is decomposed once and the line
     search only rescales it.
     """
-    if lam < 0:
-        raise ValueError(f"lam must be >= 0, got {lam}")
-    root = lam**0.5
-    return Factorization(factors.left * root, factors.right * root, factors.singular_values * lam)
+    lam = torch.as_tensor(lam, dtype=factors.left.dtype, device=factors.left.device)
+    if bool((lam < 0).any()):
+        raise ValueError(f"lam must be >= 0, got {lam.tolist()}")
+    per_head = lam[..., None] if lam.dim() else lam
+    root = per_head.sqrt()
+    return Factorization(factors.left * root[..., None], factors.right * root[..., None], factors.singular_values * per_head)
 
 
 def grouped_truncation(whitened: Tensor, metric: Metric | None, rank: int, groups: int) -> Factorization:

@@ -31,6 +31,8 @@ class HeadReport:
     expected_gain_without_growth: float
     first_order_gain: float
     marginal_gains: list[float]
+    #: This head's absolute step (its layer's but with ``step_mode="per_head"``; None in older reports).
+    lam: float | None = None
 
 
 @dataclass
@@ -42,7 +44,8 @@ class LayerReport:
     #: Held-out loss decrease when only this layer takes the chosen step (None when not measured).
     realized_gain: float | None
     heads: list[HeadReport]
-    #: This layer's absolute step, Z_new = Z - lam * P (None in reports written before steps per layer).
+    #: This layer's absolute step, Z_new = Z - lam * P (None in reports written before steps per layer); with
+    #: ``step_mode="per_head"`` the layer's reference step, each head's own in `HeadReport.lam`.
     lam: float | None = None
 
 

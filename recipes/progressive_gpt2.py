@@ -258,7 +258,9 @@ def train_variant(
             if report is not None:
                 stat_tokens = sum(_tokens(b) for b in stats)
                 search_tokens = sum(_tokens(b) for b in search)
-                evaluations = 1 + sum(point.step_size != 0 for point in report.line_search)
+                evaluations = report.line_search_passes  # full held-out passes, per-layer searches included
+                if evaluations is None:
+                    evaluations = 1 + sum(point.step_size != 0 for point in report.line_search)
                 decompositions = 1 if variant.mode == "append" else len(report.line_search) + 1
                 cost = (
                     statistics_flops(config_before, stat_tokens, seq_len)

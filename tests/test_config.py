@@ -57,7 +57,7 @@ def test_defaults_are_the_ones_grow_model_always_had_but_the_measured_step_mode(
         ({"budget": 12, "multiple_of": 8}, ValueError, "not a multiple"),
         ({"budget": 8, "multiple_of": 0}, ValueError, "multiple_of must be a positive"),
         ({"truncation": "nuclear"}, ValueError, "truncation must be one of"),
-        ({"step_mode": "per_head"}, ValueError, "step_mode must be one of"),
+        ({"step_mode": "per_token"}, ValueError, "step_mode must be one of"),
         ({"step_size": float("nan")}, ValueError, "step_size must be a finite number"),
         ({"initial_step_size": 0.0}, ValueError, "initial_step_size must be a finite number > 0"),
         ({"rtol": 2.0}, ValueError, "rtol must be in"),

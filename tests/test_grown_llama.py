@@ -41,6 +41,7 @@ from hf_grow import (
     load_growth_report,
     to_grown_model,
 )
+from hf_grow.growth import GrowthProblem
 
 from conftest import (
     assert_causal_lm_loads_without_hf_grow,
@@ -164,6 +165,23 @@ def test_grouped_heads_share_their_new_key_dims(llama_gqa, stdlib_bytes):
     for layer in grown.growth_report.layers:
         gains = [head.expected_gain for head in layer.heads]
         assert all(gain >= 0 for gain in gains) and sum(gains) > 0
+
+
+def test_per_head_steps_are_shared_within_a_group(llama_gqa, stdlib_bytes):
+    """With step_mode="per_head" the heads that share a key take one step (their group's ratio), so the joint
+    truncation of the group stays the truncation of the group's step; growth still lowers the held-out loss."""
+    adapter = get_adapter(llama_gqa)
+    statistics = collect_statistics(llama_gqa, lm_batches(stdlib_bytes["stats"], 4), adapter)
+    solved = GrowthProblem(llama_gqa, adapter, statistics, [24, 24], "whitened", 1e-6, "eigh", mode="append",
+                           step_mode="per_head")
+    for layer in range(2):
+        lams = solved.head_lams(0.1, layer).view(2, 2)  # 4 query heads, 2 key heads
+        assert torch.equal(lams[:, 0], lams[:, 1]) and lams[0, 0] != lams[1, 0]
+    evaluation = lm_batches(stdlib_bytes["eval"], 2, seed=11)
+    grown = grow_model(llama_gqa, None, p=8, statistics=statistics, eval_dataloader=evaluation, step_mode="per_head",
+                       measure_realized_gains=False)
+    report = grown.growth_report
+    assert report.step_mode == "per_head" and report.eval_loss_after < report.eval_loss_before
 
 
 def test_budget_and_inspection_rank_appended_dims(llama_gqa, stdlib_bytes):

@@ -55,16 +55,60 @@ def test_each_layer_takes_its_own_lam(trained_gpt2, statistics):
         torch.testing.assert_close(weights[layer][0] @ weights[layer][1].mT, query @ key.mT)
 
 
+def test_per_head_steps_follow_each_heads_own_norms(trained_gpt2, statistics):
+    """The notes' ratio per head: each head's weights at step t are the global solve's at that head's own lam."""
+    for truncation in ("whitened", "frobenius"):
+        per_head, global_ = problem(trained_gpt2, statistics, truncation, "per_head"), problem(trained_gpt2, statistics, truncation)
+        weights = per_head.weights(0.05)
+        for layer, part in enumerate(per_head.layers):
+            if truncation == "whitened":
+                scores, step = (linalg.whitened_norm_sq(matrix, part.metric) for matrix in (part.bilinear, part.direction))
+            else:
+                scores, step = (matrix.square().sum(dim=(-2, -1)) for matrix in (part.bilinear, part.direction))
+            lams = per_head.head_lams(0.05, layer)
+            torch.testing.assert_close(lams, 0.05 * (scores / step).sqrt(), rtol=1e-12, atol=0)
+            assert per_head.lam(0.05, layer) == pytest.approx(problem(trained_gpt2, statistics, truncation, "per_layer").lam(0.05, layer))
+            assert float(lams.max() / lams.min()) > 1.05  # the heads' ratios differ
+            for head, lam in enumerate(lams.tolist()):
+                query, key = global_.weights(lam / global_.lam_unit)[layer]
+                torch.testing.assert_close(weights[layer][0][head] @ weights[layer][1][head].mT, query[head] @ key[head].mT)
+        # the expected gains rank each head at its own step: the rates per unit step follow the head's factor
+        rates, plain = per_head.gain_rates(0), problem(trained_gpt2, statistics, truncation, "per_layer").gain_rates(0)
+        factors = (per_head.head_lams(1.0, 0) / per_head.lam(1.0, 0))[:, None]
+        torch.testing.assert_close(rates.marginal, plain.marginal * factors)
+
+
+def test_the_report_gives_each_heads_step(trained_gpt2, statistics):
+    grown = grow_model(trained_gpt2, None, p=8, statistics=statistics, step_size=0.05, step_mode="per_head",
+                       measure_realized_gains=False)
+    solved = problem(trained_gpt2, statistics, step_mode="per_head")
+    for layer in grown.growth_report.layers:
+        assert layer.lam == pytest.approx(solved.lam(0.05, layer.layer), rel=1e-12)
+        assert [head.lam for head in layer.heads] == pytest.approx(solved.head_lams(0.05, layer.layer).tolist(), rel=1e-12)
+
+
+def test_per_head_append_rescales_each_heads_update(trained_gpt2, statistics):
+    adapter = get_adapter(trained_gpt2)
+    solved = GrowthProblem(trained_gpt2, adapter, statistics, [24, 24], "whitened", 1e-6, "eigh", mode="append",
+                           step_mode="per_head")
+    query, key = solved.weights(0.05)[1]
+    added = (query[..., 16:] @ key[..., 16:].mT) * solved.layers[1].scaling_after
+    unit = solved.unit_update(1).product
+    torch.testing.assert_close(added, solved.head_lams(0.05, 1)[:, None, None] * unit)
+
+
 def test_step_zero_is_the_old_function_in_every_step_mode(trained_gpt2, statistics):
-    at_zero = [problem(trained_gpt2, statistics, step_mode=mode).weights(0.0) for mode in ("global", "per_layer")]
+    modes = ("global", "per_layer", "per_head")
+    at_zero = [problem(trained_gpt2, statistics, step_mode=mode).weights(0.0) for mode in modes]
     for layer in range(2):
-        for a, b in zip(at_zero[0][layer], at_zero[1][layer]):
-            assert torch.equal(a, b)
+        for weights in at_zero[1:]:
+            for a, b in zip(at_zero[0][layer], weights[layer]):
+                assert torch.equal(a, b)
 
 
 def test_unknown_step_mode_is_refused(trained_gpt2, statistics):
     with pytest.raises(ValueError, match="step_mode must be one of"):
-        problem(trained_gpt2, statistics, step_mode="per_head")
+        problem(trained_gpt2, statistics, step_mode="per_token")
 
 
 @pytest.fixture(scope="module")
@@ -178,4 +222,4 @@ def test_searched_steps_work_in_training_and_from_the_command_line_flags(stdlib_
     args = build_parser().parse_args(["gpt2", "--output-dir", "out", "--step-mode", "layer_search"])
     assert args.step_mode == "layer_search"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["gpt2", "--output-dir", "out", "--step-mode", "per_head"])
+        build_parser().parse_args(["gpt2", "--output-dir", "out", "--step-mode", "per_token"])

@@ -13,7 +13,7 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
     """Per head of ``layer`` at ``step_size``: the expected gain with and without growth, the first-order
     gain, and the expected gain of each added dimension (from the whitened spectrum, whatever the truncation)."""
     problem = solved.layers[layer]
-    lam = solved.lam(step_size, layer)
+    lam = solved.head_lams(step_size, layer)  # each head's own step, shape (heads,)
     qk_before = problem.query.shape[-1]
     with torch.no_grad():
         if solved.mode == "append":
@@ -26,10 +26,10 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
             added = problem.qk_dim_after - qk_before
             if problem.groups < problem.query.shape[0]:  # each head's share of its group's singular values
                 shares = linalg.grouped_truncation(-direction, None, max(added, 1), problem.groups).singular_values
-                spectrum = lam * shares
+                spectrum = lam[:, None] * shares
             else:
                 spectrum = solved.decompose(
-                    ("unit", layer, "whitened"), -lam * direction, problem.metric, max(added, 1)
+                    ("unit", layer, "whitened"), -lam[:, None, None] * direction, problem.metric, max(added, 1)
                 ).singular_values
             marginal = linalg.rank_gains(spectrum, lam)[:, :added]
         else:
@@ -53,6 +53,7 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
             expected_gain_without_growth=float(expected_kept[head]),
             first_order_gain=float(first_order[head]),
             marginal_gains=[float(g) for g in marginal[head]],
+            lam=float(lam[head]),
         )
         for head in range(len(expected))
     ]

@@ -105,8 +105,10 @@ class GrowthProblem:
                     )
                 )
         #: The model-wide lam per unit step size (with steps per layer, the root mean square of the layers'),
-        #: and each layer's own.
+        #: each layer's own, and each head's relative to its layer's (ones but with ``step_mode="per_head"``).
         self.lam_unit, self.layer_lam_units = _lam_units(self.layers, truncation, step_mode)
+        self.head_factors = [_head_factors(part, truncation, unit, step_mode) for part, unit in
+                             zip(self.layers, self.layer_lam_units)]
         #: Each layer's step relative to the others: lam_l = step_size * layer_lam_units[l] * layer_scales[l].
         #: 1 everywhere unless a search per layer (step modes "layer_search", "coordinate") set them.
         self.layer_scales: list[float] = [1.0] * len(self.layers)
@@ -123,6 +125,11 @@ class GrowthProblem:
             return step_size * self.lam_unit
         return step_size * self.layer_lam_units[layer] * self.layer_scales[layer]
 
+    def head_lams(self, step_size: float, layer: int) -> Tensor:
+        """Each head's absolute step in ``layer`` at a relative ``step_size``, shape (heads,): the layer's `lam`
+        times the head's factor (one per head but with ``step_mode="per_head"``)."""
+        return self.lam(step_size, layer) * self.head_factors[layer]
+
     @property
     def has_gradient(self) -> bool:
         """False when the loss has zero gradient with respect to every head's scores: no step can gain."""
@@ -137,15 +144,15 @@ class GrowthProblem:
     def gain_rates(self, layer: int) -> linalg.GainRates:
         """First-order expected gains of ``layer`` per unit step size (see `linalg.growth_gain_rates`)."""
         problem = self.layers[layer]
-        unit = self.layer_lam_units[layer]
+        unit = self.head_lams(1.0, layer) / self.layer_scales[layer]  # per unit step size, before any search
         if self.mode == "append":
             return self._append_gain_rates(layer, unit)
         with torch.no_grad():
             width = problem.query.shape[-1]
             rates = linalg.growth_gain_rates(problem.bilinear, problem.direction, problem.metric, width)
-        return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit)
+        return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit[:, None])
 
-    def _append_gain_rates(self, layer: int, unit: float) -> linalg.GainRates:
+    def _append_gain_rates(self, layer: int, unit: Tensor) -> linalg.GainRates:
         """In "append" mode the old form stays, so nothing is gained without growth; the r-th added dim of a head gains
         lam * s_r^2 / 2, s_r its share of the r-th singular value of its group's whitened -P (`rank_gains`)."""
         problem = self.layers[layer]
@@ -153,14 +160,14 @@ class GrowthProblem:
             _, direction = self.whitened_pair(layer, "whitened")
             capacity = max(1, direction.shape[-1] - problem.query.shape[-1])  # as the widths are capped
             shares = linalg.grouped_truncation(-direction, None, capacity, problem.groups).singular_values
-        return linalg.GainRates(torch.zeros_like(shares[:, 0]), shares.square() / 2 * unit)
+        return linalg.GainRates(torch.zeros_like(shares[:, 0]), shares.square() / 2 * unit[:, None])
 
     def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
         """The decomposition of layer's ``Z - lam P`` (whitened or not) for truncations up to the grown width."""
         problem = self.layers[layer]
         base, direction = self.whitened_pair(layer, truncation)
         metric = problem.metric if truncation == "whitened" else None
-        target = base - self.lam(step_size, layer) * direction
+        target = base - self.head_lams(step_size, layer)[:, None, None] * direction
         return self.decompose(("step", layer, truncation), target, metric, problem.qk_dim_after)
 
     def unit_update(self, layer: int) -> linalg.Factorization:
@@ -216,7 +223,7 @@ class GrowthProblem:
         lam = self.lam(step_size, layer)
         with torch.no_grad():
             if self.mode == "append" and problem.qk_dim_after > problem.query.shape[-1]:
-                update = linalg.rescaled_to_step(self.unit_update(layer), lam)
+                update = linalg.rescaled_to_step(self.unit_update(layer), self.head_lams(step_size, layer))
                 if problem.groups < problem.query.shape[0]:  # one key per group (repeated in the update)
                     per_group = problem.query.shape[0] // problem.groups
                     update = linalg.Factorization(update.left, update.right[::per_group], update.singular_values)
@@ -239,7 +246,7 @@ class GrowthProblem:
         weights = {}
         with torch.no_grad():
             for layer, problem in enumerate(self.layers):
-                target = problem.bilinear - self.lam(step_size, layer) * problem.direction
+                target = problem.bilinear - self.head_lams(step_size, layer)[:, None, None] * problem.direction
                 identity = torch.eye(target.shape[-1], dtype=target.dtype, device=target.device).expand_as(target)
                 weights[layer] = (target / scalings[layer], identity.clone())
         return weights
@@ -261,6 +268,26 @@ def _lam_units(layers: list[LayerProblem], truncation: str, step_mode: str) -> t
             norms = [(float(p.bilinear.square().sum()), float(p.direction.square().sum())) for p in layers]
     units = [_lam_unit(scores, step) for scores, step in norms]
     return math.sqrt(sum(unit**2 for unit in units) / len(layers)), units
+
+
+def _head_factors(problem: LayerProblem, truncation: str, layer_unit: float, step_mode: str) -> Tensor:
+    """Each head's step relative to its layer's, shape (heads,): with ``step_mode="per_head"`` the notes' ratio
+    ||Z_h|| / ||P_h|| of the head (in the truncation's norm) over the layer's, else ones. Under grouped-query
+    attention the heads that share a key share one factor, from their group's norms, so that the group's joint
+    truncation stays a truncation of the group's step."""
+    heads = problem.query.shape[0]
+    ones = torch.ones(heads, dtype=problem.direction.dtype, device=problem.direction.device)
+    if step_mode != "per_head" or layer_unit == 0:
+        return ones
+    with torch.no_grad():
+        if truncation == "whitened":
+            scores, step = (linalg.whitened_norm_sq(matrix, problem.metric) for matrix in (problem.bilinear, problem.direction))
+        else:
+            scores, step = (matrix.square().sum(dim=(-2, -1)) for matrix in (problem.bilinear, problem.direction))
+        per_group = heads // problem.groups
+        scores, step = (value.reshape(problem.groups, per_group).sum(dim=1) for value in (scores, step))
+        units = [_lam_unit(float(a), float(b)) for a, b in zip(scores, step)]
+    return ones.new_tensor(units).repeat_interleave(per_group) / layer_unit
 
 
 def _lam_unit(scores_sq: float, step_sq: float) -> float:

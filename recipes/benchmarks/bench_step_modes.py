@@ -9,7 +9,7 @@ at p = 8, with statistics collected once per model:
 - ``layer_search/whitened``: each layer's step line-searched alone, then one multiplier (`step_mode="layer_search"`);
 - ``coordinate/whitened``: the per-layer step, then each layer's refined with the others fixed (`"coordinate"`);
 - ``per_head/whitened``: the notes' normalization per head, lam_lh = t * ||Z_lh|| / ||P_lh|| (whitened norms),
-  one t searched; measured here only (`grow_per_head`), not a library option.
+  one t searched (`step_mode="per_head"`).
 
 Models: two small byte-level GPT-2s (n_embd 128 x 4 layers x 8 heads, and 96 x 3 x 6), a deeper one (128 x 8 x 8),
 all trained on the standard library's sources, and the pretrained all-MiniLM-L6-v2 on its own contrastive loss
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
 import random
@@ -47,8 +46,6 @@ from bench_growth import lm_batches, load_bytes, make_model, split_files, train 
 from sentence_pairs import contrastive_loss, pair_splits  # noqa: E402
 
 import hf_grow  # noqa: E402
-from hf_grow import linalg  # noqa: E402
-from hf_grow.growth import GrowthProblem, best_step, search_step_size, write_weights  # noqa: E402
 
 
 VARIANTS = {
@@ -58,51 +55,13 @@ VARIANTS = {
     "per_layer/whitened": dict(step_mode="per_layer", truncation="whitened"),
     "layer_search/whitened": dict(step_mode="layer_search", truncation="whitened"),
     "coordinate/whitened": dict(step_mode="coordinate", truncation="whitened"),
-    "per_head/whitened": None,  # grow_per_head
+    "per_head/whitened": dict(step_mode="per_head", truncation="whitened"),
 }
 GPT2_MODELS = {  # name: (seed, n_embd, n_layer, n_head, training steps); d_k = 16 in all
     "gpt2-A 128x4x8": (0, 128, 4, 8, 600),
     "gpt2-B 96x3x6": (1, 96, 3, 6, 500),
     "gpt2-deep 128x8x8": (2, 128, 8, 8, 600),
 }
-
-
-def grow_per_head(model, statistics, eval_batches, loss_fn, p: int):
-    """Whitened truncation with the notes' normalization per head, lam_lh = t * ||Z_lh|| / ||P_lh|| (metric of
-    C), one t line-searched as `grow_model` does; returns the grown model and the line search's passes."""
-    adapter = hf_grow.get_adapter(model)
-    qk_after = [dim + p for dim in adapter.qk_head_dims(model.config)]
-    problem = GrowthProblem(model, adapter, statistics, qk_after, "whitened", 1e-6, "auto", step_mode="per_layer")
-    units = []
-    for part in problem.layers:
-        scores, step = (linalg.whitened_norm_sq(matrix, part.metric) for matrix in (part.bilinear, part.direction))
-        units.append(torch.where(step > 0, (scores / step.clamp_min(1e-300)).sqrt(), torch.zeros_like(step)))
-
-    def weights(step_size: float):
-        if step_size == 0:
-            return problem.weights(0.0)
-        chosen = {}
-        for layer, part in enumerate(problem.layers):
-            base, direction = problem.whitened_pair(layer, "whitened")
-            target = base - step_size * units[layer][:, None, None] * direction
-            factors = problem.decompose(("step", layer, "whitened"), target, part.metric, part.qk_dim_after)
-            factors = factors.truncate(part.qk_dim_after)
-            root = math.sqrt(part.scaling_after)
-            chosen[layer] = (factors.left / root, factors.right / root)
-        return chosen
-
-    grown = adapter.build_grown_model(model, qk_after, problem.weights(0.0))
-    before = hf_grow.evaluate_loss(grown, eval_batches, loss_fn=loss_fn)[0]
-
-    def evaluate(step_size: float) -> float:
-        if step_size == 0:
-            return before
-        write_weights(adapter, grown, weights(step_size))
-        return hf_grow.evaluate_loss(grown, eval_batches, loss_fn=loss_fn)[0]
-
-    losses = search_step_size(evaluate, 0.03)
-    write_weights(adapter, grown, weights(best_step(losses)))
-    return grown, float(len(losses) - 1)
 
 
 def gpt2_setups(quick: bool, cache: str | None, names: list[str] | None = None):
@@ -179,14 +138,11 @@ def main() -> None:
                 held_out_before = hf_grow.evaluate_loss(model, eval_batches, loss_fn=loss_fn)[0]
                 decreases, held_out, passes = {}, {}, {}
                 for variant, settings in variants.items():
-                    if settings is None:
-                        grown, passes[variant] = grow_per_head(model, statistics, eval_batches, loss_fn, args.p)
-                    else:
-                        grown = hf_grow.grow_model(
-                            model, None, p=args.p, statistics=statistics, eval_dataloader=eval_batches,
-                            loss_fn=loss_fn, measure_realized_gains=False, **settings,
-                        )
-                        passes[variant] = grown.growth_report.line_search_passes
+                    grown = hf_grow.grow_model(
+                        model, None, p=args.p, statistics=statistics, eval_dataloader=eval_batches,
+                        loss_fn=loss_fn, measure_realized_gains=False, **settings,
+                    )
+                    passes[variant] = grown.growth_report.line_search_passes
                     held_out[variant] = hf_grow.evaluate_loss(grown, eval_batches, loss_fn=loss_fn)[0]
                     decreases[variant] = test_before - hf_grow.evaluate_loss(grown, test_batches, loss_fn=loss_fn)[0]
                 rows.append((name, split, decreases, held_out, passes))
