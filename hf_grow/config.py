@@ -32,17 +32,19 @@ SEARCHES = ("exact", "fast")
 #: with lam_unit = sqrt(sum ||Z||^2 / sum ||P||^2) over every head (whitened norms). "per_layer": the original
 #: notes' lam_l = t * ||Z_l|| / ||P_l|| for each layer (norms in the truncation's own metric: whitened, or
 #: plain Frobenius), so that layers whose gradient is small against their weights are not under-stepped.
-#: "per_head": the notes' normalization per head, lam_lh = t * ||Z_lh|| / ||P_lh|| (per group of heads sharing a
-#: key under grouped-query attention), at no extra cost. "layer_search": each layer's step line-searched alone
+#: "per_head": the notes' ratio per head, lam_lh = t * ||Z_lh|| / ||P_lh|| (per group of heads sharing a key
+#: under grouped-query attention), at no extra cost. "layer_search": each layer's step line-searched alone
 #: on the held-out batches (the others at step 0), then one multiplier t of all of them. "coordinate": the
 #: "per_layer" step, then each layer's step refined in turn (first to last, the others fixed). The searches per
 #: layer run only when the step is searched (not with a given ``step_size``, where they take the "per_layer"
 #: lam); see `hf_grow.growth.layer_steps`.
 STEP_MODES = ("global", "per_layer", "per_head", "layer_search", "coordinate")
-#: Measured on four trained models, three held-out/test splits each (BENCHMARKS.md, bench_step_modes.py): with
-#: whitened truncation, steps per layer never gave less test decrease than the notes' formula (1.28x at the
-#: least, 4.95x on average), where one global lam fell to 0.80x on one MiniLM split.
-DEFAULT_STEP_MODE = "per_layer"
+#: Measured on four trained models, three held-out/test splits each (BENCHMARKS.md, bench_step_modes.py), all
+#: with whitened truncation: "per_head" never gave less test decrease than the notes' formula or "per_layer"
+#: (1.22x "per_layer" on the GPT-2s, best of all modes on MiniLM), at the same cost. The searches per layer gave
+#: 1.6x "per_layer" on the GPT-2s for about 4x the held-out passes but overfit MiniLM's 8 line-search batches
+#: (below the notes' formula on 1 and 2 of its 3 splits); one global lam fell to 0.80x the notes on one split.
+DEFAULT_STEP_MODE = "per_head"
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 

@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 
 
 GROWTH_MODES: tuple[str, ...] = ("refactor", "append", "zero", "random")
-#: On bench_bottleneck's plateau preset (3 seeds) refactor left the plateau first (step 208 against 233 for
-#: append and 275 for zero/random) with the lowest mean loss over training, 0.81x the better baseline's (append
-#: 0.88x); on the easy retrieval task and on text the two tie (BENCHMARKS.md). Architectures that cannot
+#: On bench_bottleneck's plateau preset (3 seeds) refactor left the plateau first (step 208 against 217 for
+#: append and 267 for zero/random) with the lowest mean loss over training, 0.82x the better baseline's (append
+#: 0.86x); on the easy retrieval task and on text the two tie (BENCHMARKS.md). Architectures that cannot
 #: refactor (rotary models) take their own default (`ArchitectureAdapter.check_mode`) when mode is None.
 DEFAULT_MODE = "refactor"
 
