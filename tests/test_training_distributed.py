@@ -166,7 +166,11 @@ def test_trainer_grows_under_ddp_like_one_process_and_resumes(stdlib_bytes, tmp_
     assert two["report"]["statistics_tokens"] == one["report"]["statistics_tokens"] == 4 * 2 * 64
     assert two["report"]["step_size"] == pytest.approx(one["report"]["step_size"], rel=1e-9)
     assert list(two["losses"]) == list(range(1, 7)) and all(math.isfinite(loss) for loss in two["losses"].values())
-    assert list(two["losses"].values()) == pytest.approx(list(one["losses"].values()), rel=2e-5)
+    before_growth, after_growth = ([two["losses"][step] for step in steps] for steps in ((1, 2, 3), (4, 5, 6)))
+    assert before_growth == pytest.approx([one["losses"][step] for step in (1, 2, 3)], rel=2e-5)
+    # After growth Adam's first updates of the reset Q/K entries are about lr * sign(g): the all-reduce's
+    # last-bit differences reach the loss at 4e-5 by step 6 with steps per head (below 2e-5 per layer).
+    assert after_growth == pytest.approx([one["losses"][step] for step in (4, 5, 6)], rel=1e-4)
 
     # The checkpoint after growth carries the grown widths and resumes on 2 processes without growing again.
     resumed = results[0]["resumed"]

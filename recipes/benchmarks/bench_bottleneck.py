@@ -44,7 +44,7 @@ import platform
 import statistics as pystats
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 
 import torch
@@ -123,6 +123,23 @@ BASELINES = ("zero", "random")
 ACCURACY_TARGET = 0.99
 
 
+def seeded_batches(
+    sample: Callable[[int, torch.Generator], dict], batch_size: int, eval_batches: int
+) -> tuple[Callable[[int], dict], Callable[[int, int], list[dict]], list[dict]]:
+    """A task's training batch of each step, the batches drawn at a growth step, and its evaluation batches
+    (256 sequences each), each from seeds of their own: every variant and seed sees the same data."""
+
+    def train_batch(step: int) -> dict:
+        return sample(batch_size, torch.Generator().manual_seed(step))
+
+    def growth_batches(step: int, count: int) -> list[dict]:
+        generator = torch.Generator().manual_seed(10**6 + step)
+        return [sample(batch_size, generator) for _ in range(count)]
+
+    evaluation = [sample(256, torch.Generator().manual_seed(2**31 - 1 - index)) for index in range(eval_batches)]
+    return train_batch, growth_batches, evaluation
+
+
 def retrieval_task(keys: int, values: int, pairs: int, n_embd: int, n_head: int, batch_size: int, eval_batches: int) -> Task:
     """Key -> value retrieval in one attention layer (see the module docstring), given as ``inputs_embeds``.
 
@@ -155,14 +172,7 @@ def retrieval_task(keys: int, values: int, pairs: int, n_embd: int, n_head: int,
         labels[:, -1] = answer
         return {"inputs_embeds": embeddings, "labels": labels}
 
-    def train_batch(step: int) -> dict:
-        return sample(batch_size, torch.Generator().manual_seed(step))
-
-    def growth_batches(step: int, count: int) -> list[dict]:
-        generator = torch.Generator().manual_seed(10**6 + step)
-        return [sample(batch_size, generator) for _ in range(count)]
-
-    evaluation = [sample(256, torch.Generator().manual_seed(2**31 - 1 - index)) for index in range(eval_batches)]
+    train_batch, growth_batches, evaluation = seeded_batches(sample, batch_size, eval_batches)
 
     def accuracy(model: GrownGPT2LMHeadModel) -> dict[str, float]:
         device = next(model.parameters()).device
@@ -222,14 +232,7 @@ def plateau_task(
         scores = logits(model, batch)
         return torch.nn.functional.cross_entropy(scores.flatten(0, 1).float(), batch["labels"][:, pairs:].flatten())
 
-    def train_batch(step: int) -> dict:
-        return sample(batch_size, torch.Generator().manual_seed(step))
-
-    def growth_batches(step: int, count: int) -> list[dict]:
-        generator = torch.Generator().manual_seed(10**6 + step)
-        return [sample(batch_size, generator) for _ in range(count)]
-
-    evaluation = [sample(256, torch.Generator().manual_seed(2**31 - 1 - index)) for index in range(eval_batches)]
+    train_batch, growth_batches, evaluation = seeded_batches(sample, batch_size, eval_batches)
 
     def accuracy(model: GrownGPT2LMHeadModel) -> dict[str, float]:
         device = next(model.parameters()).device
