@@ -60,7 +60,7 @@ class GrowthConfig:
       statistics before the line search: greedily, ``multiple_of`` dimensions at a time, to the layer whose
       next dimensions have the largest expected gain summed over its heads (in the metric of C, whatever the
       ``truncation``). The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`) per unit of
-      the searched step size, each layer at its own lam (``step_mode``). ``growth_report.budget`` records it.
+      the searched step size, each head at its own lam (``step_mode``). ``growth_report.budget`` records it.
     - ``step_size``: relative units, ``step_size = lam / lam_unit`` (see `hf_grow.growth`): 1 moves the scores
       by about their own RMS size. ``0.0`` gives a grown model that computes exactly the old function.
     - ``search``: ``"exact"`` searches the rank-constrained update; ``"fast"`` first brackets the step with the

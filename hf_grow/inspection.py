@@ -2,7 +2,8 @@
 
 The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`), in loss per unit step size (the
 relative units of `grow_model`): at step size t, adding k dimensions to a head is expected to lower the loss by
-about t times the sum of its first k marginal gains, each layer at its own lam_l = t * unit_l (``step_mode``).
+about t times the sum of its first k marginal gains, each head at its own lam = t * unit (``step_mode``: the
+head's unit by default, its layer's with "per_layer").
 The line search picks t later, on held-out data, and one t serves every head, so the ranking of heads and layers
 (what a budget allocation uses) does not depend on it. The step modes that also search each layer's step on the
 held-out batches ("layer_search", "coordinate") rank at the per-layer units they start from: those searches

@@ -1,9 +1,10 @@
 """`grow_model`: statistics, solve, line search and the grown model, with its report.
 
-The step: per head, Z_new = best rank-(d_k + p) approximation of Z - lam_l * P with P = C^+ M C^+ (see
-`hf_grow.linalg`), lam_l of layer l chosen on held-out batches. Step sizes are searched in relative units,
-``lam_l = step_size * unit_l`` with ``unit_l = ||Z_l|| / ||P_l||`` (or one unit over all heads with step mode
-"global"): at step size 1 the update moves the scores by about their own RMS size. The step modes
+The step: per head, Z_new = best rank-(d_k + p) approximation of Z - lam_lh * P with P = C^+ M C^+ (see
+`hf_grow.linalg`), the step size chosen on held-out batches. Step sizes are searched in relative units,
+``lam_lh = step_size * unit_lh`` with ``unit_lh = ||Z_lh|| / ||P_lh||`` of the head (step mode "per_head", the
+default), of its layer ("per_layer"), or one unit over all heads ("global"): at step size 1 the update moves
+the scores by about their own RMS size. The step modes
 "layer_search" and "coordinate" also search each layer's own step (`layer_steps`).
 
 The package, one job a module: `problem` (the solve: weights at any step size), `head_reports` (what each
