@@ -108,7 +108,9 @@ def _card_body(
         for layer in report.layers
     )
     step = f"size {report.step_size:.4g} in relative units, λ = {report.lam:.4g}"
-    if report.step_mode != "global":
+    if report.step_mode == "per_head":
+        step += " (root mean square of the layers' λ; each head steps by its own: `step_mode` per_head)"
+    elif report.step_mode != "global":
         step += f" (root mean square of the layers' own λ: `step_mode` {report.step_mode})"
     budget = (
         f" The {report.budget} added dimensions per head were allocated to the layers by expected gain (`budget`)."

@@ -14,6 +14,8 @@ from pathlib import Path
 
 
 REPORT_FILENAME = "growth_report.json"
+#: How the summary qualifies the report's lam, by step mode (per layer where not listed).
+STEP_MODE_NOTES = {"global": "", "per_head": ", per head"}
 
 
 @dataclass
@@ -148,7 +150,7 @@ class GrowthReport:
         lines = [
             f"held-out loss  before {fmt(self.eval_loss_before)}  after {fmt(self.eval_loss_after)}",
             f"perplexity     before {fmt(self.perplexity_before)}  after {fmt(self.perplexity_after)}",
-            f"step size {self.step_size:.4g} (lam {self.lam:.4g}{', per layer' if self.step_mode != 'global' else ''}),"
+            f"step size {self.step_size:.4g} (lam {self.lam:.4g}{STEP_MODE_NOTES.get(self.step_mode, ', per layer')}),"
             f" mode {self.mode}, truncation {self.truncation}, search {self.search}",
             f"Q/K dims {self.qk_dims_before} -> {self.qk_dims_after}, parameters added {self.parameters_added:,}",
         ]

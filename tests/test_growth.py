@@ -77,7 +77,7 @@ def test_report_is_complete_and_consistent(trained_gpt2, grown_by_truncation, da
         assert len(layer.heads) == 4
         assert layer.realized_gain is not None
         for head in layer.heads:
-            assert len(head.marginal_gains) == 8
+            assert len(head.marginal_gains) == 8 and head.lam > 0
             assert all(a >= b >= 0 for a, b in zip(head.marginal_gains, head.marginal_gains[1:]))
             # Growing adds the marginal gains of the added ranks to the same solve at the old rank.
             assert head.expected_gain == pytest.approx(head.expected_gain_without_growth + sum(head.marginal_gains), rel=1e-6, abs=1e-9)
@@ -87,6 +87,7 @@ def test_report_is_complete_and_consistent(trained_gpt2, grown_by_truncation, da
     report.to_json_file(path)
     assert GrowthReport.from_dict(json.loads(path.read_text())).to_dict() == report.to_dict()
     assert "held-out loss" in report.summary()
+    assert report.step_mode == "per_head" and ", per head)" in report.summary()  # each head at its own lam
 
 
 def test_fast_search_brackets_with_the_unconstrained_update(trained_gpt2, data):
