@@ -359,8 +359,8 @@ def rescaled_to_step(factors: Factorization, lam: float | Tensor) -> Factorizati
     if bool((lam < 0).any()):
         raise ValueError(f"lam must be >= 0, got {lam.tolist()}")
     per_head = lam[..., None] if lam.dim() else lam
-    root = per_head.sqrt()
-    return Factorization(factors.left * root[..., None], factors.right * root[..., None], factors.singular_values * per_head)
+    root = per_head.sqrt()[..., None]  # (heads, 1, 1) against factors of shape (heads, d, r)
+    return Factorization(factors.left * root, factors.right * root, factors.singular_values * per_head)
 
 
 def grouped_truncation(whitened: Tensor, metric: Metric | None, rank: int, groups: int) -> Factorization:

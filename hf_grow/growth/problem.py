@@ -106,9 +106,12 @@ class GrowthProblem:
                 )
         #: The model-wide lam per unit step size (with steps per layer, the root mean square of the layers'),
         #: each layer's own, and each head's relative to its layer's (ones but with ``step_mode="per_head"``).
-        self.lam_unit, self.layer_lam_units = _lam_units(self.layers, truncation, step_mode)
-        self.head_factors = [_head_factors(part, truncation, unit, step_mode) for part, unit in
-                             zip(self.layers, self.layer_lam_units)]
+        norms = [_head_norms_sq(part, "whitened" if step_mode == "global" else truncation) for part in self.layers]
+        self.lam_unit, self.layer_lam_units = _lam_units(norms, step_mode)
+        self.head_factors = [
+            _head_factors(scores, step, part.groups, unit, step_mode)
+            for (scores, step), part, unit in zip(norms, self.layers, self.layer_lam_units)
+        ]
         #: Each layer's step relative to the others: lam_l = step_size * layer_lam_units[l] * layer_scales[l].
         #: 1 everywhere unless a search per layer (step modes "layer_search", "coordinate") set them.
         self.layer_scales: list[float] = [1.0] * len(self.layers)
@@ -144,7 +147,7 @@ class GrowthProblem:
     def gain_rates(self, layer: int) -> linalg.GainRates:
         """First-order expected gains of ``layer`` per unit step size (see `linalg.growth_gain_rates`)."""
         problem = self.layers[layer]
-        unit = self.head_lams(1.0, layer) / self.layer_scales[layer]  # per unit step size, before any search
+        unit = self.layer_lam_units[layer] * self.head_factors[layer]  # each head's, before any search per layer
         if self.mode == "append":
             return self._append_gain_rates(layer, unit)
         with torch.no_grad():
@@ -252,42 +255,38 @@ class GrowthProblem:
         return weights
 
 
-def _lam_units(layers: list[LayerProblem], truncation: str, step_mode: str) -> tuple[float, list[float]]:
-    """lam per unit step size, of the model and of each layer (see `hf_grow.config.STEP_MODES`)."""
+def _head_norms_sq(problem: LayerProblem, norm: str) -> tuple[Tensor, Tensor]:
+    """||Z_h||^2 and ||P_h||^2 of each head, shape (heads,): in the metric of C (``"whitened"``) or plain
+    Frobenius."""
     with torch.no_grad():
-        whitened = [
-            (float(linalg.whitened_norm_sq(p.bilinear, p.metric).sum()),
-             float(linalg.whitened_norm_sq(p.direction, p.metric).sum()))
-            for p in layers
-        ]
-        if step_mode == "global":
-            unit = _lam_unit(sum(scores for scores, _ in whitened), sum(step for _, step in whitened))
-            return unit, [unit] * len(layers)
-        norms = whitened
-        if truncation != "whitened":
-            norms = [(float(p.bilinear.square().sum()), float(p.direction.square().sum())) for p in layers]
-    units = [_lam_unit(scores, step) for scores, step in norms]
-    return math.sqrt(sum(unit**2 for unit in units) / len(layers)), units
+        pair = (problem.bilinear, problem.direction)
+        if norm == "whitened":
+            return tuple(linalg.whitened_norm_sq(matrix, problem.metric) for matrix in pair)
+        return tuple(matrix.square().sum(dim=(-2, -1)) for matrix in pair)
 
 
-def _head_factors(problem: LayerProblem, truncation: str, layer_unit: float, step_mode: str) -> Tensor:
+def _lam_units(norms: list[tuple[Tensor, Tensor]], step_mode: str) -> tuple[float, list[float]]:
+    """lam per unit step size, of the model and of each layer (see `hf_grow.config.STEP_MODES`), from each
+    layer's per-head norms (`_head_norms_sq`: whitened for "global", else in the truncation's norm)."""
+    sums = [(float(scores.sum()), float(step.sum())) for scores, step in norms]
+    if step_mode == "global":
+        unit = _lam_unit(sum(scores for scores, _ in sums), sum(step for _, step in sums))
+        return unit, [unit] * len(norms)
+    units = [_lam_unit(scores, step) for scores, step in sums]
+    return math.sqrt(sum(unit**2 for unit in units) / len(norms)), units
+
+
+def _head_factors(scores: Tensor, step: Tensor, groups: int, layer_unit: float, step_mode: str) -> Tensor:
     """Each head's step relative to its layer's, shape (heads,): with ``step_mode="per_head"`` the notes' ratio
-    ||Z_h|| / ||P_h|| of the head (in the truncation's norm) over the layer's, else ones. Under grouped-query
-    attention the heads that share a key share one factor, from their group's norms, so that the group's joint
-    truncation stays a truncation of the group's step."""
-    heads = problem.query.shape[0]
-    ones = torch.ones(heads, dtype=problem.direction.dtype, device=problem.direction.device)
+    ||Z_h|| / ||P_h|| of the head over the layer's, else ones. Under grouped-query attention the heads that
+    share a key share one factor, from their group's norms, so that the group's joint truncation stays a
+    truncation of the group's step."""
+    ones = torch.ones_like(scores)
     if step_mode != "per_head" or layer_unit == 0:
         return ones
-    with torch.no_grad():
-        if truncation == "whitened":
-            scores, step = (linalg.whitened_norm_sq(matrix, problem.metric) for matrix in (problem.bilinear, problem.direction))
-        else:
-            scores, step = (matrix.square().sum(dim=(-2, -1)) for matrix in (problem.bilinear, problem.direction))
-        per_group = heads // problem.groups
-        scores, step = (value.reshape(problem.groups, per_group).sum(dim=1) for value in (scores, step))
-        units = [_lam_unit(float(a), float(b)) for a, b in zip(scores, step)]
-    return ones.new_tensor(units).repeat_interleave(per_group) / layer_unit
+    per_group = len(scores) // groups
+    grouped = zip(*(value.reshape(groups, per_group).sum(dim=1).tolist() for value in (scores, step)))
+    return ones.new_tensor([_lam_unit(a, b) for a, b in grouped]).repeat_interleave(per_group) / layer_unit
 
 
 def _lam_unit(scores_sq: float, step_sq: float) -> float:
