@@ -140,6 +140,26 @@ def seeded_batches(
     return train_batch, growth_batches, evaluation
 
 
+def answer_accuracy(
+    evaluation: list[dict], answers: Callable[[GrownGPT2LMHeadModel, dict], tuple[torch.Tensor, torch.Tensor]]
+) -> Callable[[GrownGPT2LMHeadModel], dict[str, float]]:
+    """A task's accuracy: the share of the evaluation batches' answers the model gets right, ``answers(model,
+    batch)`` giving the predicted and the true answers of a batch already on the model's device."""
+
+    def accuracy(model: GrownGPT2LMHeadModel) -> dict[str, float]:
+        device = next(model.parameters()).device
+        correct = total = 0
+        model.eval()
+        with torch.no_grad():
+            for batch in evaluation:
+                predicted, target = answers(model, {key: value.to(device) for key, value in batch.items()})
+                correct += int((predicted == target).sum())
+                total += target.numel()
+        return {"accuracy": correct / total}
+
+    return accuracy
+
+
 def retrieval_task(keys: int, values: int, pairs: int, n_embd: int, n_head: int, batch_size: int, eval_batches: int) -> Task:
     """Key -> value retrieval in one attention layer (see the module docstring), given as ``inputs_embeds``.
 
@@ -174,16 +194,10 @@ def retrieval_task(keys: int, values: int, pairs: int, n_embd: int, n_head: int,
 
     train_batch, growth_batches, evaluation = seeded_batches(sample, batch_size, eval_batches)
 
-    def accuracy(model: GrownGPT2LMHeadModel) -> dict[str, float]:
-        device = next(model.parameters()).device
-        correct = total = 0
-        model.eval()
-        with torch.no_grad():
-            for batch in evaluation:
-                predicted = model(inputs_embeds=batch["inputs_embeds"].to(device)).logits[:, -2].argmax(-1)
-                correct += int((predicted.cpu() == batch["labels"][:, -1]).sum())
-                total += len(predicted)
-        return {"accuracy": correct / total}
+    def answers(model: GrownGPT2LMHeadModel, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return model(inputs_embeds=batch["inputs_embeds"]).logits[:, -2].argmax(-1), batch["labels"][:, -1]
+
+    accuracy = answer_accuracy(evaluation, answers)
 
     return Task(config, train_batch, growth_batches, evaluation, accuracy)
 
@@ -233,18 +247,10 @@ def plateau_task(
         return torch.nn.functional.cross_entropy(scores.flatten(0, 1).float(), batch["labels"][:, pairs:].flatten())
 
     train_batch, growth_batches, evaluation = seeded_batches(sample, batch_size, eval_batches)
+    def answers(model: GrownGPT2LMHeadModel, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return logits(model, batch).argmax(-1), batch["labels"][:, pairs:]
 
-    def accuracy(model: GrownGPT2LMHeadModel) -> dict[str, float]:
-        device = next(model.parameters()).device
-        correct = total = 0
-        model.eval()
-        with torch.no_grad():
-            for batch in evaluation:
-                batch = {key: value.to(device) for key, value in batch.items()}
-                predicted = logits(model, batch).argmax(-1)
-                correct += int((predicted == batch["labels"][:, pairs:]).sum())
-                total += predicted.numel()
-        return {"accuracy": correct / total}
+    accuracy = answer_accuracy(evaluation, answers)
 
     return Task(config, train_batch, growth_batches, evaluation, accuracy, loss_fn)
 
