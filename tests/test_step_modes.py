@@ -58,24 +58,27 @@ def test_each_layer_takes_its_own_lam(trained_gpt2, statistics):
 def test_per_head_steps_follow_each_heads_own_norms(trained_gpt2, statistics):
     """The notes' ratio per head: each head's weights at step t are the global solve's at that head's own lam."""
     for truncation in ("whitened", "frobenius"):
-        per_head, global_ = problem(trained_gpt2, statistics, truncation, "per_head"), problem(trained_gpt2, statistics, truncation)
+        per_head, per_layer, global_ = (
+            problem(trained_gpt2, statistics, truncation, mode) for mode in ("per_head", "per_layer", "global")
+        )
         weights = per_head.weights(0.05)
         for layer, part in enumerate(per_head.layers):
+            pair = (part.bilinear, part.direction)
             if truncation == "whitened":
-                scores, step = (linalg.whitened_norm_sq(matrix, part.metric) for matrix in (part.bilinear, part.direction))
+                scores, step = (linalg.whitened_norm_sq(matrix, part.metric) for matrix in pair)
             else:
-                scores, step = (matrix.square().sum(dim=(-2, -1)) for matrix in (part.bilinear, part.direction))
+                scores, step = (matrix.square().sum(dim=(-2, -1)) for matrix in pair)
             lams = per_head.head_lams(0.05, layer)
             torch.testing.assert_close(lams, 0.05 * (scores / step).sqrt(), rtol=1e-12, atol=0)
-            assert per_head.lam(0.05, layer) == pytest.approx(problem(trained_gpt2, statistics, truncation, "per_layer").lam(0.05, layer))
+            assert per_head.lam(0.05, layer) == pytest.approx(per_layer.lam(0.05, layer))
             assert float(lams.max() / lams.min()) > 1.05  # the heads' ratios differ
+            query, key = weights[layer]
             for head, lam in enumerate(lams.tolist()):
-                query, key = global_.weights(lam / global_.lam_unit)[layer]
-                torch.testing.assert_close(weights[layer][0][head] @ weights[layer][1][head].mT, query[head] @ key[head].mT)
+                global_query, global_key = global_.layer_weights(layer, lam / global_.lam_unit)
+                torch.testing.assert_close(query[head] @ key[head].mT, global_query[head] @ global_key[head].mT)
         # the expected gains rank each head at its own step: the rates per unit step follow the head's factor
-        rates, plain = per_head.gain_rates(0), problem(trained_gpt2, statistics, truncation, "per_layer").gain_rates(0)
         factors = (per_head.head_lams(1.0, 0) / per_head.lam(1.0, 0))[:, None]
-        torch.testing.assert_close(rates.marginal, plain.marginal * factors)
+        torch.testing.assert_close(per_head.gain_rates(0).marginal, per_layer.gain_rates(0).marginal * factors)
 
 
 def test_the_report_gives_each_heads_step(trained_gpt2, statistics):
@@ -84,7 +87,8 @@ def test_the_report_gives_each_heads_step(trained_gpt2, statistics):
     solved = problem(trained_gpt2, statistics, step_mode="per_head")
     for layer in grown.growth_report.layers:
         assert layer.lam == pytest.approx(solved.lam(0.05, layer.layer), rel=1e-12)
-        assert [head.lam for head in layer.heads] == pytest.approx(solved.head_lams(0.05, layer.layer).tolist(), rel=1e-12)
+        expected = solved.head_lams(0.05, layer.layer).tolist()
+        assert [head.lam for head in layer.heads] == pytest.approx(expected, rel=1e-12)
 
 
 def test_per_head_append_rescales_each_heads_update(trained_gpt2, statistics):
