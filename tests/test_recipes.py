@@ -8,7 +8,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes", "benchmarks"))
 import bench_bottleneck  # noqa: E402
-from bench_bottleneck import plateau_task, retrieval_task, steps_to_escape  # noqa: E402
+from bench_bottleneck import steps_to_escape  # noqa: E402
+from bottleneck_tasks import plateau_task, retrieval_task  # noqa: E402
 from progressive_gpt2 import CurvePoint, Run, Variant, train_variant  # noqa: E402
 
 
