@@ -66,10 +66,11 @@ class GrowthConfig:
     - ``search``: ``"exact"`` searches the rank-constrained update; ``"fast"`` first brackets the step with the
       full-rank update Z - lam P (no SVD per step, also reported as an upper reference), then refines the
       rank-constrained step from there.
-    - ``solver``: how truncations are computed at every line-search step: ``"subspace"`` (top singular
-      directions by subspace iteration, warm-started from the previous step), ``"eigh"`` (eigendecomposition of
-      A A^T), ``"svd"`` (full SVD, several times slower), ``"auto"`` (subspace where the grown width plus 16 is
-      at most a sixth of the hidden size, eigh otherwise); see `hf_grow.linalg.decompose`.
+    - ``solver``: how each head's direction is decomposed, once, for the compact solve (`hf_grow.compact`):
+      ``"subspace"`` (top singular directions by subspace iteration), ``"eigh"`` (eigendecomposition of A A^T),
+      ``"svd"`` (full SVD, several times slower), ``"auto"`` (subspace where the kept rank plus 16 is at most a
+      sixth of the hidden size, eigh otherwise); see `hf_grow.linalg.decompose`. The line search's small cores
+      use eigh (svd with ``"svd"``).
     - ``statistics_method``, ``compute_dtype``, ``query_block``, ``memory_budget``, ``max_batches``: how the
       statistics are collected; see `hf_grow.collect_statistics`.
     """
@@ -112,8 +113,8 @@ class GrowthConfig:
     )
     solver: Literal["auto", "eigh", "svd", "subspace"] = field(
         default="auto",
-        metadata={"help": "decomposition at each line-search step (auto: subspace iteration for wide models, eigh "
-                  "otherwise)"},
+        metadata={"help": "how each head's direction is decomposed, once (auto: subspace iteration for wide models, "
+                  "eigh otherwise)"},
     )
     initial_step_size: float = field(default=0.03, metadata={"help": "where the log-grid line search starts"})
     rtol: float = field(

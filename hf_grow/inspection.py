@@ -204,7 +204,7 @@ def inspect_growth(
         check_statistics(statistics, model, adapter)
     problem = GrowthProblem(
         model, adapter, statistics, qk_dims, "whitened", config.rtol, "eigh", step_mode=config.step_mode,
-        mode=adapter.growth_modes[0],
+        mode=adapter.growth_modes[0], with_rates=True,
     )
     layers = []
     for layer, qk_dim in enumerate(qk_dims):

@@ -35,6 +35,9 @@ class HeadReport:
     marginal_gains: list[float]
     #: This head's absolute step (its layer's but with ``step_mode="per_head"``; None in older reports).
     lam: float | None = None
+    #: The compact solve's certificate at this step: how far (at most) its target's singular values lie from the
+    #: exact target's, relative to the smallest one kept (0: exact; `hf_grow.compact`). None in older reports.
+    compact_perturbation: float | None = None
 
 
 @dataclass

@@ -185,3 +185,62 @@ def test_bfloat16_model_grows(trained_gpt2, stdlib_bytes):
     report = grown.growth_report
     assert grown.dtype == torch.bfloat16 and grown.config.qk_head_dims == [24, 24]
     assert report.step_size > 0 and report.eval_loss_after < report.eval_loss_before - 1e-3
+
+
+def live_layer_tensors(entries: int) -> int:
+    """Live tensors with at least ``entries`` entries (one layer's M: heads x d x d), found by the garbage
+    collector."""
+    import gc
+
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.numel() >= entries)
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor(stdlib_bytes, monkeypatch, layers):
+    """One layer per pass: while a layer is solved, the live (heads, d, d) tensors are that layer's M and the
+    solve's own, as many with 4 layers as with 2; after it, the statistics hold no M and the problem no tensor of
+    that size (d = 129, 8 heads of 16 dims grown to 24: compact subspaces of 16 + 88 < 129 columns)."""
+    from hf_grow.growth import GrowthProblem, layer_solve
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=layers, n_embd=128, n_head=8)).eval()
+    adapter, size = get_adapter(model), 129
+    batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=4, seed=46)
+    layer_size = 8 * size * size
+    baseline = live_layer_tensors(layer_size)  # the model's own weights and the data
+    counts = []
+    direction = layer_solve.linalg.solve_direction
+
+    def counting_direction(*args, **kwargs):  # inside the solve of a chunk of heads: M of the layer is live
+        result = direction(*args, **kwargs)
+        counts.append(live_layer_tensors(layer_size) - baseline)
+        return result
+
+    monkeypatch.setattr(layer_solve.linalg, "solve_direction", counting_direction)
+    problems = []
+
+    def solve_group(statistics, group):
+        if not problems:
+            problems.append(GrowthProblem(model, adapter, statistics, [24] * layers, "whitened", 1e-6, "eigh",
+                                          layers=group, release=True))
+        else:
+            problems[0].solve_layers(group)
+        assert all(statistics.gradients[layer] is None for layer in group)
+
+    statistics = collect_statistics(model, batches, adapter, memory_budget=statistics_bytes(layers, 8, 128, 2),
+                                    on_group=solve_group)
+    assert len(counts) == layers and all(gradient is None for gradient in statistics.gradients)
+    assert max(counts) <= 4  # the layer's M, its float64 mean (and the view of it that is solved) and its P
+    test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor.peaks[layers] = max(counts)
+    if len(test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor.peaks) == 2:
+        assert len(set(test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor.peaks.values())) == 1
+    problem = problems[0]
+    assert problem.weights(0.1)[layers - 1][0].shape[-1] == 24
+    for part in problem.layers:
+        kept = [getattr(part.targets["whitened"], name) for name in ("left_basis", "right_basis", "base_core",
+                                                                       "step_core", "gradient_core")]
+        assert part.targets["whitened"].width == 16 + 88
+        assert all(tensor.numel() < layer_size for tensor in kept)
+
+
+test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor.peaks = {}

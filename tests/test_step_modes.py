@@ -19,7 +19,14 @@ def statistics(trained_gpt2, stdlib_bytes):
 
 
 def problem(model, statistics, truncation="whitened", step_mode="global") -> GrowthProblem:
-    return GrowthProblem(model, get_adapter(model), statistics, [24, 24], truncation, 1e-6, "eigh", step_mode=step_mode)
+    return GrowthProblem(model, get_adapter(model), statistics, [24, 24], truncation, 1e-6, "eigh", step_mode=step_mode,
+                         with_rates=True)
+
+
+def direction(statistics, part, layer: int) -> torch.Tensor:
+    """P = C^+ M C^+ of a solved layer, from the statistics (the solve keeps only its compact form)."""
+    inputs = part.query.shape[-2]
+    return linalg.solve_direction(statistics.mean_gradient(layer)[:, :inputs, :inputs], part.metric)
 
 
 def test_per_layer_steps_follow_each_layers_own_norms(trained_gpt2, statistics):
@@ -28,10 +35,10 @@ def test_per_layer_steps_follow_each_layers_own_norms(trained_gpt2, statistics):
         for layer, part in enumerate(solved.layers):
             if truncation == "whitened":
                 scores, step = (
-                    float(linalg.whitened_norm_sq(matrix, part.metric).sum()) for matrix in (part.bilinear, part.direction)
+                    float(linalg.whitened_norm_sq(matrix, part.metric).sum()) for matrix in (part.bilinear, direction(statistics, part, layer))
                 )
             else:
-                scores, step = float(part.bilinear.square().sum()), float(part.direction.square().sum())
+                scores, step = float(part.bilinear.square().sum()), float(direction(statistics, part, layer).square().sum())
             assert solved.lam(0.3, layer) == pytest.approx(0.3 * math.sqrt(scores / step), rel=1e-12)
         # the layers' ratios differ, so one lam would under-step some of them
         assert solved.layer_lam_units[0] != pytest.approx(solved.layer_lam_units[1], rel=1e-3)
@@ -40,7 +47,10 @@ def test_per_layer_steps_follow_each_layers_own_norms(trained_gpt2, statistics):
 def test_global_steps_share_one_lam_from_all_heads(trained_gpt2, statistics):
     solved = problem(trained_gpt2, statistics)
     scores = sum(float(linalg.whitened_norm_sq(p.bilinear, p.metric).sum()) for p in solved.layers)
-    step = sum(float(linalg.whitened_norm_sq(p.direction, p.metric).sum()) for p in solved.layers)
+    step = sum(
+        float(linalg.whitened_norm_sq(direction(statistics, p, layer), p.metric).sum())
+        for layer, p in enumerate(solved.layers)
+    )
     assert solved.layer_lam_units == [solved.lam_unit] * 2
     assert solved.lam_unit == pytest.approx(math.sqrt(scores / step), rel=1e-12)
 
@@ -63,7 +73,7 @@ def test_per_head_steps_follow_each_heads_own_norms(trained_gpt2, statistics):
         )
         weights = per_head.weights(0.05)
         for layer, part in enumerate(per_head.layers):
-            pair = (part.bilinear, part.direction)
+            pair = (part.bilinear, direction(statistics, part, layer))
             if truncation == "whitened":
                 scores, step = (linalg.whitened_norm_sq(matrix, part.metric) for matrix in pair)
             else:

@@ -1,4 +1,8 @@
-"""What each head of a solved problem is expected to gain at a step size, for the growth report."""
+"""What each head of a solved problem is expected to gain at a step size, for the growth report.
+
+Everything comes from the solve's small tensors (`hf_grow.compact`, `layer_solve.AppendUpdate`): the core of the
+chosen step is decomposed once more, at most, and no (heads, d, d) tensor is formed.
+"""
 
 from __future__ import annotations
 
@@ -11,40 +15,36 @@ from .problem import GrowthProblem
 
 def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[HeadReport]:
     """Per head of ``layer`` at ``step_size``: the expected gain with and without growth, the first-order
-    gain, and the expected gain of each added dimension (from the whitened spectrum, whatever the truncation)."""
+    gain, the expected gain of each added dimension (from the whitened spectrum, whatever the truncation), and
+    the compact solve's certificate at that step."""
     problem = solved.layers[layer]
     lam = solved.head_lams(step_size, layer)  # each head's own step, shape (heads,)
-    qk_before = problem.query.shape[-1]
+    qk_before, qk_after = problem.query.shape[-1], problem.qk_dim_after
+    added = qk_after - qk_before
     with torch.no_grad():
         if solved.mode == "append":
             # The old form stays: the step is the rank-p update alone, and without growth there is none.
-            delta = torch.zeros_like(problem.direction)
-            if problem.qk_dim_after > qk_before:
-                delta = linalg.rescaled_to_step(solved.unit_update(layer), lam).product
-            delta_kept = torch.zeros_like(delta)
-            _, direction = solved.whitened_pair(layer, "whitened")
-            added = problem.qk_dim_after - qk_before
-            if problem.groups < problem.query.shape[0]:  # each head's share of its group's singular values
-                shares = linalg.grouped_truncation(-direction, None, max(added, 1), problem.groups).singular_values
-                spectrum = lam[:, None] * shares
-            else:
-                spectrum = solved.decompose(
-                    ("unit", layer, "whitened"), -lam[:, None, None] * direction, problem.metric, max(added, 1)
-                ).singular_values
-            marginal = linalg.rank_gains(spectrum, lam)[:, :added]
+            update = problem.update
+            zeros = torch.zeros_like(lam)
+            inner = lam * update.gradient_trace[:, added - 1] if added else zeros
+            metric_sq = lam.square() * update.metric_sq[:, added - 1] if added else zeros
+            expected, expected_kept, first_order = _decrease(inner, metric_sq, lam), zeros, -inner
+            marginal = linalg.rank_gains(lam[:, None] * update.spectrum, lam)[:, :added]
+            perturbation = zeros
         else:
+            target = problem.targets[solved.truncation]
             decomposition = solved.decomposition(layer, step_size, solved.truncation)
-            grown, kept = decomposition.truncate(problem.qk_dim_after), decomposition.truncate(qk_before)
-            bilinear = problem.bilinear
-            delta, delta_kept = grown.product - bilinear, kept.product - bilinear
+            base = target.base_core
+            delta = decomposition.truncate(qk_after).product - base
+            delta_kept = decomposition.truncate(qk_before).product - base
+            inner, inner_kept = target.gradient_inner(delta), target.gradient_inner(delta_kept)
+            expected = _decrease(inner, target.metric_norm_sq(delta), lam)
+            expected_kept = _decrease(inner_kept, target.metric_norm_sq(delta_kept), lam)
+            first_order = -inner
+            perturbation = target.relative_perturbation(lam, decomposition.singular_values, qk_after)
             if solved.truncation != "whitened":
                 decomposition = solved.decomposition(layer, step_size, "whitened")
-            spectrum = decomposition.singular_values
-            marginal = linalg.rank_gains(spectrum, lam)[:, qk_before : problem.qk_dim_after]
-        gradient = solved.gradient(layer)
-        expected = linalg.predicted_decrease(gradient, delta, problem.metric, lam)
-        expected_kept = linalg.predicted_decrease(gradient, delta_kept, problem.metric, lam)
-        first_order = -(gradient * delta).sum(dim=(-2, -1))
+            marginal = linalg.rank_gains(decomposition.singular_values, lam)[:, qk_before:qk_after]
     return [
         HeadReport(
             layer=layer,
@@ -54,6 +54,13 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
             first_order_gain=float(first_order[head]),
             marginal_gains=[float(g) for g in marginal[head]],
             lam=float(lam[head]),
+            compact_perturbation=float(perturbation[head]),
         )
         for head in range(len(expected))
     ]
+
+
+def _decrease(inner: torch.Tensor, metric_sq: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """`linalg.predicted_decrease` from its two terms: ``-(<M, Delta> + ||Delta||_C^2 / (2 lam))``, 0 at lam 0."""
+    decrease = -(inner + metric_sq / (2 * lam.clamp_min(torch.finfo(lam.dtype).tiny)))
+    return torch.where(lam == 0, torch.zeros_like(decrease), decrease)

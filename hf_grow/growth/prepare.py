@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -118,6 +118,7 @@ def collect_configured_statistics(
     *,
     progress: bool,
     accelerator: Accelerator | None = None,
+    on_group: Callable[[GrowthStatistics, list[int]], None] | None = None,
 ) -> GrowthStatistics:
     """`collect_statistics` with the statistics options of ``config`` (``max_batches``, ``compute_dtype``,
     ``statistics_method``, ``query_block``, ``memory_budget``): one place for `prepare_growth` and
@@ -134,6 +135,7 @@ def collect_configured_statistics(
         query_block=config.query_block,
         memory_budget=config.memory_budget,
         accelerator=accelerator,
+        on_group=on_group,
     )
 
 
@@ -177,10 +179,10 @@ def prepare_growth(
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     mode = adapter.check_mode(model, mode)
-    if config.search == "fast" and "refactor" not in adapter.growth_modes:
+    if config.search == "fast" and mode != "refactor":
         raise ValueError(
             f"search='fast' brackets the step with the full-rank refactored form, which {type(model).__name__} "
-            "cannot take (rotary dims): use search='exact' (the default)."
+            f"cannot take in {mode!r} growth: use search='exact' (the default)."
         )
     growth: list[int] | None = None
     if config.budget is not None:
@@ -222,25 +224,49 @@ def prepare_growth(
         device = next(model.parameters()).device
         if processes.sum_(torch.tensor(eval_terms, dtype=torch.float64, device=device)).item() == 0:
             raise ValueError(_NO_LOSS_TERMS.format(data="the held-out data"))
-    if statistics is None:
-        statistics = collect_configured_statistics(
-            model, statistics_batches, adapter, loss_fn, config, progress=progress, accelerator=accelerator
+    # With a budget, each layer is solved for the widest it may get (the budget is allocated from the rates).
+    widest = qk_after if growth is not None else [min(max_rank, dim + config.budget) for dim in qk_before]
+
+    def solve(statistics: GrowthStatistics, layers: Iterable[int], release: bool) -> GrowthProblem:
+        return GrowthProblem(
+            model, adapter, statistics, qk_before if growth is None else qk_after, config.truncation, config.rtol,
+            config.solver, mode, config.step_mode, max_dims_after=widest, with_rates=growth is None,
+            layers=layers, release=release,
         )
-    seconds["statistics"] = time.perf_counter() - tick
+
+    problem: GrowthProblem | None = None
+    seconds["solve"] = 0.0
+    if statistics is None:
+
+        def solve_group(collected: GrowthStatistics, layers: list[int]) -> None:
+            # Each group's M is solved as soon as it is complete and then freed (`collect_statistics`).
+            nonlocal problem
+            started = time.perf_counter()
+            with stage("solve", enabled=progress):
+                if problem is None:
+                    problem = solve(collected, layers, release=True)
+                else:
+                    problem.solve_layers(layers)
+            seconds["solve"] += time.perf_counter() - started
+
+        statistics = collect_configured_statistics(
+            model, statistics_batches, adapter, loss_fn, config, progress=progress, accelerator=accelerator,
+            on_group=solve_group,
+        )
+    seconds["statistics"] = time.perf_counter() - tick - seconds["solve"]
 
     tick = time.perf_counter()
-    with stage("solve", enabled=progress):
-        problem = GrowthProblem(
-            model, adapter, statistics, qk_before if growth is None else qk_after, config.truncation, config.rtol,
-            config.solver, mode, config.step_mode,
-        )
+    with stage("solve", enabled=progress and problem is None):
+        if problem is None:
+            problem = solve(statistics, range(len(qk_before)), release=False)
+    with stage("budget", enabled=progress and growth is None):
         if growth is None:
             gains = [problem.gain_rates(layer).marginal.sum(dim=0) for layer in range(len(qk_before))]
             growth = allocate_budget(gains, config.budget, config.multiple_of)
             qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
             problem.widen(qk_after, adapter, model.config)
             warn_unaligned(qk_after, growth)
-    seconds["solve"] = time.perf_counter() - tick
+    seconds["solve"] += time.perf_counter() - tick
     return PreparedGrowth(
         model, adapter, config, loss_fn, qk_before, qk_after, max_rank, statistics, eval_batches, problem,
         model.num_parameters(), seconds, accelerator,

@@ -1,13 +1,14 @@
 """The solve problem: statistics and Q/K weights in, the weights of the grown widths at any step size out.
 
 Per layer, Z = scaling * W'_Q W'_K^T, the direction P = C^+ M C^+ and the metric of C (see `hf_grow.linalg`),
-all in float64; per step, the rank-(d_k + p) truncation of Z - lam P factored into wider W_Q, W_K.
+all in float64, solved once into the compact form of `hf_grow.compact`; per step, the rank-(d_k + p)
+truncation of Z - lam P (on small matrices) factored into wider W_Q, W_K.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -17,6 +18,7 @@ from .. import linalg
 from ..adapters import ArchitectureAdapter
 from ..config import DEFAULT_STEP_MODE, STEP_MODES
 from ..statistics import GrowthStatistics
+from .layer_solve import LayerProblem, solve_layer
 
 
 #: "refactor": the rank-(d_k + p) truncation of Z - lam P rewrites all Q/K weights. "append": the old Q/K
@@ -25,37 +27,12 @@ MODES = ("refactor", "append")
 QKWeights = dict[int, tuple[Tensor, Tensor]]
 
 
-@dataclass
-class LayerProblem:
-    """Everything the step of one layer needs, in float64.
-
-    Z is formed from the weights when needed and M is read from the statistics (`head_reports`): held for
-    every layer, each would be another (heads, d, d) float64 tensor, 3.2 GB for GPT-2 medium's 24 layers.
-    """
-
-    query: Tensor
-    key: Tensor
-    scaling_before: float
-    scaling_after: float
-    qk_dim_after: int
-    direction: Tensor
-    metric: linalg.Metric
-
-    @property
-    def groups(self) -> int:
-        """Key heads: fewer than query heads under grouped-query attention (each shared by a group)."""
-        return self.key.shape[0]
-
-    @property
-    def bilinear(self) -> Tensor:
-        """Z = scaling * W'_Q W'_K^T of the old weights, each query head with its group's key head. (With rotary
-        position embeddings this is the form at relative position 0, a measure of the scores' size.)"""
-        key = self.key.repeat_interleave(self.query.shape[0] // self.groups, dim=0)
-        return linalg.bilinear_form(self.query, key, self.scaling_before)
-
-
 class GrowthProblem:
-    """The solved statistics of a model: Q/K weights for any step size, and what they are expected to gain."""
+    """The solved statistics of a model: Q/K weights for any step size, and what they are expected to gain.
+
+    Each layer is solved once at construction (`solve_layer`): after that no step touches a (heads, d, d)
+    tensor, and the statistics' M may be freed layer by layer (``release``).
+    """
 
     def __init__(
         self,
@@ -68,6 +45,11 @@ class GrowthProblem:
         solver: str,
         mode: str = "refactor",
         step_mode: str = DEFAULT_STEP_MODE,
+        *,
+        max_dims_after: list[int] | None = None,
+        with_rates: bool = False,
+        layers: Iterable[int] | None = None,
+        release: bool = False,
     ):
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
@@ -76,51 +58,66 @@ class GrowthProblem:
         self.truncation = truncation
         self.solver = solver
         self.mode = mode
-        self._unit_updates: dict[int, linalg.Factorization] = {}
-        self._whitened_pairs: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
-        self._starts: dict[tuple, Tensor] = {}
         #: The decomposition methods the solver ran (``"auto"`` resolves per size).
         self.methods_used: set[str] = set()
-        self.layers: list[LayerProblem] = []
-        config = model.config
-        with torch.no_grad():
-            for layer, attention in enumerate(adapter.attention_modules(model)):
-                query, key = adapter.read_qk(attention)
-                qk_before = query.shape[-1]
-                scaling_before = adapter.scaling(config, layer, qk_before)
-                device = statistics.gradients[layer].device
-                query, key = query.to(device), key.to(device)
-                inputs = query.shape[-2]
-                second_moment = statistics.mean_second_moment(layer)[:inputs, :inputs]
-                metric = linalg.metric_from_second_moment(second_moment, rtol=rtol)
-                self.layers.append(
-                    LayerProblem(
-                        query=query,
-                        key=key,
-                        scaling_before=scaling_before,
-                        scaling_after=adapter.scaling(config, layer, qk_dims_after[layer]),
-                        qk_dim_after=qk_dims_after[layer],
-                        direction=linalg.solve_direction(self.gradient(layer, inputs), metric),
-                        metric=metric,
-                    )
-                )
-        #: The model-wide lam per unit step size (with steps per layer, the root mean square of the layers'),
-        #: each layer's own, and each head's relative to its layer's (ones but with ``step_mode="per_head"``).
-        norms = [_head_norms_sq(part, "whitened" if step_mode == "global" else truncation) for part in self.layers]
-        self.lam_unit, self.layer_lam_units = _lam_units(norms, step_mode)
-        self.head_factors = [
-            _head_factors(scores, step, part.groups, unit, step_mode)
-            for (scores, step), part, unit in zip(norms, self.layers, self.layer_lam_units)
-        ]
+        self._model, self._adapter, self._rtol, self._with_rates, self._release = model, adapter, rtol, with_rates, release
+        self._max_dims = list(max_dims_after or qk_dims_after)
+        self._qk_dims_after = list(qk_dims_after)
+        self._attentions = adapter.attention_modules(model)
+        self.layers: list[LayerProblem | None] = [None] * len(self._attentions)
         #: Each layer's step relative to the others: lam_l = step_size * layer_lam_units[l] * layer_scales[l].
         #: 1 everywhere unless a search per layer (step modes "layer_search", "coordinate") set them.
         self.layer_scales: list[float] = [1.0] * len(self.layers)
+        self.solve_layers(range(len(self.layers)) if layers is None else layers)
 
-    def gradient(self, layer: int, inputs: int | None = None) -> Tensor:
-        """M of ``layer`` over the inputs its Q/K weights read: X' = [X | 1], or X alone where Q/K have no bias
-        (the statistics always hold the ones column)."""
-        inputs = self.layers[layer].query.shape[-2] if inputs is None else inputs
-        return self.statistics.mean_gradient(layer)[:, :inputs, :inputs]
+    def solve_layers(self, layers: Iterable[int]) -> None:
+        """Solve ``layers`` from the statistics (their M must be there), freeing each M after (``release``); the
+        steps are set once every layer is solved."""
+        truncations = (self.truncation,) if self.truncation == "whitened" else (self.truncation, "whitened")
+        config = self._model.config
+        with torch.no_grad():
+            for layer in layers:
+                query, key = self._adapter.read_qk(self._attentions[layer])
+                gradients = self.statistics.gradients[layer]
+                query, key = query.to(gradients.device), key.to(gradients.device)
+                inputs = query.shape[-2]
+                second_moment = self.statistics.mean_second_moment(layer)[:inputs, :inputs]
+                part = LayerProblem(
+                    query=query.to(torch.float64),
+                    key=key.to(torch.float64),
+                    scaling_before=self._adapter.scaling(config, layer, query.shape[-1]),
+                    scaling_after=self._adapter.scaling(config, layer, self._qk_dims_after[layer]),
+                    qk_dim_after=self._qk_dims_after[layer],
+                    metric=linalg.metric_from_second_moment(second_moment, rtol=self._rtol),
+                    norms={},
+                )
+                self.methods_used |= solve_layer(
+                    part,
+                    lambda heads, layer=layer, inputs=inputs: self.statistics.mean_gradient(layer, heads)[
+                        :, :inputs, :inputs
+                    ],
+                    self.mode,
+                    truncations,
+                    self._max_dims[layer],
+                    self.solver,
+                    self._with_rates,
+                )
+                self.layers[layer] = part
+                if self._release:
+                    self.statistics.gradients[layer] = None
+        if all(part is not None for part in self.layers):
+            self._set_steps()
+
+    def _set_steps(self) -> None:
+        #: The model-wide lam per unit step size (with steps per layer, the root mean square of the layers'),
+        #: each layer's own, and each head's relative to its layer's (ones but with ``step_mode="per_head"``).
+        norm = "whitened" if self.step_mode == "global" else self.truncation
+        norms = [part.norms[norm] for part in self.layers]
+        self.lam_unit, self.layer_lam_units = _lam_units(norms, self.step_mode)
+        self.head_factors = [
+            _head_factors(scores, step, part.groups, unit, self.step_mode)
+            for (scores, step), part, unit in zip(norms, self.layers, self.layer_lam_units)
+        ]
 
     def lam(self, step_size: float, layer: int | None = None) -> float:
         """The absolute step of ``layer`` at a relative ``step_size`` (None: the model-wide `lam_unit` scale)."""
@@ -139,79 +136,36 @@ class GrowthProblem:
         return any(self.layer_lam_units)
 
     def widen(self, qk_dims_after: list[int], adapter: ArchitectureAdapter, config) -> None:
-        """Set the grown widths (decided after the statistics, e.g. by a budget)."""
+        """Set the grown widths (decided after the statistics, e.g. by a budget), at most ``max_dims_after``."""
+        too_wide = [layer for layer, dim in enumerate(qk_dims_after) if dim > self._max_dims[layer]]
+        if too_wide:
+            raise ValueError(f"layers {too_wide} were solved for narrower widths {self._max_dims}")
         for layer, problem in enumerate(self.layers):
             problem.qk_dim_after = qk_dims_after[layer]
             problem.scaling_after = adapter.scaling(config, layer, qk_dims_after[layer])
 
     def gain_rates(self, layer: int) -> linalg.GainRates:
-        """First-order expected gains of ``layer`` per unit step size (see `linalg.growth_gain_rates`)."""
-        problem = self.layers[layer]
+        """First-order expected gains of ``layer`` per unit step size (see `linalg.growth_gain_rates`): solved with
+        ``with_rates=True`` only."""
+        rates = self.layers[layer].rates
+        if rates is None:
+            raise RuntimeError("gain rates are computed with the solve: build the problem with with_rates=True")
         unit = self.layer_lam_units[layer] * self.head_factors[layer]  # each head's, before any search per layer
-        if self.mode == "append":
-            return self._append_gain_rates(layer, unit)
-        with torch.no_grad():
-            width = problem.query.shape[-1]
-            rates = linalg.growth_gain_rates(problem.bilinear, problem.direction, problem.metric, width)
         return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit[:, None])
 
-    def _append_gain_rates(self, layer: int, unit: Tensor) -> linalg.GainRates:
-        """In "append" mode the old form stays, so nothing is gained without growth; the r-th added dim of a head gains
-        lam * s_r^2 / 2, s_r its share of the r-th singular value of its group's whitened -P (`rank_gains`)."""
-        problem = self.layers[layer]
-        with torch.no_grad():
-            _, direction = self.whitened_pair(layer, "whitened")
-            capacity = max(1, direction.shape[-1] - problem.query.shape[-1])  # as the widths are capped
-            shares = linalg.grouped_truncation(-direction, None, capacity, problem.groups).singular_values
-        return linalg.GainRates(torch.zeros_like(shares[:, 0]), shares.square() / 2 * unit[:, None])
-
     def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
-        """The decomposition of layer's ``Z - lam P`` (whitened or not) for truncations up to the grown width."""
-        problem = self.layers[layer]
-        base, direction = self.whitened_pair(layer, truncation)
-        metric = problem.metric if truncation == "whitened" else None
-        target = base - self.head_lams(step_size, layer)[:, None, None] * direction
-        return self.decompose(("step", layer, truncation), target, metric, problem.qk_dim_after)
+        """The decomposition of the core of layer's ``Z - lam P`` (whitened or not), in core coordinates: its
+        truncations map to Q/K factors by the target's bases (`compact.CompactTarget.to_model`)."""
+        method = "svd" if self.solver == "svd" else "eigh"
+        return self.layers[layer].targets[truncation].decompose(self.head_lams(step_size, layer), method)
 
     def unit_update(self, layer: int) -> linalg.Factorization:
-        """The "append" update at lam = 1: the truncation of -P to the p added dimensions (computed once); under
-        grouped-query attention, the joint truncation of each group's heads with one key
-        (`linalg.grouped_truncation`)."""
-        if layer not in self._unit_updates:
-            problem = self.layers[layer]
-            metric = problem.metric if self.truncation == "whitened" else None
-            added = problem.qk_dim_after - problem.query.shape[-1]
-            _, direction = self.whitened_pair(layer, self.truncation)
-            if problem.groups < problem.query.shape[0]:  # grouped-query attention: keys shared within a group
-                self._unit_updates[layer] = linalg.grouped_truncation(-direction, metric, added, problem.groups)
-            else:
-                decomposition = self.decompose(("unit", layer, self.truncation), -direction, metric, added)
-                self._unit_updates[layer] = decomposition.truncate(added)
-        return self._unit_updates[layer]
-
-    def whitened_pair(self, layer: int, truncation: str) -> tuple[Tensor, Tensor]:
-        """Z and P where ``truncation`` truncates them (whitened by C^1/2, or as they are), computed once:
-        each line-search step then only forms ``Z - lam P`` there."""
-        key = (layer, truncation)
-        if key not in self._whitened_pairs:
-            problem = self.layers[layer]
-            pair = (problem.bilinear, problem.direction)
-            if truncation == "whitened":
-                pair = tuple(linalg.whiten(matrix, problem.metric) for matrix in pair)
-            self._whitened_pairs[key] = pair
-        return self._whitened_pairs[key]
-
-    def decompose(
-        self, key: tuple, whitened: Tensor, metric: linalg.Metric | None, rank: int
-    ) -> linalg.Decomposition:
-        """Decompose with the solver (``"auto"``: by size), the subspace method warm-started from the last
-        decomposition under the same ``key`` (the previous line-search step)."""
-        method = self.solver if self.solver != "auto" else linalg.choose_method(whitened.shape[-1], rank)
-        self.methods_used.add(method)
-        decomposition = linalg.decompose_whitened(whitened, metric, method, rank=rank, start=self._starts.get(key))
-        if decomposition.basis is not None:
-            self._starts[key] = decomposition.basis
-        return decomposition
+        """The "append" update at lam = 1: the truncation of -P to the layer's added dimensions; under
+        grouped-query attention, the joint truncation of each group's heads with one key."""
+        problem = self.layers[layer]
+        added = problem.qk_dim_after - problem.query.shape[-1]
+        unit = problem.update.unit
+        return linalg.Factorization(unit.left[..., :added], unit.right[..., :added], unit.singular_values)
 
     def weights(self, step_size: float) -> QKWeights:
         """Augmented Q/K weights of the grown width for every layer (see `layer_weights`)."""
@@ -240,34 +194,30 @@ class GrowthProblem:
                     torch.nn.functional.pad(problem.query * fold, (0, padding)),
                     torch.nn.functional.pad(problem.key, (0, padding)),
                 )
-            factors = self.decomposition(layer, step_size, self.truncation).truncate(problem.qk_dim_after)
+            target = problem.targets[self.truncation]
+            factors = target.to_model(self.decomposition(layer, step_size, self.truncation).truncate(problem.qk_dim_after))
             root_scaling = math.sqrt(problem.scaling_after)
             return factors.left / root_scaling, factors.right / root_scaling
 
+    def unconstrained_widths(self) -> list[int]:
+        """The widths of `unconstrained_weights`: each layer's compact subspaces (k = d_k + s)."""
+        return [part.targets[self.truncation].width for part in self.layers]
+
     def unconstrained_weights(self, step_size: float, scalings: list[float]) -> QKWeights:
-        """Full-rank weights computing Z - lam P exactly: queries (Z - lam P) / scaling, keys the identity."""
+        """Weights computing ``Z - lam P`` on the compact subspaces without truncation (rank k = d_k + s, all of
+        Z - lam P where those are everything): queries ``L core(lam) / scaling``, keys ``R``."""
         weights = {}
         with torch.no_grad():
             for layer, problem in enumerate(self.layers):
-                target = problem.bilinear - self.head_lams(step_size, layer)[:, None, None] * problem.direction
-                identity = torch.eye(target.shape[-1], dtype=target.dtype, device=target.device).expand_as(target)
-                weights[layer] = (target / scalings[layer], identity.clone())
+                target = problem.targets[self.truncation]
+                core = target.core(self.head_lams(step_size, layer))
+                weights[layer] = (target.left_basis @ core / scalings[layer], target.right_basis.clone())
         return weights
-
-
-def _head_norms_sq(problem: LayerProblem, norm: str) -> tuple[Tensor, Tensor]:
-    """||Z_h||^2 and ||P_h||^2 of each head, shape (heads,): in the metric of C (``"whitened"``) or plain
-    Frobenius."""
-    with torch.no_grad():
-        pair = (problem.bilinear, problem.direction)
-        if norm == "whitened":
-            return tuple(linalg.whitened_norm_sq(matrix, problem.metric) for matrix in pair)
-        return tuple(matrix.square().sum(dim=(-2, -1)) for matrix in pair)
 
 
 def _lam_units(norms: list[tuple[Tensor, Tensor]], step_mode: str) -> tuple[float, list[float]]:
     """lam per unit step size, of the model and of each layer (see `hf_grow.config.STEP_MODES`), from each
-    layer's per-head norms (`_head_norms_sq`: whitened for "global", else in the truncation's norm)."""
+    layer's per-head norms (`LayerProblem.norms`: whitened for "global", else in the truncation's norm)."""
     sums = [(float(scores.sum()), float(step.sum())) for scores, step in norms]
     if step_mode == "global":
         unit = _lam_unit(sum(scores for scores, _ in sums), sum(step for _, step in sums))

@@ -92,9 +92,8 @@ def search_and_report(
                 # each layer at its own best step alone, then one multiplier t of all of them
                 losses = search_step_size(tracked("rank", evaluate_step), 1.0, factor=2.0) if gains else {0.0: 0.0}
             elif config.search == "fast":
-                max_rank = prepared.max_rank
-                full_rank = [max_rank] * len(qk_after)
-                scalings = [adapter.scaling(model.config, layer, max_rank) for layer in range(len(qk_after))]
+                full_rank = problem.unconstrained_widths()
+                scalings = [adapter.scaling(model.config, layer, width) for layer, width in enumerate(full_rank)]
                 reference = adapter.build_grown_model(target, full_rank, problem.unconstrained_weights(0.0, scalings))
 
                 def evaluate_unconstrained(step: float) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,6 +76,7 @@ def collect_statistics(
     tf32: bool | None = None,
     memory_budget: int | str | None = None,
     accelerator: Accelerator | None = None,
+    on_group: Callable[[GrowthStatistics, list[int]], None] | None = None,
 ) -> GrowthStatistics:
     """Accumulate C and M over ``dataloader`` (at most ``max_batches``), leaving the model as it was.
 
@@ -98,6 +99,10 @@ def collect_statistics(
     DataLoader prepared by it) and gets the sums over all processes. ``model`` may be wrapped by it or by
     DistributedDataParallel. Raises ValueError on empty data, FloatingPointError on non-finite losses or
     statistics (naming the layer and batch).
+
+    ``on_group(statistics, layers)`` is called after each pass, as soon as the M of its ``layers`` is complete
+    (C and the counts are complete after the first): the solve turns them into its compact form there and may
+    set ``statistics.gradients[layer]`` to None, so that no more than one group's M is held at a time.
     """
     model = unwrap_model(model, accelerator)
     processes = Processes(accelerator)
@@ -114,9 +119,8 @@ def collect_statistics(
         )
     if tf32 is None:
         tf32 = parameter.dtype in (torch.bfloat16, torch.float16)
-    offload = len(groups) > 1
-    second_moments: list[Tensor] = []
-    gradients: list[Tensor | None] = [None] * num_layers
+    offload = len(groups) > 1 and on_group is None  # a solve per group frees M where it was collected
+    statistics: GrowthStatistics | None = None
     first_pass: tuple[int, int, int, int, float] | None = None
     methods_used: set[str] = set()
     with statistics_mode(model, tf32):
@@ -125,7 +129,7 @@ def collect_statistics(
                 collector = Collector(
                     model, adapter, compute_dtype, method, query_block, group, index == 0, eager_model
                 )
-                description = f"statistics {index + 1}/{len(groups)}" if offload else "statistics"
+                description = f"statistics {index + 1}/{len(groups)}" if len(groups) > 1 else "statistics"
                 show = progress and processes.is_main
                 skipped = _collect_pass(collector, model, dataloader, adapter, loss_fn, max_batches, show, description)
                 sums = collector.sums
@@ -139,12 +143,27 @@ def collect_statistics(
                         "batches on every pass (no random masking or cropping in the collator), or a larger budget "
                         "for a single pass."
                     )
-            for layer, gradient in sums.gradients.items():
-                gradients[layer] = processes.sum_(gradient).cpu() if offload else processes.sum_(gradient)
-            if sums.second_moments is not None:
+            if statistics is None:
                 second_moments = [processes.sum_(moment) for moment in sums.second_moments]
                 second_moments = [moment.cpu() for moment in second_moments] if offload else second_moments
-    totals = processes.sum_(torch.tensor(first_pass[:4], dtype=torch.float64, device=parameter.device))
+                statistics = _checked_statistics(processes, first_pass, second_moments, num_layers, parameter.device)
+                statistics.model_type, statistics.weights = config.model_type, weight_sample(model)
+            for layer in group:  # no name outlives the loop: the solve may free each M (on_group)
+                statistics.gradients[layer] = processes.sum_(sums.gradients.pop(layer))
+                statistics.gradients[layer] = statistics.gradients[layer].cpu() if offload else statistics.gradients[layer]
+            del sums, collector
+            statistics.method = "+".join(sorted(methods_used))
+            if on_group is not None:
+                on_group(statistics, list(group))
+    return statistics
+
+
+def _checked_statistics(
+    processes: Processes, counts: tuple, second_moments: list[Tensor], num_layers: int, device: torch.device
+) -> GrowthStatistics:
+    """The statistics of the first pass (C and the counts summed over the processes, no M yet), refused when
+    the data held nothing to learn from: found after one pass, before any later pass or solve."""
+    totals = processes.sum_(torch.tensor(counts[:4], dtype=torch.float64, device=device))
     num_tokens, num_batches, skipped, loss_weight = (int(total) for total in totals)
     if skipped:
         logger.warning(
@@ -161,10 +180,7 @@ def collect_statistics(
         raise ValueError("the dataloader yielded no batches: statistics need at least one batch of data.")
     if num_tokens == 0:
         raise ValueError("every token of the data is padding (attention_mask is all zero): nothing to learn from.")
-    return GrowthStatistics(
-        second_moments, gradients, num_tokens, num_batches, config.model_type, weight_sample(model),
-        "+".join(sorted(methods_used)), loss_weight,
-    )
+    return GrowthStatistics(second_moments, [None] * num_layers, num_tokens, num_batches, loss_weight=loss_weight)
 
 
 def _collect_pass(

@@ -49,10 +49,13 @@ class GrowthStatistics:
         """E[x' x'^T] over tokens, in float64 (whatever dtype the sums were stored in)."""
         return self.second_moments[layer].to(torch.float64) / self.num_tokens
 
-    def mean_gradient(self, layer: int) -> Tensor:
-        """The gradient of the mean loss (over all loss terms) with respect to each head's Z, in float64."""
+    def mean_gradient(self, layer: int, heads: slice = slice(None)) -> Tensor:
+        """The gradient of the mean loss (over all loss terms) with respect to each head's Z (of ``heads``), in
+        float64."""
+        if self.gradients[layer] is None:
+            raise RuntimeError(f"M of layer {layer} was released after its solve: collect the statistics again")
         weight = self.num_batches if self.loss_weight is None else self.loss_weight
-        return self.gradients[layer].to(torch.float64) / weight
+        return self.gradients[layer][heads].to(torch.float64) / weight
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the statistics to a safetensors file (no pickle), atomically."""

@@ -1,0 +1,145 @@
+"""The compact solve: every step's truncation of ``Z - lam P`` from small matrices (pure torch, no transformers).
+
+Per head, in the coordinates of the truncation (whitened by C^1/2, or as they are): the scores' form
+``W = A B^T`` has rank a = d_k, and the direction Q is decomposed once, to its top s singular triplets
+``U_s S_s V_s^T`` (s well above the grown width r). Every target ``T(lam) = W - lam Q`` is then taken on the
+fixed subspaces ``L = span[A, U_s]`` and ``R = span[B, V_s]`` (k = a + s columns each):
+
+    T^(lam) = L (L^T W R - lam L^T Q R) R^T,
+
+whose singular value decomposition is that of a k x k core. W lies in both subspaces, so
+``T - T^ = -lam (Q - L L^T Q R R^T)`` and ``||T - T^||_2 <= sqrt(2) lam sigma_{s+1}(Q)`` (Q_s lies in both).
+By Weyl's inequality each singular value of T^ is within eps (that bound) of T's, and the rank-r truncation of
+T^ within ``2 eps sum_{i<=r} sigma_i(T^) + r eps^2`` of the optimal squared error: the certificate
+(`CompactTarget.perturbation`). Where a + s covers
+the whole width the subspaces are everything and the compact solve is the exact one.
+
+The bases are kept in model coordinates (un-whitened), so a truncation's factors are ``basis @ core factors``;
+the loss gradient M and the metric of C are kept as k x k projections for the expected gains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import linalg
+
+
+def compact_rank(size: int, width: int) -> int:
+    """s, the singular triplets of the direction kept: twice the grown ``width`` and at least 64 beyond it, at most
+    the matrix ``size``.
+
+    The certificate scales with sigma_{s+1}; at twice the width the kept directions hold what a truncation to
+    ``width`` picks up, with margin for the directions the step rotates in. Narrow models (size <= a + s) are
+    solved exactly, whatever the width: the same widths then give the same weights however they were chosen.
+    """
+    return min(size, max(2 * width, width + 64))
+
+
+@dataclass(frozen=True)
+class CompactTarget:
+    """``Z - lam P`` of a layer's heads on fixed subspaces, for any per-head step lam (see the module doc).
+
+    ``left_basis``/``right_basis`` (heads, d, k): the subspaces in model coordinates (orthonormal in the
+    truncation's norm). ``base_core``/``step_core`` (heads, k, k): W and Q there. ``gradient_core``: M there,
+    so that ``<M, basis_l X basis_r^T> = <gradient_core, X>``. ``left_gram``/``right_gram``: the bases' Gram
+    matrices in the metric of C (None where that is the identity: whitened truncation). ``step_sq``: ||Q||^2;
+    ``tail``: sigma_{s+1}(Q), zero where the subspaces are everything.
+    """
+
+    left_basis: Tensor
+    right_basis: Tensor
+    base_core: Tensor
+    step_core: Tensor
+    gradient_core: Tensor
+    left_gram: Tensor | None
+    right_gram: Tensor | None
+    step_sq: Tensor
+    tail: Tensor
+
+    @property
+    def width(self) -> int:
+        """k, the columns of each basis."""
+        return self.left_basis.shape[-1]
+
+    def core(self, lam: Tensor) -> Tensor:
+        """``L^T (W - lam Q) R`` for each head's lam, shape (heads, k, k)."""
+        return self.base_core - lam[:, None, None] * self.step_core
+
+    def decompose(self, lam: Tensor, method: str = "eigh") -> linalg.Decomposition:
+        """The SVD of the core at ``lam`` (in core coordinates): its truncations are those of T^(lam)."""
+        return linalg.decompose_whitened(self.core(lam), None, "svd" if method == "svd" else "eigh")
+
+    def to_model(self, factors: linalg.Factorization) -> linalg.Factorization:
+        """Core-coordinate factors mapped to model coordinates (the un-whitened Q/K form)."""
+        return linalg.Factorization(
+            self.left_basis @ factors.left, self.right_basis @ factors.right, factors.singular_values
+        )
+
+    def gradient_inner(self, core_delta: Tensor) -> Tensor:
+        """``<M, Delta>`` per head for the change ``Delta = L core_delta R^T``."""
+        return (self.gradient_core * core_delta).sum(dim=(-2, -1))
+
+    def metric_norm_sq(self, core_delta: Tensor) -> Tensor:
+        """``||C^1/2 Delta C^1/2||^2`` per head for ``Delta = L core_delta R^T`` (the floored root of C)."""
+        if self.left_gram is None:
+            return core_delta.square().sum(dim=(-2, -1))
+        return (core_delta * (self.left_gram @ core_delta @ self.right_gram)).sum(dim=(-2, -1))
+
+    def perturbation(self, lam: Tensor) -> Tensor:
+        """eps per head: ``||T(lam) - T^(lam)||_2 <= sqrt(2) |lam| sigma_{s+1}(Q)``, so each singular value of the
+        compact target is within eps of the exact one's (Weyl), and its rank-r truncation's squared error within
+        ``2 eps sum_{i<=r} sigma_i + r eps^2`` of the optimum. Zero where the compact solve is exact."""
+        return 2**0.5 * lam.abs() * self.tail
+
+    def relative_perturbation(self, lam: Tensor, singular_values: Tensor, rank: int) -> Tensor:
+        """The certificate reported per head: eps over the smallest singular value a rank-``rank`` truncation
+        keeps. Far below 1, the truncation keeps the exact target's directions up to rotations of order
+        eps / (sigma_r - sigma_{r+1})."""
+        smallest = singular_values[..., rank - 1].clamp_min(torch.finfo(singular_values.dtype).tiny)
+        return self.perturbation(lam) / smallest
+
+
+def compact_target(
+    base_left: Tensor,
+    base_right: Tensor,
+    step: Tensor,
+    gradient: Tensor,
+    rank: int,
+    metric: linalg.Metric,
+    whitened: bool,
+    method: str = "eigh",
+) -> CompactTarget:
+    """Decompose each head's direction once and build its `CompactTarget`.
+
+    ``base_left``/``base_right`` (heads, d, a): factors of W; ``step`` (heads, d, d): Q; both in the coordinates
+    of the truncation: whitened by C^1/2 (``whitened``) or plain. ``gradient`` (heads, d, d): M in model
+    coordinates. ``metric``: C's, to un-whiten the bases or to measure them. ``rank``: s (`compact_rank`);
+    ``method``: how Q is decomposed (`linalg.decompose_whitened`: "eigh", "svd" or "subspace").
+    """
+    size = step.shape[-1]
+    if base_left.shape[-1] + rank >= size:  # the subspaces are everything: exact
+        identity = torch.eye(size, dtype=step.dtype, device=step.device).expand_as(step)
+        left, right, tail = identity, identity, step.new_zeros(step.shape[0])
+    else:
+        decomposition = linalg.decompose_whitened(step, None, method, rank=rank)
+        directions = decomposition.projected[..., :rank]  # V_s S_s: spans V_s where sigma > 0
+        left = torch.linalg.qr(torch.cat([base_left, decomposition.left_vectors[..., :rank]], dim=-1)).Q
+        right = torch.linalg.qr(torch.cat([base_right, directions], dim=-1)).Q
+        tail = decomposition.singular_values[..., rank]
+    base_core = (left.mT @ base_left) @ (right.mT @ base_right).mT
+    step_core = left.mT @ step @ right
+    step_sq = step.square().sum(dim=(-2, -1))
+    left_gram = right_gram = None
+    if whitened:  # whitened coordinates -> model coordinates: U diag(1 / root) basis
+        scale = 1 / metric.root_diag[..., :, None]
+        left, right = metric.eigenvectors @ (left * scale), metric.eigenvectors @ (right * scale)
+    else:  # Gram matrices in the metric of C: (C^1/2 basis)^T (C^1/2 basis)
+        root = metric.root_diag[..., :, None]
+        left_root, right_root = root * (metric.eigenvectors.mT @ left), root * (metric.eigenvectors.mT @ right)
+        left_gram, right_gram = left_root.mT @ left_root, right_root.mT @ right_root
+    gradient_core = left.mT @ gradient @ right
+    return CompactTarget(left, right, base_core, step_core, gradient_core, left_gram, right_gram, step_sq, tail)

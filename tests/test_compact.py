@@ -1,0 +1,143 @@
+"""The compact solve against the exact decomposition: truncations, expected-gain terms, certificate, line search."""
+
+import pytest
+import torch
+
+from transformers import GPT2LMHeadModel
+
+from hf_grow import collect_statistics, compact, evaluate_loss, get_adapter, linalg
+from hf_grow.growth import GrowthProblem, search_step_size, best_step, write_weights
+
+from conftest import lm_batches, tiny_gpt2_config
+
+
+def random_problem(heads=3, size=40, width=4, decay=0.7, seed=0):
+    """W of rank ``width``, a direction Q whose spectrum decays geometrically, C positive definite, M = C P C."""
+    generator = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    query, key = randn(heads, size, width), randn(heads, size, width)
+    basis = torch.linalg.qr(randn(size, size)).Q
+    second_moment = basis @ torch.diag(torch.logspace(0, -3, size, dtype=torch.float64)) @ basis.mT
+    metric = linalg.metric_from_second_moment(second_moment)
+    spectrum = decay ** torch.arange(size, dtype=torch.float64)
+    whitened_step = torch.linalg.qr(randn(heads, size, size)).Q * spectrum @ torch.linalg.qr(randn(heads, size, size)).Q.mT
+    root = metric.root_diag  # P such that whiten(P) = whitened_step, and M = C P C with it
+    direction = metric.eigenvectors @ (whitened_step / root[:, None] / root[None, :]) @ metric.eigenvectors.mT
+    gradient = second_moment @ direction @ second_moment
+    return query, key, direction, gradient, metric
+
+
+def exact_and_compact(truncation, rank_kept, lam, grown=8, **kwargs):
+    query, key, direction, gradient, metric = random_problem(**kwargs)
+    whitened = truncation == "whitened"
+    factors = (query, key)
+    if whitened:
+        factors = tuple(metric.root_diag[:, None] * (metric.eigenvectors.mT @ f) for f in factors)
+        step = linalg.whiten(direction, metric)
+    else:
+        step = direction
+    target = compact.compact_target(*factors, step, gradient, rank_kept, metric, whitened)
+    lams = torch.full((query.shape[0],), lam, dtype=torch.float64)
+    core = target.decompose(lams)
+    approximate = target.to_model(core.truncate(grown))
+    exact = linalg.truncate(query @ key.mT - lam * direction, grown, metric if whitened else None)
+    return target, core, approximate, exact, (query, key, direction, gradient, metric, step, lams)
+
+
+@pytest.mark.parametrize("truncation", ["whitened", "frobenius"])
+def test_compact_is_exact_where_its_subspaces_are_everything(truncation):
+    _, _, approximate, exact, _ = exact_and_compact(truncation, rank_kept=36, lam=0.3)
+    torch.testing.assert_close(approximate.product, exact.product, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("truncation", ["whitened", "frobenius"])
+def test_compact_truncation_is_within_its_certificate_of_the_optimum(truncation):
+    """s = 16 of 40 directions kept: the compact error is at least the optimum (Eckart-Young) and at most the
+    optimum plus the certificate's bound; each kept singular value within eps of the exact one (Weyl)."""
+    target, core, approximate, exact, (query, key, direction, _, metric, step, lams) = exact_and_compact(
+        truncation, rank_kept=16, lam=0.3
+    )
+    assert target.width == 4 + 16
+    assert (target.tail > 0).all()
+    full = query @ key.mT - 0.3 * direction
+    full_in_truncation = query @ key.mT - 0.3 * direction
+    if truncation == "whitened":
+        full_in_truncation = linalg.whiten(full, metric)
+
+    def error_sq(product):
+        difference = full - product
+        if truncation == "whitened":
+            return linalg.whitened_norm_sq(difference, metric)
+        return difference.square().sum(dim=(-2, -1))
+
+    eps = target.perturbation(lams)
+    kept = core.singular_values[:, :8]
+    optimal, compact_error = error_sq(exact.product), error_sq(approximate.product)
+    assert (compact_error >= optimal * (1 - 1e-9)).all()
+    assert (compact_error <= optimal + 2 * eps * kept.sum(-1) + 8 * eps.square() + 1e-12).all()
+    exact_sigma = torch.linalg.svdvals(full_in_truncation)[:, :8]
+    assert ((exact_sigma - kept).abs() <= eps[:, None] + 1e-12).all()
+    # 0.7^16: the certificate is small where the direction's spectrum decays, larger where it does not
+    assert (target.relative_perturbation(lams, core.singular_values, 8) < 0.05).all()
+    loose, loose_core, *_, loose_parts = exact_and_compact(truncation, rank_kept=16, lam=0.3, decay=0.97)
+    assert (loose.perturbation(loose_parts[-1]) > 10 * eps).all()
+
+
+@pytest.mark.parametrize("truncation", ["whitened", "frobenius"])
+def test_compact_gradient_and_metric_terms_equal_the_full_ones(truncation):
+    target, core, approximate, _, (query, key, _, gradient, metric, _, lams) = exact_and_compact(
+        truncation, rank_kept=16, lam=0.3
+    )
+    core_delta = core.truncate(8).product - target.base_core
+    delta = approximate.product - query @ key.mT
+    torch.testing.assert_close(target.gradient_inner(core_delta), (gradient * delta).sum(dim=(-2, -1)), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(target.metric_norm_sq(core_delta), linalg.whitened_norm_sq(delta, metric), rtol=1e-9, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def wide_gpt2(stdlib_bytes):
+    """A GPT-2 wide enough that the compact subspaces are a part of the width: d = 193, d_k = 48, k = 48 + 120."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_embd=192, n_head=4, n_layer=2)).eval()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for batch in lm_batches(stdlib_bytes["stats"], 40, batch_size=8, seed=5):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def exact_weights(model, statistics, problem, step_size):
+    """Today's exact solve, for reference: the full d x d decomposition of Z - lam P at every step."""
+    weights = {}
+    for layer, part in enumerate(problem.layers):
+        inputs = part.query.shape[-2]
+        direction = linalg.solve_direction(statistics.mean_gradient(layer)[:, :inputs, :inputs], part.metric)
+        lams = problem.head_lams(step_size, layer)[:, None, None]
+        factors = linalg.truncate(part.bilinear - lams * direction, part.qk_dim_after, part.metric)
+        root = part.scaling_after**0.5
+        weights[layer] = (factors.left / root, factors.right / root)
+    return weights
+
+
+def test_compact_line_search_chooses_the_exact_step_and_loss(wide_gpt2, stdlib_bytes):
+    adapter = get_adapter(wide_gpt2)
+    statistics = collect_statistics(wide_gpt2, lm_batches(stdlib_bytes["stats"], 4, seed=31), adapter)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, seed=7)
+    problem = GrowthProblem(wide_gpt2, adapter, statistics, [56, 56], "whitened", 1e-6, "eigh", step_mode="per_head")
+    assert all(part.targets["whitened"].width == 48 + 120 < 193 for part in problem.layers)
+    grown = adapter.build_grown_model(wide_gpt2, [56, 56], problem.weights(0.0))
+
+    def searched(weights_at):
+        def evaluate(step):
+            write_weights(adapter, grown, weights_at(step))
+            return evaluate_loss(grown, held_out, adapter)[0]
+
+        losses = search_step_size(evaluate, 0.03)
+        return best_step(losses), losses[best_step(losses)]
+
+    compact_step, compact_loss = searched(problem.weights)
+    exact_step, exact_loss = searched(lambda step: exact_weights(wide_gpt2, statistics, problem, step))
+    assert compact_step == exact_step > 0
+    assert compact_loss == pytest.approx(exact_loss, abs=1e-4)
+    assert compact_loss < evaluate_loss(wide_gpt2, held_out, adapter)[0]
