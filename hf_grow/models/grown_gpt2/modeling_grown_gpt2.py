@@ -109,7 +109,7 @@ class GrownGPT2Attention(GPT2Attention):
         if cache is not None:
             if isinstance(cache, EncoderDecoderCache):
                 cache = cache.self_attention_cache
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
         if self.config._attn_implementation == "eager" and self.reorder_and_upcast_attn:
             attn_output, attn_weights = self._upcast_and_reordered_attn(
