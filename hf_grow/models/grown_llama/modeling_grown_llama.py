@@ -148,6 +148,21 @@ class GrownLlamaPreTrainedModel(LlamaPreTrainedModel):
         "attentions": GrownLlamaAttention,
     }
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching (`generate_batch`, `transformers serve`), where keys are as wide as values.
+
+        Its paged cache holds keys and values in one tensor, at one head width for every layer (`config.head_dim`
+        or `hidden_size // num_attention_heads`): grown layers' keys do not fit.
+        """
+        grown = [layer for layer, kind in enumerate(self.config.layer_types) if kind != "full_attention"]
+        if grown:
+            raise ValueError(
+                f"continuous batching cannot serve layers {grown}, whose keys and values differ in width: "
+                "transformers' paged cache stores keys and values at one width. Use generate() (any cache, "
+                'cache_implementation="static" included) or export with a static cache instead.'
+            )
+        return super().init_continuous_batching(*args, **kwargs)
+
     def save_pretrained(
         self, save_directory, is_main_process: bool = True, *args, push_to_hub: bool = False, **kwargs
     ):
