@@ -26,7 +26,9 @@ from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaForQuestionAnswering,
     LlamaForSequenceClassification,
+    LlamaForTokenClassification,
     LlamaMLP,
     LlamaModel,
     LlamaPreTrainedModel,
@@ -47,6 +49,8 @@ AUTO_MAP = {
     "AutoModel": "modeling_grown_llama.GrownLlamaModel",
     "AutoModelForCausalLM": "modeling_grown_llama.GrownLlamaForCausalLM",
     "AutoModelForSequenceClassification": "modeling_grown_llama.GrownLlamaForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_grown_llama.GrownLlamaForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_grown_llama.GrownLlamaForQuestionAnswering",
 }
 
 
@@ -229,6 +233,33 @@ class GrownLlamaForSequenceClassification(GrownLlamaPreTrainedModel, LlamaForSeq
         self.post_init()
 
 
+class GrownLlamaForTokenClassification(GrownLlamaPreTrainedModel, LlamaForTokenClassification):
+    def __init__(self, config: GrownLlamaConfig):
+        GrownLlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = GrownLlamaModel(config)
+        if getattr(config, "classifier_dropout", None) is not None:
+            classifier_dropout = config.classifier_dropout
+        elif getattr(config, "hidden_dropout", None) is not None:
+            classifier_dropout = config.hidden_dropout
+        else:
+            classifier_dropout = 0.1
+        self.dropout = nn.Dropout(classifier_dropout)
+        bias = getattr(config, "token_classification_bias", True)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=bias)
+        self.post_init()
+
+
+class GrownLlamaForQuestionAnswering(GrownLlamaPreTrainedModel, LlamaForQuestionAnswering):
+    base_model_prefix = "transformer"  # Llama's, kept for checkpoints of LlamaForQuestionAnswering
+
+    def __init__(self, config: GrownLlamaConfig):
+        GrownLlamaPreTrainedModel.__init__(self, config)
+        self.transformer = GrownLlamaModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+
 __all__ = [
     "GrownLlamaAttention",
     "GrownLlamaDecoderLayer",
@@ -236,4 +267,6 @@ __all__ = [
     "GrownLlamaModel",
     "GrownLlamaForCausalLM",
     "GrownLlamaForSequenceClassification",
+    "GrownLlamaForTokenClassification",
+    "GrownLlamaForQuestionAnswering",
 ]
