@@ -27,7 +27,9 @@ from .models import (
     GrownGPT2Model,
     GrownLlamaConfig,
     GrownLlamaForCausalLM,
+    GrownLlamaForQuestionAnswering,
     GrownLlamaForSequenceClassification,
+    GrownLlamaForTokenClassification,
     GrownLlamaModel,
 )
 from .report import GrowthReport, load_growth_report
@@ -64,7 +66,9 @@ __all__ = [
     "GrownGPT2Model",
     "GrownLlamaConfig",
     "GrownLlamaForCausalLM",
+    "GrownLlamaForQuestionAnswering",
     "GrownLlamaForSequenceClassification",
+    "GrownLlamaForTokenClassification",
     "GrownLlamaModel",
     "SentenceLoss",
     "collect_statistics",

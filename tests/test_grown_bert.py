@@ -2,6 +2,8 @@
 real pretrained model (all-MiniLM-L6-v2, from PyPI) grows, improves a real held-out loss and round-trips."""
 
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -108,6 +110,26 @@ def test_unsupported_bert_class_and_cross_attention_are_clear_errors():
     decoder = BertLMHeadModel(tiny_bert_config(is_decoder=True, add_cross_attention=True))
     with pytest.raises(ValueError, match="add_cross_attention"):
         grow_model(decoder, [], p=8)
+
+
+def test_grown_bert_config_refuses_cross_attention_however_set(tmp_path):
+    """Constructor, attribute, `update` and a saved config all meet the same error; the flag reads False."""
+    config = hf_grow.GrownBertConfig(**tiny_bert_config().to_dict())
+    assert config.add_cross_attention is False
+    attempts = [
+        lambda: hf_grow.GrownBertConfig(**tiny_bert_config().to_dict() | {"add_cross_attention": True}),
+        lambda: setattr(config, "add_cross_attention", True),
+        lambda: config.update({"add_cross_attention": True}),
+    ]
+    for attempt in attempts:
+        with pytest.raises(ValueError, match="does not support add_cross_attention=True.*self-attention only"):
+            attempt()
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(saved | {"add_cross_attention": True}))
+    with pytest.raises(ValueError, match="does not support add_cross_attention=True"):
+        hf_grow.GrownBertConfig.from_pretrained(tmp_path)
+    assert hf_grow.GrownBertModel(config).encoder.layer[0].add_cross_attention is False
 
 
 def test_gradient_statistic_is_dloss_dz_with_padding():

@@ -6,6 +6,7 @@ bfloat16, Mistral and Qwen2 checkpoints, and the modes rotary models cannot take
 """
 
 import copy
+import json
 import math
 import os
 import subprocess
@@ -15,6 +16,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForTokenClassification,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
@@ -30,7 +33,9 @@ from hf_grow import (
     GrowthCallback,
     GrownLlamaConfig,
     GrownLlamaForCausalLM,
+    GrownLlamaForQuestionAnswering,
     GrownLlamaForSequenceClassification,
+    GrownLlamaForTokenClassification,
     GrownLlamaModel,
     collect_statistics,
     evaluate_loss,
@@ -253,6 +258,27 @@ def test_other_classes_grow_exactly(llama_gqa, stdlib_bytes, model_class):
     assert type(grown) is expected[model_class]
     for before, after in zip(outputs_of(model, batches[0]), outputs_of(grown, batches[0])):
         assert (before - after).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("auto_class", [AutoModelForQuestionAnswering, AutoModelForTokenClassification])
+def test_question_answering_and_token_classification_load_via_auto_classes(auto_class, tmp_path):
+    """The grown Llama heads transformers has for Llama: built and reloaded through the Auto classes, declared in
+    the saved auto_map (for trust_remote_code), and run with their outputs unchanged by the round trip."""
+    settings = tiny_llama_config(num_key_value_heads=2, num_labels=3).to_dict()
+    config = GrownLlamaConfig(**settings | {"qk_nope_dims": [8, 4]})
+    model = auto_class.from_config(config).eval()
+    expected_class = {AutoModelForQuestionAnswering: GrownLlamaForQuestionAnswering,
+                      AutoModelForTokenClassification: GrownLlamaForTokenClassification}[auto_class]
+    assert type(model) is expected_class
+    model.save_pretrained(tmp_path)
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map[auto_class.__name__] == f"modeling_grown_llama.{expected_class.__name__}"
+    loaded = auto_class.from_pretrained(tmp_path).eval()
+    batch = {"input_ids": torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(0))}
+    outputs = outputs_of(model, batch)
+    assert type(loaded) is expected_class and outputs[0].shape[:2] == (2, 12)
+    for before, after in zip(outputs, outputs_of(loaded, batch)):
+        assert torch.equal(before, after)
 
 
 def llama_settings(**overrides) -> dict:

@@ -15,8 +15,11 @@ from torch import Tensor, nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
 
-# Config entries that describe a checkpoint rather than the architecture; the grown config sets its own.
-_CONFIG_KEYS_NOT_INHERITED = ("model_type", "qk_head_dims", "architectures", "auto_map", "transformers_version")
+# Config entries that describe a checkpoint rather than the architecture, or that grown configs derive from their
+# query/key widths (`layer_types`, e.g. Qwen2's): the grown config sets its own.
+_CONFIG_KEYS_NOT_INHERITED = (
+    "model_type", "qk_head_dims", "architectures", "auto_map", "transformers_version", "layer_types"
+)
 
 
 def split_heads(columns: Tensor, bias: Tensor, num_heads: int) -> Tensor:

@@ -35,7 +35,9 @@ from .grown_gpt2 import (
 from .grown_llama import (
     GrownLlamaConfig,
     GrownLlamaForCausalLM,
+    GrownLlamaForQuestionAnswering,
     GrownLlamaForSequenceClassification,
+    GrownLlamaForTokenClassification,
     GrownLlamaModel,
     GrownLlamaPreTrainedModel,
 )
@@ -76,7 +78,9 @@ __all__ = [
     "GrownGPT2PreTrainedModel",
     "GrownLlamaConfig",
     "GrownLlamaForCausalLM",
+    "GrownLlamaForQuestionAnswering",
     "GrownLlamaForSequenceClassification",
+    "GrownLlamaForTokenClassification",
     "GrownLlamaModel",
     "GrownLlamaPreTrainedModel",
 ]

@@ -31,8 +31,23 @@ class GrownBertConfig(BertConfig):
         self.qk_head_dims = [int(dim) for dim in self.qk_head_dims]
         super().__post_init__(**kwargs)
 
+    @property
+    def add_cross_attention(self) -> bool:
+        """Always False: grown BERT layers are self-attention only."""
+        return False
+
+    @add_cross_attention.setter
+    def add_cross_attention(self, value: bool) -> None:
+        """Refuse cross-attention however it is asked for (constructor, attribute, saved config): the layers
+        would be built without it and fail at the first `encoder_hidden_states`."""
+        if value:
+            raise ValueError(
+                "GrownBertConfig does not support add_cross_attention=True: grown BERT layers are self-attention only. "
+                "Leave add_cross_attention False, or use a plain BertConfig for a decoder that attends to an encoder."
+            )
+
     def validate_architecture(self):
-        """Part of `@strict` validation: one positive query/key width per layer, no cross-attention."""
+        """Part of `@strict` validation: one positive query/key width per layer."""
         super().validate_architecture()
         if len(self.qk_head_dims) != self.num_hidden_layers:
             raise ValueError(
@@ -41,8 +56,6 @@ class GrownBertConfig(BertConfig):
             )
         if any(dim <= 0 for dim in self.qk_head_dims):
             raise ValueError(f"Every entry of qk_head_dims must be positive, got {self.qk_head_dims}.")
-        if self.add_cross_attention:
-            raise ValueError("GrownBertConfig does not support add_cross_attention=True.")
 
 
 __all__ = ["GrownBertConfig"]

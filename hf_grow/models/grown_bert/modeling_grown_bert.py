@@ -111,7 +111,7 @@ class GrownBertSelfAttention(nn.Module):
         if cache is not None:
             if isinstance(cache, EncoderDecoderCache):
                 cache = cache.self_attention_cache
-            key_layer, value_layer = cache.update(key_layer, value_layer, self.layer_idx)
+            key_layer, value_layer = cache.update(key_layer, value_layer, self.layer_idx, kwargs=kwargs)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward

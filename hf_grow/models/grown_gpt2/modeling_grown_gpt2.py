@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.configuration_utils import PreTrainedConfig
 from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import (
@@ -109,7 +111,7 @@ class GrownGPT2Attention(GPT2Attention):
         if cache is not None:
             if isinstance(cache, EncoderDecoderCache):
                 cache = cache.self_attention_cache
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
         if self.config._attn_implementation == "eager" and self.reorder_and_upcast_attn:
             attn_output, attn_weights = self._upcast_and_reordered_attn(
@@ -159,6 +161,45 @@ class GrownGPT2PreTrainedModel(GPT2PreTrainedModel):
         "hidden_states": GrownGPT2Block,
         "attentions": OutputRecorder(GrownGPT2Attention, layer_name=".attn", index=1),
     }
+
+    @staticmethod
+    def create_masks_for_generate(
+        config: PreTrainedConfig,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        position_ids: torch.Tensor | None = None,
+        block_sequence_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor | None:
+        """The mask `generate` prepares for static caches: one causal mask, since every layer attends causally.
+
+        transformers' default would read `config.layer_types` and build a mask per layer type (or pass the 2D
+        mask on for the grown ones), which the inherited `forward` does not expect.
+        """
+        return create_causal_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+            block_sequence_ids=block_sequence_ids,
+        )
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching (`generate_batch`, `transformers serve`), where keys are as wide as values.
+
+        Its paged cache holds keys and values in one tensor, at one head width for every layer (`config.head_dim`
+        or `hidden_size // num_attention_heads`): grown layers' keys do not fit.
+        """
+        grown = [layer for layer, kind in enumerate(self.config.layer_types) if kind != "full_attention"]
+        if grown:
+            raise ValueError(
+                f"continuous batching cannot serve layers {grown}, whose keys and values differ in width: "
+                "transformers' paged cache stores keys and values at one width. Use generate() (any cache, "
+                'cache_implementation="static" included) or export with a static cache instead.'
+            )
+        return super().init_continuous_batching(*args, **kwargs)
 
     def save_pretrained(
         self, save_directory, is_main_process: bool = True, *args, push_to_hub: bool = False, **kwargs

@@ -4,7 +4,9 @@ from .configuration_grown_llama import GrownLlamaConfig
 from .modeling_grown_llama import (
     AUTO_MAP,
     GrownLlamaForCausalLM,
+    GrownLlamaForQuestionAnswering,
     GrownLlamaForSequenceClassification,
+    GrownLlamaForTokenClassification,
     GrownLlamaModel,
     GrownLlamaPreTrainedModel,
 )
@@ -14,7 +16,9 @@ __all__ = [
     "AUTO_MAP",
     "GrownLlamaConfig",
     "GrownLlamaForCausalLM",
+    "GrownLlamaForQuestionAnswering",
     "GrownLlamaForSequenceClassification",
+    "GrownLlamaForTokenClassification",
     "GrownLlamaModel",
     "GrownLlamaPreTrainedModel",
 ]

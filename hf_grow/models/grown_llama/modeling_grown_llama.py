@@ -19,14 +19,18 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
+from transformers.configuration_utils import PreTrainedConfig
 from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaForQuestionAnswering,
     LlamaForSequenceClassification,
+    LlamaForTokenClassification,
     LlamaMLP,
     LlamaModel,
     LlamaPreTrainedModel,
@@ -47,6 +51,8 @@ AUTO_MAP = {
     "AutoModel": "modeling_grown_llama.GrownLlamaModel",
     "AutoModelForCausalLM": "modeling_grown_llama.GrownLlamaForCausalLM",
     "AutoModelForSequenceClassification": "modeling_grown_llama.GrownLlamaForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_grown_llama.GrownLlamaForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_grown_llama.GrownLlamaForQuestionAnswering",
 }
 
 
@@ -148,6 +154,45 @@ class GrownLlamaPreTrainedModel(LlamaPreTrainedModel):
         "attentions": GrownLlamaAttention,
     }
 
+    @staticmethod
+    def create_masks_for_generate(
+        config: PreTrainedConfig,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        position_ids: torch.Tensor | None = None,
+        block_sequence_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor | None:
+        """The mask `generate` prepares for static caches: one causal mask, since every layer attends causally.
+
+        transformers' default would read `config.layer_types` and build a mask per layer type (or pass the 2D
+        mask on for the grown ones), which the inherited `forward` does not expect.
+        """
+        return create_causal_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+            block_sequence_ids=block_sequence_ids,
+        )
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching (`generate_batch`, `transformers serve`), where keys are as wide as values.
+
+        Its paged cache holds keys and values in one tensor, at one head width for every layer (`config.head_dim`
+        or `hidden_size // num_attention_heads`): grown layers' keys do not fit.
+        """
+        grown = [layer for layer, kind in enumerate(self.config.layer_types) if kind != "full_attention"]
+        if grown:
+            raise ValueError(
+                f"continuous batching cannot serve layers {grown}, whose keys and values differ in width: "
+                "transformers' paged cache stores keys and values at one width. Use generate() (any cache, "
+                'cache_implementation="static" included) or export with a static cache instead.'
+            )
+        return super().init_continuous_batching(*args, **kwargs)
+
     def save_pretrained(
         self, save_directory, is_main_process: bool = True, *args, push_to_hub: bool = False, **kwargs
     ):
@@ -214,6 +259,33 @@ class GrownLlamaForSequenceClassification(GrownLlamaPreTrainedModel, LlamaForSeq
         self.post_init()
 
 
+class GrownLlamaForTokenClassification(GrownLlamaPreTrainedModel, LlamaForTokenClassification):
+    def __init__(self, config: GrownLlamaConfig):
+        GrownLlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = GrownLlamaModel(config)
+        if getattr(config, "classifier_dropout", None) is not None:
+            classifier_dropout = config.classifier_dropout
+        elif getattr(config, "hidden_dropout", None) is not None:
+            classifier_dropout = config.hidden_dropout
+        else:
+            classifier_dropout = 0.1
+        self.dropout = nn.Dropout(classifier_dropout)
+        bias = getattr(config, "token_classification_bias", True)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=bias)
+        self.post_init()
+
+
+class GrownLlamaForQuestionAnswering(GrownLlamaPreTrainedModel, LlamaForQuestionAnswering):
+    base_model_prefix = "transformer"  # Llama's, kept for checkpoints of LlamaForQuestionAnswering
+
+    def __init__(self, config: GrownLlamaConfig):
+        GrownLlamaPreTrainedModel.__init__(self, config)
+        self.transformer = GrownLlamaModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+
 __all__ = [
     "GrownLlamaAttention",
     "GrownLlamaDecoderLayer",
@@ -221,4 +293,6 @@ __all__ = [
     "GrownLlamaModel",
     "GrownLlamaForCausalLM",
     "GrownLlamaForSequenceClassification",
+    "GrownLlamaForTokenClassification",
+    "GrownLlamaForQuestionAnswering",
 ]

@@ -1,0 +1,119 @@
+"""Grown GPT-2 and Llama on transformers' pre-allocated caches: static caches with chunked prefill, the ExecuTorch
+export recipe, continuous batching, and the per-layer key widths a saved config gives those caches.
+
+Tiny random models at +0 and +8 query/key dims per head and with a width of their own per layer ("mixed"); every
+path must generate the tokens plain `generate` does (ported from transformers' generation and export tests).
+"""
+
+import pytest
+import torch
+from transformers import AutoConfig, ContinuousBatchingConfig, GenerationConfig
+from transformers.cache_utils import StaticCache
+from transformers.integrations.executorch import (
+    TorchExportableModuleWithStaticCache,
+    convert_and_export_with_cache,
+)
+
+from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel, GrownLlamaConfig, GrownLlamaForCausalLM
+
+from conftest import tiny_gpt2_config
+from test_grown_llama import tiny_llama_config
+
+
+#: Added query/key dims per head in each of the two layers (the value heads are 16 wide).
+GROWTHS = {"plus0": [0, 0], "plus8": [8, 8], "mixed": [8, 4]}
+
+
+def grown_gpt2(added: list[int]) -> GrownGPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GrownGPT2Config(**tiny_gpt2_config().to_dict() | {"qk_head_dims": [16 + dim for dim in added]})
+    return GrownGPT2LMHeadModel(config).eval()
+
+
+def grown_llama(added: list[int]) -> GrownLlamaForCausalLM:
+    torch.manual_seed(0)
+    config = GrownLlamaConfig(**tiny_llama_config(num_key_value_heads=2).to_dict() | {"qk_nope_dims": added})
+    return GrownLlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(params=[grown_gpt2, grown_llama], ids=["gpt2", "llama"])
+def build(request):
+    return request.param
+
+
+@pytest.fixture(params=list(GROWTHS), ids=list(GROWTHS))
+def added(request) -> list[int]:
+    return GROWTHS[request.param]
+
+
+def prompts(batch_size: int = 2, length: int = 10) -> torch.Tensor:
+    return torch.randint(1, 256, (batch_size, length), generator=torch.Generator().manual_seed(1))
+
+
+SETTINGS = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+def test_static_cache_with_chunked_prefill_matches_generate(build, added):
+    """`prefill_chunk_size` initializes the static cache up front (from `config.head_dim` before this fix)."""
+    model, prompt = build(added), prompts()
+    expected = model.generate(prompt, **SETTINGS)
+    static = model.generate(prompt, cache_implementation="static", prefill_chunk_size=4, **SETTINGS)
+    assert torch.equal(static, expected)
+
+
+def test_executorch_export_runs_and_matches_the_model(build, added):
+    """transformers' ExecuTorch recipe: a static-cache wrapper initialized up front, exported with torch.export.
+    Fed a prompt one token at a time, the program gives the model's logits at every position (so its cache holds
+    the keys and values of the earlier tokens), and its own greedy loop runs."""
+    model, prompt = build(added), prompts(batch_size=1)
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
+    program = convert_and_export_with_cache(model).module()
+    steps = [program(input_ids=prompt[:, [i]], cache_position=torch.tensor([i])) for i in range(prompt.shape[1])]
+    with torch.no_grad():
+        expected = model(prompt).logits
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-4, atol=1e-5)
+    generated = TorchExportableModuleWithStaticCache.generate(
+        convert_and_export_with_cache(model), prompt, max_new_tokens=4
+    )
+    assert generated.shape == (1, prompt.shape[1] + 4) and torch.equal(generated[:, : prompt.shape[1]], prompt)
+
+
+@pytest.mark.parametrize("make", [grown_gpt2, grown_llama], ids=["gpt2", "llama"])
+def test_continuous_batching_matches_greedy_generate(make):
+    """`generate_batch` (the engine of `transformers serve`) with keys as wide as values: the same tokens as
+    greedy `generate`, per prompt (prompts of different lengths, no padding)."""
+    model = make(GROWTHS["plus0"])
+    inputs = [prompts(1, 10)[0].tolist(), prompts(1, 7)[0].tolist()]
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    small = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=32, default_compile_level=0)
+    outputs = model.generate_batch(inputs, generation_config=config, continuous_batching_config=small)
+    assert len(outputs) == 2
+    for output in outputs.values():
+        prompt = torch.tensor([output.prompt_ids])
+        expected = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert output.generated_tokens == expected[0, prompt.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("growth", ["plus8", "mixed"])
+def test_continuous_batching_refuses_keys_wider_than_values(build, growth):
+    """The paged cache holds keys and values at one width: refused up front, not an empty result."""
+    model = build(GROWTHS[growth])
+    with pytest.raises(ValueError, match="continuous batching cannot serve layers .* differ in width"):
+        model.generate_batch([[1, 2, 3]], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False))
+
+
+def test_saved_config_gives_caches_each_layers_key_width(build, tmp_path):
+    """A saved and reloaded config keeps the per-layer widths, and a static cache built from it alone (as
+    transformers builds one) allocates each layer's keys at the layer's width and its values at 16."""
+    model = build(GROWTHS["mixed"])
+    model.config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(loaded) is type(model.config)
+    assert loaded.qk_head_dims == model.config.qk_head_dims == [24, 20]
+    assert loaded.layer_types == ["grown_attention_qk24", "grown_attention_qk20"]
+    cache = StaticCache(config=loaded, max_cache_len=16)
+    cache.early_initialization(batch_size=1, num_heads=2, head_dim=16, dtype=torch.float32, device="cpu")
+    assert [layer.keys.shape[-1] for layer in cache.layers] == [24, 20]
+    assert [layer.values.shape[-1] for layer in cache.layers] == [16, 16]
+    assert build(GROWTHS["plus0"]).config.layer_types == ["full_attention", "full_attention"]
