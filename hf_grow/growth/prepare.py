@@ -230,9 +230,10 @@ def prepare_growth(
 
     tick = time.perf_counter()
     with stage("solve", enabled=progress):
+        truncation, step_mode = config.candidates[0]  # of "auto" options the simplest (`growth.candidates`)
         problem = GrowthProblem(
-            model, adapter, statistics, qk_before if growth is None else qk_after, config.truncation, config.rtol,
-            config.solver, mode, config.step_mode,
+            model, adapter, statistics, qk_before if growth is None else qk_after, truncation, config.rtol,
+            config.solver, mode, step_mode,
         )
         if growth is None:
             gains = [problem.gain_rates(layer).marginal.sum(dim=0) for layer in range(len(qk_before))]

@@ -72,7 +72,6 @@ class GrowthProblem:
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
         self.statistics = statistics
-        self.step_mode = step_mode
         self.truncation = truncation
         self.solver = solver
         self.mode = mode
@@ -104,9 +103,17 @@ class GrowthProblem:
                         metric=metric,
                     )
                 )
+        self.set_step_mode(step_mode)
+
+    def set_step_mode(self, step_mode: str) -> None:
+        """Take steps the ``step_mode`` way (`hf_grow.config.STEP_MODES`) from now on, without solving again: only
+        the lam units, the head factors and the layer scales depend on it."""
+        if step_mode not in STEP_MODES:
+            raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
+        self.step_mode = step_mode
         #: The model-wide lam per unit step size (with steps per layer, the root mean square of the layers'),
         #: each layer's own, and each head's relative to its layer's (ones but with ``step_mode="per_head"``).
-        norms = [_head_norms_sq(part, "whitened" if step_mode == "global" else truncation) for part in self.layers]
+        norms = [_head_norms_sq(part, "whitened" if step_mode == "global" else self.truncation) for part in self.layers]
         self.lam_unit, self.layer_lam_units = _lam_units(norms, step_mode)
         self.head_factors = [
             _head_factors(scores, step, part.groups, unit, step_mode)
