@@ -17,9 +17,11 @@ import dataclasses
 import logging
 import time
 
+import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from ..distributed import Processes
 from ..report import CandidateReport, GrowthReport
 from . import search
 from .line_search import evaluate_loss, held_out_count
@@ -46,6 +48,10 @@ def search_and_report(
     if len(config.candidates) == 1:
         return search.search_and_report(prepared, target, **reporting)
     parts = confirmation_split(prepared.eval_batches, config.confirm_fraction, config.step_size is None)
+    processes = Processes(prepared.accelerator)
+    if processes.world_size > 1:  # every process must take the same branch: none searches if one cannot
+        cannot = torch.tensor(float(parts is None), device=next(prepared.model.parameters()).device)
+        parts = None if processes.sum_(cannot).item() > 0 else parts
     if parts is None:  # nothing to choose by: a given step size, or one held-out batch
         report = search.search_and_report(prepared, target, **reporting)
         report.selection = "simplest"
@@ -102,7 +108,7 @@ def _choose(
                 prepared.config.solver, problem.mode, step_mode,
             )
         problem.set_step_mode(step_mode)
-        write_weights(adapter, target, at_zero)
+        pass
         outcome = search.line_search(prepared, problem, target, search_batches, progress=progress)
         searched_passes += outcome.passes
         confirm_passes += 1

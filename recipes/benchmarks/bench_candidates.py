@@ -96,9 +96,9 @@ def english_streams(vocabulary: str) -> tuple[dict[str, torch.Tensor], int]:
     return {name: torch.tensor(encode(texts), dtype=torch.long) for name, texts in documents.items()}, size
 
 
-def english_setups(names: list[str], quick: bool, cache: str | None):
+def english_setups(names: list[str], quick: bool, cache: str | None, steps: int):
     """(name, model, statistics batches, held-out pool, loss_fn) for the models trained on English text."""
-    steps = 40 if quick else 600
+    steps = 40 if quick else steps
     for name in names:
         vocabulary = "bpe" if name == "bpe-en" else "bytes"
         streams, size = english_streams(vocabulary)
@@ -183,6 +183,7 @@ def main() -> None:
     models = ("bytes-en", "bpe-en", "llama-en", "gpt2-A", "gpt2-deep", "minilm")
     parser.add_argument("--models", nargs="+", choices=models, default=list(models))
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--steps", type=int, default=600, help="training steps of the models trained on English text")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
@@ -192,7 +193,7 @@ def main() -> None:
           "splits of each held-out pool (1/3 line search, 2/3 test)", flush=True)
     english = [name for name in args.models if name.endswith("-en")]
     gpt2 = [name for name in args.models if name.startswith("gpt2-")]
-    setups = [english_setups(english, args.quick, args.cache)]
+    setups = [english_setups(english, args.quick, args.cache, args.steps)]
     if gpt2:
         setups.append(gpt2_setups(args.quick, os.path.join(args.cache, "step_modes") if args.cache else None, gpt2))
     if "minilm" in args.models:
