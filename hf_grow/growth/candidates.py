@@ -108,7 +108,7 @@ def _choose(
                 prepared.config.solver, problem.mode, step_mode,
             )
         problem.set_step_mode(step_mode)
-        pass
+        write_weights(adapter, target, at_zero)
         outcome = search.line_search(prepared, problem, target, search_batches, progress=progress)
         searched_passes += outcome.passes
         confirm_passes += 1
