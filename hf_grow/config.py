@@ -27,6 +27,10 @@ from .statistics import parse_bytes
 
 #: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z.
 DEFAULT_TRUNCATION = "whitened"
+#: What ``"auto"`` lets the held-out loss choose from, per option, simplest first: the candidates are the
+#: product over the options set to "auto", each line-searched; the simplest (the first of each) is kept when
+#: the held-out batches the search did not use disagree with the search (`hf_grow.growth.candidates`).
+AUTO_CHOICES = {"truncation": ("whitened", "frobenius"), "step_mode": ("per_head", "per_layer")}
 SEARCHES = ("exact", "fast")
 #: How one searched step size becomes each layer's lam. "global": one lam for all layers, lam = t * lam_unit
 #: with lam_unit = sqrt(sum ||Z||^2 / sum ||P||^2) over every head (whitened norms). "per_layer": the original
@@ -96,16 +100,22 @@ class GrowthConfig:
         default=None,
         metadata={"help": "skip the line search and take this (relative) step; 0 keeps exactly the old function"},
     )
-    step_mode: Literal["global", "per_layer", "per_head", "layer_search", "coordinate"] = field(
+    step_mode: Literal["global", "per_layer", "per_head", "layer_search", "coordinate", "auto"] = field(
         default=DEFAULT_STEP_MODE,
         metadata={"help": "global: one step lam for all layers; per_layer: each layer steps by t * ||Z_l|| / ||P_l|| "
                   "with one t searched (the original notes' step); per_head: the same ratio per head; layer_search: "
                   "each layer's step searched alone, then one multiplier; coordinate: per_layer, then each layer's "
-                  "step refined with the others fixed"},
+                  "step refined with the others fixed; auto: per_head or per_layer, chosen by held-out loss"},
     )
-    truncation: Literal["whitened", "frobenius"] = field(
+    truncation: Literal["whitened", "frobenius", "auto"] = field(
         default=DEFAULT_TRUNCATION,
-        metadata={"help": "rank truncation in the metric of C (whitened) or in the plain Frobenius norm of Z"},
+        metadata={"help": "rank truncation in the metric of C (whitened) or in the plain Frobenius norm of Z; auto: "
+                  "either, chosen by held-out loss"},
+    )
+    confirm_fraction: float = field(
+        default=1 / 3,
+        metadata={"help": "with truncation or step_mode auto: the share of the held-out batches kept from the "
+                  "search to confirm its choice (the simplest candidate is kept when they disagree)"},
     )
     search: Literal["exact", "fast"] = field(
         default="exact",
@@ -169,10 +179,12 @@ class GrowthConfig:
             raise ValueError("multiple_of applies to a budget allocation: pass budget=N with it, or leave it at 1.")
         if self.p is not None:
             check_p(self.p)  # which layers there are needs the model
-        _choose("truncation", self.truncation, linalg.TRUNCATIONS)
+        _choose("truncation", self.truncation, (*linalg.TRUNCATIONS, "auto"))
         _choose("solver", self.solver, linalg.SOLVERS)
         _choose("search", self.search, SEARCHES)
-        _choose("step_mode", self.step_mode, STEP_MODES)
+        _choose("step_mode", self.step_mode, (*STEP_MODES, "auto"))
+        if not 0 < self.confirm_fraction < 1:
+            raise ValueError(f"confirm_fraction must be in (0, 1), got {self.confirm_fraction}")
         _choose("method", self.statistics_method, STATISTICS_METHODS)  # collect_statistics' name for it
         if self.step_size is not None and (not math.isfinite(self.step_size) or self.step_size < 0):
             raise ValueError(f"step_size must be a finite number >= 0, got {self.step_size}")
@@ -199,6 +211,14 @@ class GrowthConfig:
     @property
     def torch_compute_dtype(self) -> torch.dtype:
         return COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def candidates(self) -> list[tuple[str, str]]:
+        """The (truncation, step_mode) pairs the held-out loss chooses from, the simplest first (`AUTO_CHOICES`);
+        one pair where neither option is "auto"."""
+        truncations = AUTO_CHOICES["truncation"] if self.truncation == "auto" else (self.truncation,)
+        step_modes = AUTO_CHOICES["step_mode"] if self.step_mode == "auto" else (self.step_mode,)
+        return [(truncation, step_mode) for truncation in truncations for step_mode in step_modes]
 
     def replace(self, **overrides: Any) -> GrowthConfig:
         """A copy with ``overrides`` applied and checked; an unknown option is a TypeError naming the known ones."""

@@ -88,6 +88,25 @@ def model_card(
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}")
 
 
+def _selection(report: GrowthReport) -> str:
+    """The card's line on how the held-out loss chose among the "auto" candidates (empty without a choice)."""
+    if report.selection is None:
+        return ""
+    rows = "\n".join(
+        f"| {c.truncation} | {c.step_mode} | {c.step_size:.4g} | {_loss(c.search_loss)} | {_loss(c.confirm_loss)} |"
+        for c in report.candidates
+    )
+    table = (
+        "\n\n| truncation | step mode | step size | held-out loss (search) | held-out loss (confirmation) |\n"
+        f"|---|---|---|---|---|\n{rows}" if report.selection != "simplest" else ""
+    )
+    return f"\n- Candidate: {report.selection_summary()} (`selection` {report.selection}).{table}"
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def _card_body(
     report: GrowthReport,
     architecture: str,
@@ -146,7 +165,7 @@ old one was and takes one step downhill. At step 0 it computes exactly the old f
 - Parameters: {report.parameters_before:,} -> {report.parameters_after:,} ({report.parameters_added:,} added).
 - Statistics: {report.statistics_tokens:,} tokens in {report.statistics_batches} batches{f" of {data}" if data else ""}.
 - Held-out loss: {loss(report.eval_loss_before)} -> {loss(report.eval_loss_after)} (perplexity {perplexity}).
-- Step: {step}; truncation `{report.truncation}`.{budget}
+- Step: {step}; truncation `{report.truncation}`.{budget}{_selection(report)}
 
 | layer | Q/K dims before | Q/K dims after | expected gain | realized gain |
 |---|---|---|---|---|

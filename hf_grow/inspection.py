@@ -203,7 +203,7 @@ def inspect_growth(
     else:
         check_statistics(statistics, model, adapter)
     problem = GrowthProblem(
-        model, adapter, statistics, qk_dims, "whitened", config.rtol, "eigh", step_mode=config.step_mode,
+        model, adapter, statistics, qk_dims, "whitened", config.rtol, "eigh", step_mode=config.candidates[0][1],
         mode=adapter.growth_modes[0], with_rates=True,
     )
     layers = []

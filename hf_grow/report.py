@@ -66,6 +66,18 @@ class LineSearchPoint:
 
 
 @dataclass
+class CandidateReport:
+    """One (truncation, step_mode) candidate of ``"auto"`` options, at its best line-searched step."""
+
+    truncation: str
+    step_mode: str
+    step_size: float
+    #: Held-out loss at that step on the batches its step was searched on, and on the confirmation batches.
+    search_loss: float | None
+    confirm_loss: float | None
+
+
+@dataclass
 class GrowthReport:
     model_class: str
     model_type: str
@@ -107,6 +119,19 @@ class GrowthReport:
     line_search_passes: float | None = None
     #: The `hf_grow.GrowthConfig` that produced the model, as a dict (None in reports written before it).
     config: dict | None = None
+    #: With truncation or step_mode "auto": every candidate, the simplest first (empty without a choice).
+    candidates: list[CandidateReport] = field(default_factory=list)
+    #: How the candidate was chosen: "search" (the search's best, confirmed or the simplest itself), "fallback"
+    #: (the confirmation disagreed with the search: the simplest kept), "simplest" (no held-out choice could be
+    #: made: a given step_size, or too few held-out batches to keep some for confirmation); None without "auto".
+    selection: str | None = None
+    #: The simplest candidate's confirmation loss minus the chosen one's (> 0: the choice gains on batches its
+    #: search never saw; 0 when the simplest is kept).
+    selection_margin: float | None = None
+
+    @property
+    def candidate_name(self) -> str:
+        return f"{self.truncation}, {self.step_mode.replace('_', ' ')}"
 
     @property
     def qk_dims_before(self) -> list[int]:
@@ -135,6 +160,7 @@ class GrowthReport:
     def from_dict(cls, data: dict) -> GrowthReport:
         data = {key: value for key, value in data.items() if key in {f.name for f in fields(cls)}}
         data["line_search"] = [LineSearchPoint(**point) for point in data.get("line_search", [])]
+        data["candidates"] = [CandidateReport(**candidate) for candidate in data.get("candidates", [])]
         data["layers"] = [
             LayerReport(**{**layer, "heads": [HeadReport(**head) for head in layer["heads"]]})
             for layer in data.get("layers", [])
@@ -157,6 +183,8 @@ class GrowthReport:
             f" mode {self.mode}, truncation {self.truncation}, search {self.search}",
             f"Q/K dims {self.qk_dims_before} -> {self.qk_dims_after}, parameters added {self.parameters_added:,}",
         ]
+        if self.selection is not None:
+            lines.append(self.selection_summary())
         if self.budget is not None:
             lines.append(f"budget of {self.budget} added dims per head allocated to layers by expected gain")
         if self.unconstrained_eval_loss is not None:
@@ -168,6 +196,21 @@ class GrowthReport:
                 f"{fmt(layer.realized_gain):>13}"
             )
         return "\n".join(lines)
+
+
+    def selection_summary(self) -> str:
+        """One line: which candidate of the "auto" options was kept, how, and by how much."""
+        others = len(self.candidates) - 1
+        if self.selection == "simplest":
+            return f"{self.candidate_name} kept without a held-out choice (a step size given, or one held-out batch)"
+        if self.selection == "fallback":
+            searched = min(self.candidates, key=lambda c: math.inf if c.search_loss is None else c.search_loss)
+            return (
+                f"{self.candidate_name} kept: the search preferred {searched.truncation}, "
+                f"{searched.step_mode.replace('_', ' ')}, which the confirmation batches did not"
+            )
+        margin = "" if not self.selection_margin else f", {self.selection_margin:.4g} below the simplest on confirmation"
+        return f"{self.candidate_name} chosen by held-out loss over {others} other candidate(s){margin}"
 
 
 def load_growth_report(directory: str | os.PathLike) -> GrowthReport:

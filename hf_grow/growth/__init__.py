@@ -11,12 +11,13 @@ The package, one job a module: `problem` (the solve: weights at any step size), 
 head is expected to gain), `line_search` (held-out loss and the search over step sizes), `prepare`
 (validation before any work, statistics, the solved problem), `search` (the line search on the grown model
 and its report), `layer_steps` (searches of each layer's step, held-out passes that replay unchanged blocks),
-`api` (`grow_model`).
+`candidates` (with "auto" options: each candidate's line search, the choice confirmed on held-out batches the
+search did not use), `api` (`grow_model`).
 """
 
 from .api import grow_model
 from .line_search import best_step, evaluate_loss, search_step_size, split_batches
-from ..config import DEFAULT_TRUNCATION, SEARCHES, STEP_MODES
+from ..config import AUTO_CHOICES, DEFAULT_TRUNCATION, SEARCHES, STEP_MODES
 from .prepare import (
     WEIGHTS_RTOL,
     PreparedGrowth,
@@ -27,10 +28,11 @@ from .prepare import (
     resolve_growth,
 )
 from .problem import MODES, GrowthProblem, QKWeights, write_weights
-from .search import search_and_report
+from .candidates import search_and_report
 
 
 __all__ = [
+    "AUTO_CHOICES",
     "DEFAULT_TRUNCATION",
     "MODES",
     "SEARCHES",

@@ -14,7 +14,7 @@ from ..distributed import Processes, unwrap_model
 from ..sentence import as_loss_fn, is_sentence_transformer, transformer_module, with_grown_model
 from ..statistics import GrowthStatistics, LossFn
 from .prepare import merged_if_peft, prepare_growth
-from .search import search_and_report
+from .candidates import search_and_report
 
 
 if TYPE_CHECKING:

@@ -227,11 +227,15 @@ def prepare_growth(
     # With a budget, each layer is solved for the widest it may get (the budget is allocated from the rates).
     widest = qk_after if growth is not None else [min(max_rank, dim + config.budget) for dim in qk_before]
 
+    truncation, step_mode = config.candidates[0]  # of "auto" options the simplest (`growth.candidates`)
+    # One truncation among the candidates: M is freed group by group; several are solved from the same M later.
+    single_truncation = len({candidate[0] for candidate in config.candidates}) == 1
+
     def solve(statistics: GrowthStatistics, layers: Iterable[int], release: bool) -> GrowthProblem:
         return GrowthProblem(
-            model, adapter, statistics, qk_before if growth is None else qk_after, config.truncation, config.rtol,
-            config.solver, mode, config.step_mode, max_dims_after=widest, with_rates=growth is None,
-            layers=layers, release=release,
+            model, adapter, statistics, qk_before if growth is None else qk_after, truncation, config.rtol,
+            config.solver, mode, step_mode, max_dims_after=widest, with_rates=growth is None,
+            layers=layers, release=release and single_truncation,
         )
 
     problem: GrowthProblem | None = None

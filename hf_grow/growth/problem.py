@@ -54,7 +54,6 @@ class GrowthProblem:
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
         self.statistics = statistics
-        self.step_mode = step_mode
         self.truncation = truncation
         self.solver = solver
         self.mode = mode
@@ -106,9 +105,15 @@ class GrowthProblem:
                 if self._release:
                     self.statistics.gradients[layer] = None
         if all(part is not None for part in self.layers):
-            self._set_steps()
+            self.set_step_mode(self.step_mode)
 
-    def _set_steps(self) -> None:
+    def set_step_mode(self, step_mode: str) -> None:
+        """Take steps the ``step_mode`` way (`hf_grow.config.STEP_MODES`) from now on, without solving again: only
+        the lam units, the head factors and the layer scales depend on it."""
+        if step_mode not in STEP_MODES:
+            raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
+        self.step_mode = step_mode
+        self.layer_scales = [1.0] * len(self.layers)
         #: The model-wide lam per unit step size (with steps per layer, the root mean square of the layers'),
         #: each layer's own, and each head's relative to its layer's (ones but with ``step_mode="per_head"``).
         norm = "whitened" if self.step_mode == "global" else self.truncation

@@ -1,4 +1,9 @@
-"""The line search on the grown model, the chosen weights written into it, and the growth report."""
+"""The line search on the grown model, the chosen weights written into it, and the growth report.
+
+`line_search` searches one solved problem's step on some held-out batches; `write_report` reports the step
+chosen; `search_and_report` does both for the prepared problem (`hf_grow.growth.candidates` runs the line search
+for each candidate of "auto" options and reports the one kept).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +11,39 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
+
+from torch import Tensor
 
 from transformers import PreTrainedModel
 
 from ..progress import progress_bar
-from ..report import GrowthReport, LayerReport, LineSearchPoint
+from ..report import CandidateReport, GrowthReport, LayerReport, LineSearchPoint
 from .head_reports import head_reports
 from .layer_steps import HeldOutPasses, search_coordinates, search_layers_alone
 from .line_search import best_step, evaluate_loss, search_step_size
 from .prepare import PreparedGrowth
-from .problem import write_weights
+from .problem import GrowthProblem, QKWeights, write_weights
 
 
 logger = logging.getLogger("hf_grow")
+
+
+@dataclass
+class SearchOutcome:
+    """The step a line search chose, its weights (left in the target model) and what it cost."""
+
+    step_size: float
+    weights: QKWeights
+    #: Held-out loss at step 0 (the old function) and at the chosen step; None without held-out batches.
+    loss_before: float | None
+    loss_after: float | None
+    eval_weight: int
+    unconstrained_loss: float | None = None
+    points: list[LineSearchPoint] = field(default_factory=list)
+    #: Full passes over the searched held-out batches (None without them).
+    passes: float | None = None
 
 
 def search_and_report(
@@ -30,12 +54,29 @@ def search_and_report(
     progress: bool,
     started: float,
 ) -> GrowthReport:
-    """Line-search the step on ``target`` (a model of the grown widths), leave the chosen weights in it, report.
+    """Line-search the prepared problem's step on ``target`` (a model of the grown widths), leave the chosen
+    weights in it, report. ``target`` computes the old function on entry (the step-0 weights)."""
+    tick = time.perf_counter()
+    outcome = line_search(prepared, prepared.problem, target, prepared.eval_batches, progress=progress)
+    prepared.seconds["line_search"] = time.perf_counter() - tick
+    return write_report(
+        prepared, prepared.problem, target, outcome, prepared.eval_batches,
+        measure_realized_gains=measure_realized_gains, progress=progress, started=started,
+    )
 
-    ``target`` computes the old function on entry (the step-0 weights); on exit it holds the chosen step.
-    """
-    model, adapter, problem, eval_batches = prepared.model, prepared.adapter, prepared.problem, prepared.eval_batches
-    qk_after, seconds, accelerator = prepared.qk_after, prepared.seconds, prepared.accelerator
+
+def line_search(
+    prepared: PreparedGrowth,
+    problem: GrowthProblem,
+    target: PreTrainedModel,
+    eval_batches: list[dict[str, Tensor]] | None,
+    *,
+    progress: bool,
+) -> SearchOutcome:
+    """Search ``problem``'s step on ``eval_batches`` (or take the config's ``step_size``) in ``target``, which
+    computes the old function on entry; on exit it holds the chosen step's weights."""
+    model, adapter = prepared.model, prepared.adapter
+    qk_after, accelerator = prepared.qk_after, prepared.accelerator
     config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
 
     passes = None if eval_batches is None else HeldOutPasses(target, adapter, eval_batches, loss_fn, accelerator)
@@ -57,7 +98,6 @@ def search_and_report(
             evaluated.update(loss=loss, step=step, weights=weights)
         return loss
 
-    tick = time.perf_counter()
     points: list[LineSearchPoint] = []
     unconstrained_loss = None
     eval_weight = 0
@@ -119,18 +159,41 @@ def search_and_report(
                 evaluated["step"] = step_size
     chosen = evaluated["weights"] if evaluated.get("step") == step_size else problem.weights(step_size)
     write_weights(adapter, target, chosen)
-    line_search_passes = None if passes is None else passes.passes
     if eval_batches is not None and loss_after is None:
         loss_after = evaluate(target)
-    seconds["line_search"] = time.perf_counter() - tick
+    return SearchOutcome(
+        step_size, chosen, loss_before, loss_after, eval_weight, unconstrained_loss, points,
+        None if passes is None else passes.passes,
+    )
 
+
+def write_report(
+    prepared: PreparedGrowth,
+    problem: GrowthProblem,
+    target: PreTrainedModel,
+    outcome: SearchOutcome,
+    eval_batches: list[dict[str, Tensor]] | None,
+    *,
+    measure_realized_gains: bool,
+    progress: bool,
+    started: float,
+    candidates: list[CandidateReport] | None = None,
+    selection: str | None = None,
+    selection_margin: float | None = None,
+) -> GrowthReport:
+    """The growth report of ``outcome`` (``problem``'s step, whose weights ``target`` holds), with each layer's
+    realized gain on ``eval_batches`` (against ``outcome.loss_before``, their loss at step 0) when measured."""
+    model, adapter, config, seconds = prepared.model, prepared.adapter, prepared.config, prepared.seconds
+    qk_after, step_size, loss_before = prepared.qk_after, outcome.step_size, outcome.loss_before
     tick = time.perf_counter()
     realized: list[float | None] = [None] * len(qk_after)
     if measure_realized_gains and eval_batches is not None and step_size > 0:
-        unchanged, stepped = problem.weights(0.0), chosen
+        unchanged, stepped = problem.weights(0.0), outcome.weights
         for layer in progress_bar(range(len(qk_after)), desc="realized gains", unit="layer", enabled=progress):
             write_weights(adapter, target, {**unchanged, layer: stepped[layer]})
-            realized[layer] = loss_before - evaluate(target)
+            realized[layer] = loss_before - evaluate_loss(
+                target, eval_batches, adapter, prepared.loss_fn, prepared.accelerator
+            )[0]
         write_weights(adapter, target, stepped)
     layers = []
     for layer in range(len(problem.layers)):
@@ -159,21 +222,24 @@ def search_and_report(
         step_size=step_size,
         lam=math.sqrt(sum(layer.lam**2 for layer in layers) / len(layers)),
         eval_loss_before=loss_before,
-        eval_loss_after=loss_after,
-        unconstrained_eval_loss=unconstrained_loss,
+        eval_loss_after=outcome.loss_after,
+        unconstrained_eval_loss=outcome.unconstrained_loss,
         statistics_tokens=prepared.statistics.num_tokens,
         statistics_batches=prepared.statistics.num_batches,
         statistics_method=prepared.statistics.method,
-        eval_weight=eval_weight,
+        eval_weight=outcome.eval_weight,
         parameters_before=prepared.parameters_before,
         parameters_after=target.num_parameters(),
         seconds=seconds,
-        line_search=points,
+        line_search=outcome.points,
         layers=layers,
         budget=config.budget,
         step_mode=problem.step_mode,
-        line_search_passes=line_search_passes,
+        line_search_passes=outcome.passes,
         config=config.to_dict(),
+        candidates=candidates or [],
+        selection=selection,
+        selection_margin=selection_margin,
     )
     logger.info("grew %s: %s", type(model).__name__, report.summary())
     return report

@@ -1,0 +1,124 @@
+"""truncation="auto" / step_mode="auto": the held-out loss chooses the candidate, confirmed on batches the search
+never saw (`hf_grow.growth.candidates`)."""
+
+import pytest
+import torch
+
+from hf_grow import GrowthConfig, collect_statistics, get_adapter, grow_model
+from hf_grow.hub import model_card
+from hf_grow.report import load_growth_report
+
+from conftest import lm_batches, outputs_of
+
+
+AUTO = dict(truncation="auto", step_mode="auto")
+
+
+@pytest.fixture(scope="module")
+def statistics(trained_gpt2, stdlib_bytes):
+    return collect_statistics(trained_gpt2, lm_batches(stdlib_bytes["stats"], 4, seed=31), get_adapter(trained_gpt2))
+
+
+@pytest.fixture(scope="module")
+def held_out(stdlib_bytes):
+    """A held-out batch on which whitened truncation with steps per layer beats the simplest candidate (whitened,
+    per head) by about 0.001 nats: the constructed case with a known better candidate that is not the simplest."""
+    return lm_batches(stdlib_bytes["eval"], 1, seed=43)[0]
+
+
+def signed_loss(model, batch):
+    """The model's loss, negated on batches marked ``sign=-1``: such a batch ranks the candidates opposite."""
+    loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    return loss * batch.get("sign", 1.0)
+
+
+def grown(model, statistics, eval_batches, **settings):
+    return grow_model(model, None, p=8, statistics=statistics, eval_dataloader=eval_batches, loss_fn=signed_loss,
+                      measure_realized_gains=False, **settings)
+
+
+@pytest.fixture(scope="module")
+def alone(trained_gpt2, statistics, held_out):
+    """Each candidate grown alone, its step searched on the held-out batch: (truncation, step_mode) -> report."""
+    return {
+        (truncation, step_mode): grown(trained_gpt2, statistics, [held_out], truncation=truncation,
+                                       step_mode=step_mode).growth_report
+        for truncation, step_mode in GrowthConfig(**AUTO).candidates
+    }
+
+
+@pytest.fixture(scope="module")
+def chosen(trained_gpt2, statistics, held_out):
+    """Auto options with confirmation batches that agree with the search's: the same batch again."""
+    return grown(trained_gpt2, statistics, [held_out, held_out], **AUTO)
+
+
+def test_the_search_keeps_the_known_better_candidate(chosen, alone):
+    best = min(alone, key=lambda candidate: alone[candidate].eval_loss_after)
+    assert best == ("whitened", "per_layer")  # the constructed case: not the simplest
+    report = chosen.growth_report
+    assert (report.truncation, report.step_mode, report.selection) == ("whitened", "per_layer", "search")
+    # every candidate was searched from the old function, as it is alone
+    for candidate in report.candidates:
+        by_itself = alone[candidate.truncation, candidate.step_mode]
+        assert candidate.step_size == pytest.approx(by_itself.step_size, rel=1e-9)
+        assert candidate.search_loss == pytest.approx(by_itself.eval_loss_after, abs=1e-5)
+        assert candidate.confirm_loss == pytest.approx(candidate.search_loss, abs=1e-6)  # the same batch
+    assert report.eval_loss_after == pytest.approx(alone[best].eval_loss_after, abs=1e-5)
+    assert report.eval_loss_before == pytest.approx(alone[best].eval_loss_before, abs=1e-6)
+    simplest = alone["whitened", "per_head"].eval_loss_after
+    assert report.selection_margin == pytest.approx(simplest - alone[best].eval_loss_after, abs=1e-5)
+    assert report.selection_margin > 5e-4
+
+
+def test_the_confirmation_rejects_a_choice_that_only_fits_the_search_batches(
+    trained_gpt2, statistics, held_out, alone
+):
+    flipped = {**held_out, "sign": torch.tensor(-1.0)}  # the confirmation batch ranks the candidates opposite
+    model = grown(trained_gpt2, statistics, [held_out, flipped], **AUTO)
+    report = model.growth_report
+    assert (report.truncation, report.step_mode, report.selection) == ("whitened", "per_head", "fallback")
+    assert report.selection_margin == 0.0
+    searched = min(report.candidates, key=lambda candidate: candidate.search_loss)
+    assert (searched.truncation, searched.step_mode) == ("whitened", "per_layer")
+    # the grown model holds the simplest candidate's step: its loss on the search batch is the simplest's alone
+    simplest = alone["whitened", "per_head"]
+    assert report.step_size == pytest.approx(simplest.step_size, rel=1e-9)
+    with torch.no_grad():
+        assert float(signed_loss(model, held_out)) == pytest.approx(simplest.eval_loss_after, abs=1e-5)
+    assert "the search preferred whitened, per layer, which the confirmation batches did not" in report.summary()
+
+
+def test_report_and_card_name_the_chosen_candidate(chosen, tmp_path):
+    report = chosen.growth_report
+    assert "whitened, per layer chosen by held-out loss over 3 other candidate(s)" in report.summary()
+    chosen.save_pretrained(tmp_path)
+    loaded = load_growth_report(tmp_path)
+    assert loaded.candidates == report.candidates and loaded.selection == "search"
+    assert loaded.config["truncation"] == loaded.config["step_mode"] == "auto"
+    card = str(model_card(tmp_path, base_model=None))
+    assert "- Candidate: whitened, per layer chosen by held-out loss" in card
+    assert "`selection` search" in card
+    assert "| frobenius | per_layer |" in card  # every candidate's losses
+
+
+def test_step_0_is_exact_and_the_simplest_is_kept_without_a_held_out_choice(gpt2_copy, stdlib_bytes):
+    batches, batch = lm_batches(stdlib_bytes["stats"], 3), lm_batches(stdlib_bytes["test"], 1, seed=5)[0]
+    at_zero = grow_model(gpt2_copy, batches, step_size=0.0, **AUTO)
+    report = at_zero.growth_report
+    assert (report.truncation, report.step_mode, report.selection) == ("whitened", "per_head", "simplest")
+    for before, after in zip(outputs_of(gpt2_copy, batch), outputs_of(at_zero, batch)):
+        torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+    # one held-out batch leaves none to confirm on: the simplest candidate, its step searched
+    one_batch = grow_model(gpt2_copy, batches, eval_dataloader=batches[:1], measure_realized_gains=False, **AUTO)
+    assert (one_batch.growth_report.selection, one_batch.growth_report.step_mode) == ("simplest", "per_head")
+    assert one_batch.growth_report.step_size > 0
+
+
+def test_bad_confirm_fraction_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="confirm_fraction must be in"):
+        GrowthConfig(confirm_fraction=1.0)
+    assert GrowthConfig(truncation="auto", step_mode="per_layer").candidates == [
+        ("whitened", "per_layer"), ("frobenius", "per_layer")
+    ]
+    assert GrowthConfig(truncation="frobenius", step_mode="per_head").candidates == [("frobenius", "per_head")]
