@@ -54,6 +54,7 @@ class GrowthProblem:
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
         self.statistics = statistics
+        self.step_mode = step_mode
         self.truncation = truncation
         self.solver = solver
         self.mode = mode
