@@ -25,12 +25,9 @@ from .statistics import METHODS as STATISTICS_METHODS
 from .statistics import parse_bytes
 
 
-#: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z.
+#: Measured on GPT-2s trained on code (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of
+#: Z; the simplest candidate of ``truncation="auto"`` (the default), and `GrowthProblem`'s.
 DEFAULT_TRUNCATION = "whitened"
-#: What ``"auto"`` lets the held-out loss choose from, per option, simplest first: the candidates are the
-#: product over the options set to "auto", each line-searched; the simplest (the first of each) is kept when
-#: the held-out batches the search did not use disagree with the search (`hf_grow.growth.candidates`).
-AUTO_CHOICES = {"truncation": ("whitened", "frobenius"), "step_mode": ("per_head", "per_layer")}
 SEARCHES = ("exact", "fast")
 #: How one searched step size becomes each layer's lam. "global": one lam for all layers, lam = t * lam_unit
 #: with lam_unit = sqrt(sum ||Z||^2 / sum ||P||^2) over every head (whitened norms). "per_layer": the original
@@ -49,12 +46,21 @@ STEP_MODES = ("global", "per_layer", "per_head", "layer_search", "coordinate")
 #: 1.6x "per_layer" on the GPT-2s for about 4x the held-out passes but overfit MiniLM's 8 line-search batches
 #: (below the notes' formula on 1 and 2 of its 3 splits); one global lam fell to 0.80x the notes on one split.
 DEFAULT_STEP_MODE = "per_head"
+#: What ``"auto"`` lets the held-out loss choose from, per option, simplest first: the candidates are the
+#: product over the options set to "auto", each line-searched; the simplest (the first of each) is kept when
+#: the held-out batches the search did not use disagree with the search (`hf_grow.growth.candidates`).
+AUTO_CHOICES = {"truncation": (DEFAULT_TRUNCATION, "frobenius"), "step_mode": (DEFAULT_STEP_MODE, "per_layer")}
+#: `GrowthConfig`'s default truncation and step mode. Measured (BENCHMARKS.md, bench_candidates.py) on trained
+#: GPT-2s with byte and BPE vocabularies on English text and code, and a Llama: never below the notes' formula
+#: (1.19x at least), 1.02x the best single candidate (whitened, per head) on average, which it falls back to.
+DEFAULT_CHOICE = "auto"
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
 class GrowthConfig:
-    """How a model grows. Every option has the default `grow_model` has always had, but ``step_mode`` (measured).
+    """How a model grows. Every option has the default `grow_model` has always had, but ``step_mode`` and
+    ``truncation`` (measured: "auto", the held-out loss chooses them).
 
     ``GrowthConfig(p=16, truncation="frobenius")``; ``config.replace(step_size=0.0)`` for a checked variant;
     ``config.to_json_file(path)`` / ``GrowthConfig.from_json_file(path)`` to keep it. Each field's help text
@@ -100,14 +106,14 @@ class GrowthConfig:
         metadata={"help": "skip the line search and take this (relative) step; 0 keeps exactly the old function"},
     )
     step_mode: Literal["global", "per_layer", "per_head", "layer_search", "coordinate", "auto"] = field(
-        default=DEFAULT_STEP_MODE,
+        default=DEFAULT_CHOICE,
         metadata={"help": "global: one step lam for all layers; per_layer: each layer steps by t * ||Z_l|| / ||P_l|| "
                   "with one t searched (the original notes' step); per_head: the same ratio per head; layer_search: "
                   "each layer's step searched alone, then one multiplier; coordinate: per_layer, then each layer's "
                   "step refined with the others fixed; auto: per_head or per_layer, chosen by held-out loss"},
     )
     truncation: Literal["whitened", "frobenius", "auto"] = field(
-        default=DEFAULT_TRUNCATION,
+        default=DEFAULT_CHOICE,
         metadata={"help": "rank truncation in the metric of C (whitened) or in the plain Frobenius norm of Z; auto: "
                   "either, chosen by held-out loss"},
     )
