@@ -52,7 +52,7 @@ DEFAULT_STEP_MODE = "per_head"
 AUTO_CHOICES = {"truncation": (DEFAULT_TRUNCATION, "frobenius"), "step_mode": (DEFAULT_STEP_MODE, "per_layer")}
 #: `GrowthConfig`'s default truncation and step mode. Measured (BENCHMARKS.md, bench_candidates.py) on trained
 #: GPT-2s with byte and BPE vocabularies on English text and code, and a Llama: never below the notes' formula
-#: (1.19x at least), 1.02x the best single candidate (whitened, per head) on average, which it falls back to.
+#: (1.19x at least), 1.01x the best single candidate (whitened, per head) on average, which it falls back to.
 DEFAULT_CHOICE = "auto"
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
