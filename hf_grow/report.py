@@ -206,7 +206,7 @@ class GrowthReport:
                 f"{self.candidate_name} kept: the search preferred {searched.truncation}, "
                 f"{searched.step_mode.replace('_', ' ')}, which the confirmation batches did not"
             )
-        margin = "" if not self.selection_margin else f", {self.selection_margin:.4g} below the simplest on confirmation"
+        margin = f", {self.selection_margin:.4g} below the simplest on confirmation" if self.selection_margin else ""
         return f"{self.candidate_name} chosen by held-out loss over {others} other candidate(s){margin}"
 
 
