@@ -25,8 +25,8 @@ from .statistics import METHODS as STATISTICS_METHODS
 from .statistics import parse_bytes
 
 
-#: Measured on GPT-2s trained on code (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of
-#: Z; the simplest candidate of ``truncation="auto"`` (the default), and `GrowthProblem`'s.
+#: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z. Also
+#: the simplest candidate of ``truncation="auto"``.
 DEFAULT_TRUNCATION = "whitened"
 SEARCHES = ("exact", "fast")
 #: How one searched step size becomes each layer's lam. "global": one lam for all layers, lam = t * lam_unit
@@ -50,17 +50,12 @@ DEFAULT_STEP_MODE = "per_head"
 #: product over the options set to "auto", each line-searched; the simplest (the first of each) is kept when
 #: the held-out batches the search did not use disagree with the search (`hf_grow.growth.candidates`).
 AUTO_CHOICES = {"truncation": (DEFAULT_TRUNCATION, "frobenius"), "step_mode": (DEFAULT_STEP_MODE, "per_layer")}
-#: `GrowthConfig`'s default truncation and step mode. Measured (BENCHMARKS.md, bench_candidates.py) on trained
-#: GPT-2s with byte and BPE vocabularies on English text and code, and a Llama: never below the notes' formula
-#: (1.19x at least), 1.01x the best single candidate (whitened, per head) on average, which it falls back to.
-DEFAULT_CHOICE = "auto"
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
 class GrowthConfig:
-    """How a model grows. Every option has the default `grow_model` has always had, but ``step_mode`` and
-    ``truncation`` (measured: "auto", the held-out loss chooses them).
+    """How a model grows. Every option has the default `grow_model` has always had, but ``step_mode`` (measured).
 
     ``GrowthConfig(p=16, truncation="frobenius")``; ``config.replace(step_size=0.0)`` for a checked variant;
     ``config.to_json_file(path)`` / ``GrowthConfig.from_json_file(path)`` to keep it. Each field's help text
@@ -106,14 +101,14 @@ class GrowthConfig:
         metadata={"help": "skip the line search and take this (relative) step; 0 keeps exactly the old function"},
     )
     step_mode: Literal["global", "per_layer", "per_head", "layer_search", "coordinate", "auto"] = field(
-        default=DEFAULT_CHOICE,
+        default=DEFAULT_STEP_MODE,
         metadata={"help": "global: one step lam for all layers; per_layer: each layer steps by t * ||Z_l|| / ||P_l|| "
                   "with one t searched (the original notes' step); per_head: the same ratio per head; layer_search: "
                   "each layer's step searched alone, then one multiplier; coordinate: per_layer, then each layer's "
                   "step refined with the others fixed; auto: per_head or per_layer, chosen by held-out loss"},
     )
     truncation: Literal["whitened", "frobenius", "auto"] = field(
-        default=DEFAULT_CHOICE,
+        default=DEFAULT_TRUNCATION,
         metadata={"help": "rank truncation in the metric of C (whitened) or in the plain Frobenius norm of Z; auto: "
                   "either, chosen by held-out loss"},
     )

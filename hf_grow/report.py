@@ -98,6 +98,8 @@ class GrowthReport:
     parameters_before: int
     parameters_after: int
     seconds: dict[str, float]
+    #: Every step the line search evaluated; with "auto" options, the kept candidate's, on its search batches
+    #: (``eval_loss_before`` / ``eval_loss_after`` are over all the held-out batches).
     line_search: list[LineSearchPoint] = field(default_factory=list)
     layers: list[LayerReport] = field(default_factory=list)
     #: How the truncations were computed (`hf_grow.linalg.DECOMPOSITION_METHODS`, joined by "+" where

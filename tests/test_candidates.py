@@ -104,14 +104,13 @@ def test_report_and_card_name_the_chosen_candidate(chosen, tmp_path):
 
 def test_step_0_is_exact_and_the_simplest_is_kept_without_a_held_out_choice(gpt2_copy, stdlib_bytes):
     batches, batch = lm_batches(stdlib_bytes["stats"], 3), lm_batches(stdlib_bytes["test"], 1, seed=5)[0]
-    assert len(GrowthConfig().candidates) == 4  # the default searches candidates
-    at_zero = grow_model(gpt2_copy, batches, step_size=0.0)
+    at_zero = grow_model(gpt2_copy, batches, step_size=0.0, **AUTO)
     report = at_zero.growth_report
     assert (report.truncation, report.step_mode, report.selection) == ("whitened", "per_head", "simplest")
     for before, after in zip(outputs_of(gpt2_copy, batch), outputs_of(at_zero, batch)):
         torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
     # one held-out batch leaves none to confirm on: the simplest candidate, its step searched
-    one_batch = grow_model(gpt2_copy, batches, eval_dataloader=batches[:1], measure_realized_gains=False)
+    one_batch = grow_model(gpt2_copy, batches, eval_dataloader=batches[:1], measure_realized_gains=False, **AUTO)
     assert (one_batch.growth_report.selection, one_batch.growth_report.step_mode) == ("simplest", "per_head")
     assert one_batch.growth_report.step_size > 0
 
