@@ -101,6 +101,8 @@ class GrowthReport:
     parameters_before: int
     parameters_after: int
     seconds: dict[str, float]
+    #: Every step the line search evaluated; with "auto" options, the kept candidate's, on its search batches
+    #: (``eval_loss_before`` / ``eval_loss_after`` are over all the held-out batches).
     line_search: list[LineSearchPoint] = field(default_factory=list)
     layers: list[LayerReport] = field(default_factory=list)
     #: How the truncations were computed (`hf_grow.linalg.DECOMPOSITION_METHODS`, joined by "+" where
@@ -209,7 +211,7 @@ class GrowthReport:
                 f"{self.candidate_name} kept: the search preferred {searched.truncation}, "
                 f"{searched.step_mode.replace('_', ' ')}, which the confirmation batches did not"
             )
-        margin = "" if not self.selection_margin else f", {self.selection_margin:.4g} below the simplest on confirmation"
+        margin = f", {self.selection_margin:.4g} below the simplest on confirmation" if self.selection_margin else ""
         return f"{self.candidate_name} chosen by held-out loss over {others} other candidate(s){margin}"
 
 

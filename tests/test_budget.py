@@ -64,9 +64,9 @@ def test_budget_follows_the_inspection_and_lowers_the_loss(trained_gpt2, statist
     assert sum(added) == 24 and all(a % 4 == 0 for a in added)
     assert added == allocate_budget([torch.tensor(layer.marginal_gains) for layer in inspection.layers], 24, 4)
     assert report.eval_loss_after < report.eval_loss_before
-    # The same widths given as p grow the same model.
+    # The same widths given as p grow the same model (at the candidate the held-out loss chose).
     same = grow_model(trained_gpt2, None, p=dict(enumerate(added)), statistics=statistics, step_size=report.step_size,
-                      measure_realized_gains=False)
+                      truncation=report.truncation, step_mode=report.step_mode, measure_realized_gains=False)
     assert all(torch.equal(tensor, same.state_dict()[name]) for name, tensor in grown.state_dict().items())
 
 

@@ -36,6 +36,8 @@ def test_defaults_are_the_ones_grow_model_always_had_but_the_measured_step_mode(
     assert (config.p, config.budget, config.multiple_of, config.step_size) == (None, None, 1, None)
     assert (config.truncation, config.search, config.solver) == ("whitened", "exact", "auto")
     assert config.step_mode == "per_head"  # bench_step_modes.py: never below the notes' formula or per_layer
+    # bench_candidates.py: "auto" not the default (its step, searched on fewer batches, lost on MiniLM)
+    assert config.candidates == [("whitened", "per_head")] and config.confirm_fraction == 1 / 3
     assert (config.initial_step_size, config.rtol, config.eval_fraction) == (0.03, 1e-6, 0.1)
     assert (config.max_batches, config.measure_realized_gains, config.statistics_method) == (None, True, "auto")
     assert (config.compute_dtype, config.query_block, config.memory_budget) == ("float32", None, None)

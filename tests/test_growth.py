@@ -35,7 +35,8 @@ def data(stdlib_bytes):
 @pytest.fixture(scope="module")
 def grown_by_truncation(trained_gpt2, data):
     return {
-        truncation: grow_model(trained_gpt2, data["stats"], p=8, eval_dataloader=data["eval"], truncation=truncation)
+        truncation: grow_model(trained_gpt2, data["stats"], p=8, eval_dataloader=data["eval"], truncation=truncation,
+                              step_mode="per_head")
         for truncation in ("whitened", "frobenius")
     }
 

@@ -91,7 +91,9 @@ def english_streams(vocabulary: str) -> tuple[dict[str, torch.Tensor], int]:
 
         tokenizer = ByteLevelBPETokenizer()
         tokenizer.train_from_iterator(documents["train"], vocab_size=2048, min_frequency=2, show_progress=False)
-        encode = lambda texts: [t for e in tokenizer.encode_batch([x + "\n\n" for x in texts]) for t in e.ids]  # noqa: E731
+        encode = lambda texts: [  # noqa: E731
+            token for encoded in tokenizer.encode_batch([text + "\n\n" for text in texts]) for token in encoded.ids
+        ]
         size = tokenizer.get_vocab_size()
     return {name: torch.tensor(encode(texts), dtype=torch.long) for name, texts in documents.items()}, size
 
