@@ -78,8 +78,8 @@ class GrowthConfig:
       ``"svd"`` (full SVD, several times slower), ``"auto"`` (subspace where the kept rank plus 16 is at most a
       sixth of the hidden size, eigh otherwise); see `hf_grow.linalg.decompose`. The line search's small cores
       use eigh (svd with ``"svd"``).
-    - ``statistics_method``, ``compute_dtype``, ``query_block``, ``memory_budget``, ``max_batches``: how the
-      statistics are collected; see `hf_grow.collect_statistics`.
+    - ``statistics_method``, ``compute_dtype``, ``accumulate_dtype``, ``query_block``, ``memory_budget``,
+      ``max_batches``: how the statistics are collected; see `hf_grow.collect_statistics`.
     """
 
     #: The section of `hf-grow --help` that lists these options (`transformers.HfArgumentParser`).
@@ -150,7 +150,12 @@ class GrowthConfig:
     )
     compute_dtype: Literal["float32", "float64"] = field(
         default="float32",
-        metadata={"help": "precision of the per-batch statistics products (the sums are float64 always)"},
+        metadata={"help": "precision of the per-batch statistics products"},
+    )
+    accumulate_dtype: Literal["float32", "float64"] = field(
+        default="float64",
+        metadata={"help": "precision of M's sums over batches (float32 halves the largest tensors; C is summed in "
+                  "float64 always)"},
     )
     query_block: Optional[int] = field(
         default=None,
@@ -163,11 +168,13 @@ class GrowthConfig:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.compute_dtype, torch.dtype):
-            names = {dtype: name for name, dtype in COMPUTE_DTYPES.items()}
-            if self.compute_dtype not in names:
-                raise ValueError(f"compute_dtype must be float32 or float64, got {self.compute_dtype}")
-            self.compute_dtype = names[self.compute_dtype]
+        names = {dtype: name for name, dtype in COMPUTE_DTYPES.items()}
+        for option in ("compute_dtype", "accumulate_dtype"):
+            dtype = getattr(self, option)
+            if isinstance(dtype, torch.dtype):
+                if dtype not in names:
+                    raise ValueError(f"{option} must be float32 or float64, got {dtype}")
+                setattr(self, option, names[dtype])
         if isinstance(self.p, Mapping):
             self.p = dict(self.p)  # a plain dict: to_dict copies it
         self._check()
@@ -204,6 +211,7 @@ class GrowthConfig:
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget)
         _choose("compute_dtype", self.compute_dtype, tuple(COMPUTE_DTYPES))
+        _choose("accumulate_dtype", self.accumulate_dtype, tuple(COMPUTE_DTYPES))
         if self.query_block is not None and self.query_block <= 0:
             raise ValueError(f"query_block must be positive, got {self.query_block}")
         if self.statistics_method == "triton" and self.compute_dtype != "float32":
@@ -214,6 +222,10 @@ class GrowthConfig:
     @property
     def torch_compute_dtype(self) -> torch.dtype:
         return COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def torch_accumulate_dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPES[self.accumulate_dtype]
 
     @property
     def candidates(self) -> list[tuple[str, str]]:

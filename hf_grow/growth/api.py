@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from ..config import GrowthConfig, resolve_config
 from ..distributed import Processes, unwrap_model
 from ..sentence import as_loss_fn, is_sentence_transformer, transformer_module, with_grown_model
-from ..statistics import GrowthStatistics, LossFn
+from ..statistics import GrowthStatistics, LossFn, return_free_memory
 from .prepare import merged_if_peft, prepare_growth
 from .candidates import search_and_report
 
@@ -99,4 +99,6 @@ def grow_model(
     grown.growth_report = search_and_report(
         prepared, grown, measure_realized_gains=config.measure_realized_gains, progress=progress, started=started
     )
+    del prepared  # the solve and the statistics: only the grown model is returned
+    return_free_memory()
     return grown

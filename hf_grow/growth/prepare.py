@@ -20,7 +20,9 @@ from ..budget import allocate_budget, check_budget
 from ..config import GrowthConfig, check_p
 from ..distributed import Processes
 from ..progress import stage
-from ..statistics import GrowthStatistics, LossFn, batch_loss_weight, collect_statistics, weight_sample
+from ..statistics import (
+    GrowthStatistics, LossFn, batch_loss_weight, collect_statistics, return_free_memory, weight_sample,
+)
 from ..statistics import check_arguments as check_statistics_arguments
 from .line_search import _NO_LOSS_TERMS, split_batches
 from .problem import MODES, GrowthProblem
@@ -120,7 +122,7 @@ def collect_configured_statistics(
     accelerator: Accelerator | None = None,
     on_group: Callable[[GrowthStatistics, list[int]], None] | None = None,
 ) -> GrowthStatistics:
-    """`collect_statistics` with the statistics options of ``config`` (``max_batches``, ``compute_dtype``,
+    """`collect_statistics` with the statistics options of ``config`` (``max_batches``, ``compute_dtype``, ``accumulate_dtype``,
     ``statistics_method``, ``query_block``, ``memory_budget``): one place for `prepare_growth` and
     `inspect_growth`."""
     return collect_statistics(
@@ -130,6 +132,7 @@ def collect_configured_statistics(
         loss_fn,
         config.max_batches,
         compute_dtype=config.torch_compute_dtype,
+        accumulate_dtype=config.torch_accumulate_dtype,
         progress=progress,
         method=config.statistics_method,
         query_block=config.query_block,
@@ -205,7 +208,7 @@ def prepare_growth(
             raise ValueError("growth needs a dataloader, or statistics collected before.")
         check_statistics_arguments(
             config.statistics_method, next(model.parameters()).device, config.torch_compute_dtype, config.query_block,
-            config.max_batches, config.memory_budget,
+            config.max_batches, config.memory_budget, config.torch_accumulate_dtype,
         )
     else:
         check_statistics(statistics, model, adapter)
@@ -251,6 +254,7 @@ def prepare_growth(
                     problem = solve(collected, layers, release=True)
                 else:
                     problem.solve_layers(layers)
+            return_free_memory()
             seconds["solve"] += time.perf_counter() - started
 
         statistics = collect_configured_statistics(
@@ -270,6 +274,7 @@ def prepare_growth(
             qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
             problem.widen(qk_after, adapter, model.config)
             warn_unaligned(qk_after, growth)
+    return_free_memory()
     seconds["solve"] += time.perf_counter() - tick
     return PreparedGrowth(
         model, adapter, config, loss_fn, qk_before, qk_after, max_rank, statistics, eval_batches, problem,

@@ -35,7 +35,7 @@ from .kernels import (
     statistics_attention,
     triton_available,
 )
-from .memory import layer_groups, parse_bytes, statistics_bytes
+from .memory import layer_groups, parse_bytes, return_free_memory, statistics_bytes
 
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "map_tensors",
     "module_modes",
     "parse_bytes",
+    "return_free_memory",
     "restore_modes",
     "score_gradient_products",
     "statistics_attention",

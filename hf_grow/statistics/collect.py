@@ -23,7 +23,7 @@ from .batches import LossFn, batch_loss_weight, iterate_batches
 from .collector import Collector, statistics_mode
 from .container import GrowthStatistics, weight_sample
 from .kernels import METHODS, triton_available
-from .memory import layer_groups, parse_bytes
+from .memory import layer_groups, parse_bytes, return_free_memory
 
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ def check_arguments(
     query_block: int | None = None,
     max_batches: int | None = None,
     memory_budget: int | str | None = None,
+    accumulate_dtype: torch.dtype = torch.float64,
 ) -> None:
     """A ValueError, before any work, for arguments `collect_statistics` cannot run with on ``device``."""
     invalid_count = isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
@@ -49,6 +50,8 @@ def check_arguments(
         parse_bytes(memory_budget)
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
+    if accumulate_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"accumulate_dtype must be float32 or float64, got {accumulate_dtype}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if query_block is not None and query_block <= 0:
@@ -77,11 +80,13 @@ def collect_statistics(
     memory_budget: int | str | None = None,
     accelerator: Accelerator | None = None,
     on_group: Callable[[GrowthStatistics, list[int]], None] | None = None,
+    accumulate_dtype: torch.dtype = torch.float64,
 ) -> GrowthStatistics:
     """Accumulate C and M over ``dataloader`` (at most ``max_batches``), leaving the model as it was.
 
     ``compute_dtype`` is the precision of the per-batch products (float32 or float64, whatever the model
-    dtype or autocast); sums are always float64. Backward runs on each batch's loss times its loss terms
+    dtype or autocast); ``accumulate_dtype`` that of M's sums over batches (float32 halves the largest
+    tensors; BENCHMARKS.md measures what it costs in accuracy). C is summed in float64 always. Backward runs on each batch's loss times its loss terms
     (see `GrowthStatistics`), so a float16 model's score gradients do not underflow.
 
     ``method`` is ``"chunked"`` (sdpa attention, M block by block in backward; ``query_block`` queries per
@@ -91,7 +96,7 @@ def collect_statistics(
     `choose_method`). ``tf32`` runs the float32 products on TF32 tensor cores (CUDA; ~5e-4 relative error,
     several times faster; False forces full float32 precision); by default on for bfloat16/float16 models.
 
-    ``memory_budget`` (bytes, or a string such as ``"2GB"``) bounds the float64 accumulators: M is collected
+    ``memory_budget`` (bytes, or a string such as ``"2GB"``) bounds the accumulators: M is collected
     for as many layers as fit, in several passes over ``dataloader`` (which must then be re-iterable and
     yield the same batches each time), and finished layers move to the CPU. The result equals one pass.
 
@@ -108,10 +113,12 @@ def collect_statistics(
     processes = Processes(accelerator)
     config = model.config
     parameter = next(model.parameters())
-    check_arguments(method, parameter.device, compute_dtype, query_block, max_batches, memory_budget)
+    check_arguments(method, parameter.device, compute_dtype, query_block, max_batches, memory_budget, accumulate_dtype)
     eager_model = config._attn_implementation == "eager"
     num_layers = len(adapter.attention_modules(model))
-    groups = layer_groups(num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget)
+    groups = layer_groups(
+        num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget, accumulate_dtype.itemsize
+    )
     if len(groups) > 1 and iter(dataloader) is dataloader:
         raise ValueError(
             f"memory_budget needs {len(groups)} passes over the data, but the dataloader is a one-shot iterator: "
@@ -127,7 +134,8 @@ def collect_statistics(
         for index, group in enumerate(groups):
             with processes.failing_together():
                 collector = Collector(
-                    model, adapter, compute_dtype, method, query_block, group, index == 0, eager_model
+                    model, adapter, compute_dtype, method, query_block, group, index == 0, eager_model,
+                    accumulate_dtype,
                 )
                 description = f"statistics {index + 1}/{len(groups)}" if len(groups) > 1 else "statistics"
                 show = progress and processes.is_main
@@ -152,6 +160,7 @@ def collect_statistics(
                 statistics.gradients[layer] = processes.sum_(sums.gradients.pop(layer))
                 statistics.gradients[layer] = statistics.gradients[layer].cpu() if offload else statistics.gradients[layer]
             del sums, collector
+            return_free_memory()  # the pass's activations: otherwise resident for the rest of the run
             statistics.method = "+".join(sorted(methods_used))
             if on_group is not None:
                 on_group(statistics, list(group))

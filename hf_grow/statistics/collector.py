@@ -91,12 +91,12 @@ def augmented_input(hidden: Tensor, token_mask: Tensor | None, dtype: torch.dtyp
 
 
 class Sums:
-    """The float64 sums of one pass: C for every layer (``with_second_moments``), M for the layers of ``group``,
-    and the counts of tokens, batches, loss terms and losses they were summed over."""
+    """The sums of one pass: C for every layer (``with_second_moments``, float64), M for the layers of ``group``
+    (in ``accumulate_dtype``), and the counts of tokens, batches, loss terms and losses they were summed over."""
 
     def __init__(
         self, num_layers: int, num_heads: int, width: int, group: Sequence[int], with_second_moments: bool,
-        device: torch.device, float16: bool,
+        device: torch.device, float16: bool, accumulate_dtype: torch.dtype = torch.float64,
     ):
         self.second_moments = (
             [torch.zeros(width, width, dtype=torch.float64, device=device) for _ in range(num_layers)]
@@ -104,7 +104,7 @@ class Sums:
             else None
         )
         self.gradients = {
-            layer: torch.zeros(num_heads, width, width, dtype=torch.float64, device=device) for layer in group
+            layer: torch.zeros(num_heads, width, width, dtype=accumulate_dtype, device=device) for layer in group
         }
         self.float16 = float16
         self.num_tokens = 0
@@ -125,7 +125,7 @@ class Sums:
 
     def add_gradient(self, layer: int, contribution: Tensor) -> None:
         """M of ``layer`` += one batch's per-head products."""
-        contribution = contribution.to(torch.float64)
+        contribution = contribution.to(self.gradients[layer].dtype)
         if not torch.isfinite(contribution).all():
             overflow = " (float16 overflows most easily: load the model in bfloat16 or float32)" if self.float16 else ""
             raise FloatingPointError(
@@ -163,6 +163,7 @@ class Collector:
         group: Sequence[int],
         with_second_moments: bool,
         eager_model: bool,
+        accumulate_dtype: torch.dtype = torch.float64,
     ):
         self.attentions = adapter.attention_modules(model)
         self.compute_dtype = compute_dtype
@@ -179,6 +180,7 @@ class Collector:
         self.sums = Sums(
             len(self.attentions), adapter.num_heads(model.config), adapter.hidden_size(model.config) + 1, group,
             with_second_moments, parameter.device, float16=parameter.dtype == torch.float16,
+            accumulate_dtype=accumulate_dtype,
         )
         self.hooked_layers = sorted({0, *(range(len(self.attentions)) if with_second_moments else group)})
         self.qk_inputs = [adapter.qk_input_module(attention) for attention in self.attentions]

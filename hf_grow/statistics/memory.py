@@ -1,9 +1,13 @@
-"""Memory planning: the bytes of the float64 accumulators, and the layer groups that fit a budget."""
+"""The bytes of the statistics' accumulators, and the layer groups whose M fits a budget."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
 import re
+import sys
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -24,17 +28,22 @@ def parse_bytes(size: int | str) -> int:
     return size
 
 
-def statistics_bytes(num_layers: int, num_heads: int, hidden_size: int, layers_of_m: int | None = None) -> int:
-    """Bytes of the float64 accumulators: C for every layer, M for ``layers_of_m`` layers (default all).
+def statistics_bytes(
+    num_layers: int, num_heads: int, hidden_size: int, layers_of_m: int | None = None, m_itemsize: int = 8
+) -> int:
+    """Bytes of the accumulators: C for every layer (float64), M for ``layers_of_m`` layers (default all) in
+    ``m_itemsize``-byte floats.
 
-    ``layers * (d_e + 1)^2 * 8 + layers_of_m * heads * (d_e + 1)^2 * 8``.
+    ``layers * (d_e + 1)^2 * 8 + layers_of_m * heads * (d_e + 1)^2 * m_itemsize``.
     """
     width = hidden_size + 1
     layers_of_m = num_layers if layers_of_m is None else layers_of_m
-    return 8 * width * width * (num_layers + layers_of_m * num_heads)
+    return width * width * (8 * num_layers + m_itemsize * layers_of_m * num_heads)
 
 
-def layer_groups(num_layers: int, num_heads: int, hidden_size: int, memory_budget: int | str | None) -> list[list[int]]:
+def layer_groups(
+    num_layers: int, num_heads: int, hidden_size: int, memory_budget: int | str | None, m_itemsize: int = 8
+) -> list[list[int]]:
     """Layers whose M is collected together, one group per pass over the data, within ``memory_budget``.
 
     The budget covers C for all layers, M for the layers of a pass, and one more layer's M for the product
@@ -43,14 +52,35 @@ def layer_groups(num_layers: int, num_heads: int, hidden_size: int, memory_budge
     if memory_budget is None:
         return [list(range(num_layers))]
     budget = parse_bytes(memory_budget)
-    per_layer = statistics_bytes(1, num_heads, hidden_size, 1) - statistics_bytes(1, num_heads, hidden_size, 0)
-    fitting = (budget - statistics_bytes(num_layers, num_heads, hidden_size, 1)) // per_layer
+    per_layer = statistics_bytes(1, num_heads, hidden_size, 1, m_itemsize) - statistics_bytes(1, num_heads, hidden_size, 0)
+    fitting = (budget - statistics_bytes(num_layers, num_heads, hidden_size, 1, m_itemsize)) // per_layer
     if fitting < 1:
-        needed = statistics_bytes(num_layers, num_heads, hidden_size, 2)
+        needed = statistics_bytes(num_layers, num_heads, hidden_size, 2, m_itemsize)
         raise ValueError(
             f"memory_budget {budget:,} bytes is below the {needed:,} bytes the statistics need for one layer at a "
-            f"time (C of {num_layers} layers and M of 2 layers of {num_heads} heads, in float64): raise the budget."
+            f"time (C of {num_layers} layers and M of 2 layers of {num_heads} heads): raise the budget."
         )
     passes = math.ceil(num_layers / fitting)
     size = math.ceil(num_layers / passes)  # as even as possible: the same number of passes, less memory
     return [list(range(start, min(start + size, num_layers))) for start in range(0, num_layers, size)]
+
+
+def return_free_memory() -> None:
+    """Hand the C allocator's free pages back to the operating system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Tensors under glibc's mmap threshold (up to 32 MiB) are freed into the heap, which keeps them resident: after
+    the statistics pass the process would hold its peak for the rest of the run. Called where a stage ends.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return None
