@@ -402,3 +402,23 @@ def test_sequences_beyond_the_models_positions_are_a_clear_error(trained_gpt2, d
         grow_model(trained_gpt2, [data["stats"][0], too_long, data["stats"][1]], p=8, step_size=0.0)
     with pytest.raises(ValueError, match=f"batch 0 holds sequences of {positions + 1} tokens"):
         evaluate_loss(trained_gpt2, [too_long])
+
+
+def test_realized_gains_replaying_unchanged_blocks_equal_full_passes(gpt2_copy, stdlib_bytes):
+    """Each layer's realized gain replays the blocks before it (at step 0): the same loss as a full pass."""
+    from hf_grow.growth.problem import write_weights
+
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    grown = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05)
+    report = grown.growth_report
+    adapter = get_adapter(grown)
+    stepped = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(grown))}
+    unchanged = grow_model(gpt2_copy, batches, p=8, step_size=0.0, measure_realized_gains=False)
+    unchanged = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(unchanged))}
+    before = evaluate_loss(gpt2_copy, held_out)[0]
+    for layer in range(len(stepped)):
+        write_weights(adapter, grown, {**unchanged, layer: stepped[layer]})
+        full_pass = before - evaluate_loss(grown, held_out)[0]
+        assert report.layers[layer].realized_gain == pytest.approx(full_pass, rel=1e-9, abs=1e-12)
+    assert any(layer.realized_gain != 0 for layer in report.layers)

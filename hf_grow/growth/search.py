@@ -189,11 +189,15 @@ def write_report(
     realized: list[float | None] = [None] * len(qk_after)
     if measure_realized_gains and eval_batches is not None and step_size > 0:
         unchanged, stepped = problem.weights(0.0), outcome.weights
+        write_weights(adapter, target, unchanged)
+        # Layer l's step alone leaves blocks 0..l-1 at step 0: their recorded outputs are replayed, so the
+        # passes cost about half of one full held-out pass per layer.
+        passes = HeldOutPasses(target, adapter, eval_batches, prepared.loss_fn, prepared.accelerator)
         for layer in progress_bar(range(len(qk_after)), desc="realized gains", unit="layer", enabled=progress):
-            write_weights(adapter, target, {**unchanged, layer: stepped[layer]})
-            realized[layer] = loss_before - evaluate_loss(
-                target, eval_batches, adapter, prepared.loss_fn, prepared.accelerator
-            )[0]
+            write_weights(adapter, target, {layer: stepped[layer]})
+            realized[layer] = loss_before - passes.loss(first_changed=layer)
+            write_weights(adapter, target, {layer: unchanged[layer]})
+            passes.record(layer)
         write_weights(adapter, target, stepped)
     layers = []
     for layer in range(len(problem.layers)):
