@@ -124,3 +124,10 @@ def format_seconds(seconds: float) -> str:
         return f"{minutes} min {secs:02d} s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes:02d} min"
+
+
+def format_bytes(size: float) -> str:
+    """``512 MiB``, ``3.25 GiB``, ``31.1 GiB``: binary units, as ``free -h`` and the memory plan print them."""
+    if size < 2**30:
+        return f"{size / 2**20:.0f} MiB"
+    return f"{size / 2**30:.2f} GiB" if size < 10 * 2**30 else f"{size / 2**30:.1f} GiB"

@@ -71,7 +71,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
         except ValueError as error:
             raise CommandError(str(error)) from None
     _check_device(args)
-    _check_output_folder(Path(args.output_dir), args.overwrite)
+    if args.output_dir is None and not args.dry_run:
+        raise CommandError("--output-dir is required (the folder for the grown model), except with --dry-run")
+    if args.output_dir is not None:
+        _check_output_folder(Path(args.output_dir), args.overwrite)
     _check_file_folders(("--report", args.report))
     args.config = _growth_config(args)
 

@@ -18,6 +18,7 @@ from ..inspection import PLOT_EXTRA, inspect_growth
 from ..progress import stage
 from ..statistics import collect_statistics
 from .checks import CommandError, _check_arguments, _check_data_arguments, _check_device, _check_file_folders
+from .memory import check_memory
 from .loading import _load_model, _load_statistics, _load_tokenizer, _objective
 from .pairs import grow_from_pairs
 from .parsers import build_inspect_parser, build_parser
@@ -40,8 +41,13 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     is_main = accelerator is None or accelerator.is_main_process
     show_progress = _start(args, is_main)
     if args.pairs:
+        if args.dry_run:
+            raise CommandError("--dry-run plans language-model losses; with --pairs, run without it")
         return grow_from_pairs(args, accelerator, started, is_main, show_progress)
     objective = _objective(args)
+    check_memory(args, objective, show_progress)  # before any data or weights are read
+    if args.dry_run:
+        return
     statistics = _load_statistics(args.stats) if args.stats else None
     if statistics is not None and accelerator is not None:
         raise CommandError("--stats holds the statistics of all the data: run it in one process")

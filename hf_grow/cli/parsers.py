@@ -106,7 +106,7 @@ def build_parser() -> HfArgumentParser:
         if action.dest == "eval_fraction":  # the share of text held out (None: not given, the config's default)
             action.help, action.default = EVAL_FRACTION_HELP, None
     _add_model_argument(parser)
-    parser.add_argument("--output-dir", required=True, help="folder for the grown model (must be empty)")
+    parser.add_argument("--output-dir", help="folder for the grown model (must be empty; required but with --dry-run)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     _add_data_arguments(parser, eval_fraction=False)
     add_pairs_arguments(parser)
@@ -114,6 +114,10 @@ def build_parser() -> HfArgumentParser:
                         "model: the statistics text is not read again")
     run = _add_run_arguments(parser)
     run.add_argument("--report", help="also write the JSON growth report to this file")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print the memory plan (predicted peak memory per stage) and exit, reading no data or weights")
+    run.add_argument("--ignore-memory-plan", action="store_true",
+                     help="run even where the memory plan predicts more than the free memory")
     push = parser.add_argument_group("Hugging Face Hub")
     push.add_argument("--push-to-hub", metavar="REPO_ID", help="also push the grown model and its card to this repo")
     push.add_argument("--private", action="store_true", help="create the repository private")

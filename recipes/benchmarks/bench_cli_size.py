@@ -12,6 +12,10 @@ Prints one table row per stage (seconds and peak resident memory within it) and 
 
     python recipes/benchmarks/bench_cli_size.py --shape small            # ~4 minutes on 2 CPU cores
     python recipes/benchmarks/bench_cli_size.py --shape medium           # ~12 minutes, ~16 GB
+    python recipes/benchmarks/bench_cli_size.py --shape llama-1b --max-tokens 2048 --eval-tokens 512 \
+        -- --memory-budget 4GB                                           # the Llama-3.2-1B shape
+
+The plan of ``--dry-run`` comes first; the last table sets its predicted peak per stage against the measured one.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as transformers_logging
 
 
@@ -40,13 +44,24 @@ from quickstart import stdlib_files, train_tokenizer  # noqa: E402
 SHAPES = {
     "small": dict(n_embd=768, n_layer=12, n_head=12),
     "medium": dict(n_embd=1024, n_layer=24, n_head=16),
+    "large": dict(n_embd=1280, n_layer=36, n_head=20),
+    # Llama-3.2-1B: grouped-query attention, a 128,256-token vocabulary, tied embeddings.
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                     max_position_embeddings=2048, rope_theta=500000.0),
 }
+#: Plan stage -> the command's stages it covers (the realized gains run on the line search's memory).
+PLAN_STAGES = {"load": ("load model and data",), "statistics": ("statistics",), "solve": ("solve",),
+               "line search": ("line search", "realized gains"), "write": ("writing the grown model",)}
 STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def build_model(folder: Path, shape: str) -> int:
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**SHAPES[shape]))
+    if shape.startswith("llama"):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape]))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(**SHAPES[shape]))
     model.save_pretrained(folder)
     train_tokenizer(stdlib_files()[:20], vocab_size=2000).save_pretrained(folder)
     return model.num_parameters()
@@ -115,6 +130,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--p", type=int, default=8)
     parser.add_argument("--workdir", help="folder for the model and the output (default: a temporary one)")
+    parser.add_argument("extra", nargs="*", help="more hf-grow options, after --, e.g. -- --memory-budget 4GB")
     args = parser.parse_args()
     transformers_logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as temporary:
@@ -125,13 +141,15 @@ def main() -> None:
         command = [sys.executable, "-m", "hf_grow", str(model_folder), "--p", str(args.p), "--data", *text,
                    "--max-tokens", str(args.max_tokens), "--eval-tokens", str(args.eval_tokens),
                    "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-                   "--output-dir", str(output), "--overwrite", "--device", "cpu"]
+                   "--output-dir", str(output), "--overwrite", "--device", "cpu", *args.extra]
         print(f"# bench_cli_size {datetime.date.today()} torch {torch.__version__} "
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-              f"{psutil.virtual_memory().total / 2**30:.0f} GiB; GPT-2 {args.shape} shape ({parameters / 1e6:.0f}M "
+              f"{psutil.virtual_memory().total / 2**30:.0f} GiB; {args.shape} shape ({parameters / 1e6:.0f}M "
               f"parameters, random weights), {args.max_tokens} + {args.eval_tokens} tokens at seq {args.seq_len}, "
               f"batch {args.batch_size}, p {args.p}", flush=True)
         print("$ hf-grow " + " ".join(command[3:]), flush=True)
+        plan = subprocess.run([*command, "--dry-run"], capture_output=True, text=True, check=True).stdout
+        print(plan, flush=True)
         lines, samples, returncode = run_command(command)
     total = samples[-1][0]
     if returncode != 0:
@@ -139,10 +157,32 @@ def main() -> None:
         raise SystemExit(f"hf-grow exited with {returncode} after {total:.0f} s "
                          f"(peak {max(rss for _, rss in samples) / 2**30:.1f} GiB)")
     print(f"{'stage':<22}{'seconds':>9}{'share':>8}{'peak GiB':>10}")
+    peaks: dict[str, float] = {}
     for stage, begin, end in split_stages(lines, total):
-        peak = max((rss for at, rss in samples if begin <= at <= end), default=0)
+        # A stage shorter than the sampling interval gets the samples around it.
+        peak = max((rss for at, rss in samples if begin - 0.25 <= at <= end + 0.25), default=0)
+        peaks[stage] = max(peaks.get(stage, 0), peak)
         print(f"{stage:<22}{end - begin:>9.1f}{(end - begin) / total:>8.0%}{peak / 2**30:>10.2f}")
     print(f"{'total':<22}{total:>9.1f}{1:>8.0%}{max(rss for _, rss in samples) / 2**30:>10.2f}")
+    predicted = planned_peaks(plan)
+    print(f"\n{'plan stage':<14}{'planned GiB':>12}{'measured GiB':>14}{'planned/measured':>18}")
+    for name, covered in PLAN_STAGES.items():
+        measured = max((peaks[stage] for stage in covered if stage in peaks), default=0) / 2**30
+        ratio = f"{predicted[name] / measured:>18.2f}" if measured else f"{'-':>18}"
+        print(f"{name:<14}{predicted[name]:>12.2f}{measured:>14.2f}{ratio}")
+    overall = max(rss for _, rss in samples) / 2**30
+    print(f"{'peak':<14}{max(predicted.values()):>12.2f}{overall:>14.2f}{max(predicted.values()) / overall:>18.2f}")
+
+
+def planned_peaks(table: str) -> dict[str, float]:
+    """Host GiB per stage from the ``--dry-run`` table (`hf_grow.growth.memory_plan.MemoryPlan.table`)."""
+    peaks = {}
+    for line in table.splitlines():
+        for name in PLAN_STAGES:
+            if line.startswith(name + " ") and line[len(name):].strip()[:1].isdigit():
+                value, unit = line[14:].split()[:2]
+                peaks[name] = float(value) / (1024 if unit == "MiB" else 1)
+    return peaks
 
 
 if __name__ == "__main__":

@@ -1,0 +1,285 @@
+"""The memory plan of a growth: the peak host and device memory of each stage, predicted before any data is read.
+
+Every term is a tensor the run holds (the model, the statistics' sums of one group of layers, the compact solve,
+the grown model) or the activations of one statistics batch, counted by running the model's forward on the meta
+device (no memory, no compute) with a hook on the tensors autograd saves. BENCHMARKS.md compares the plan with
+measured peaks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..adapters import ArchitectureAdapter
+from ..compact import compact_rank
+from ..config import COMPUTE_DTYPES, GrowthConfig
+from ..progress import format_bytes
+from ..statistics import CPU_REFERENCE_MAX_LENGTH, layer_groups, statistics_bytes
+from .layer_solve import HEAD_CHUNK
+from .layer_steps import CACHE_BYTES
+
+
+#: Resident memory of a process that has imported torch, transformers and hf_grow (measured on Linux, 2026).
+PROCESS_BASELINE_BYTES = 480 * 2**20
+#: The statistics pass holds this many times the bytes autograd saves: the transients of forward and backward
+#: (the loss's log-softmax and its gradient, a block's attention scores) add about half again. Measured
+#: 1.34-1.59x on GPT-2 small and a Llama shape, reference and chunked statistics (BENCHMARKS.md).
+ACTIVATION_OVERHEAD = 1.5
+#: The held-out passes' no-grad forwards leave about this share of a statistics batch's saved activations resident
+#: (the allocator's heap keeps tensors under its mmap threshold), measured on GPT-2 small.
+HELD_OUT_FORWARD = 0.3
+#: Loading reads the weights file through a memory map while filling the model: about half the model again.
+LOADING_OVERHEAD = 0.5
+#: (heads, d, d) float64 tensors alive at once while a chunk of heads is solved: M, the direction, its whitened
+#: form, and the decomposition's input, vectors and workspace.
+SOLVE_SQUARES_PER_HEAD = 6
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage's predicted peak: host and device bytes, and the terms they are made of (host or device)."""
+
+    name: str
+    host: int
+    device: int
+    terms: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The stages of a growth with their predicted peaks, and the layer groups of the statistics passes."""
+
+    stages: tuple[Stage, ...]
+    groups: list[list[int]]
+    on_device: bool
+    #: The shape it was planned for: layers, heads, hidden size + 1, sequences per statistics batch.
+    num_layers: int
+    num_heads: int
+    width: int
+    batch_size: int
+
+    @property
+    def peak_host(self) -> int:
+        return max(stage.host for stage in self.stages)
+
+    @property
+    def peak_device(self) -> int:
+        return max(stage.device for stage in self.stages)
+
+    def budget_for(self, layers_per_pass: int, m_itemsize: int) -> str:
+        """The smallest ``memory_budget`` that collects M for ``layers_per_pass`` layers per pass
+        (`statistics.layer_groups`): in GB rounded up to 10 MB, or in bytes below 1 GB."""
+        size = statistics_bytes(self.num_layers, self.num_heads, self.width - 1, layers_per_pass + 1, m_itemsize)
+        return f"{math.ceil(size / 10**7) / 100:g}GB" if size >= 10**9 else str(size)
+
+    def table(self) -> str:
+        """The plan as a table: a row per stage, its peak(s) and its two largest terms."""
+        device = f"{'device':>10}" if self.on_device else ""
+        rows = [f"{'stage':<14}{'host':>10}{device}  largest terms"]
+        for stage in self.stages:
+            largest = sorted(stage.terms.items(), key=lambda item: -item[1])[:3]
+            terms = ", ".join(f"{name} {format_bytes(size)}" for name, size in largest)
+            device = f"{format_bytes(stage.device):>10}" if self.on_device else ""
+            rows.append(f"{stage.name:<14}{format_bytes(stage.host):>10}{device}  {terms}")
+        passes = len(self.groups)
+        rows.append(f"peak {format_bytes(self.peak_host)} host" + (
+            f", {format_bytes(self.peak_device)} device" if self.on_device else "") +
+            f"; statistics in {passes} pass{'es' if passes > 1 else ''} over the data")
+        return "\n".join(rows)
+
+
+def plan_memory(
+    model: PreTrainedModel,
+    adapter: ArchitectureAdapter,
+    config: GrowthConfig,
+    *,
+    batch_size: int,
+    seq_len: int,
+    eval_tokens: int,
+    device: torch.device | str = "cpu",
+    activations: int | None = None,
+) -> MemoryPlan:
+    """Predict the peak memory of each stage of growing ``model`` (real or on the meta device) with ``config``
+    on statistics batches of ``batch_size`` x ``seq_len`` tokens and ``eval_tokens`` held-out tokens.
+
+    ``activations``: the bytes of one batch's forward and backward, by default `activation_bytes` of a
+    language-model loss on the batch (labels = inputs). On a GPU (``device``) the model, the sums and the solve
+    live on the device and the host holds the process and the data.
+    """
+    on_device = torch.device(device).type != "cpu"
+    model_config = model.config
+    layers, heads = len(adapter.attention_modules(model)), adapter.num_heads(model_config)
+    width = adapter.hidden_size(model_config) + 1
+    qk_dims = adapter.qk_head_dims(model_config)
+    accumulate = config.torch_accumulate_dtype.itemsize
+    compute = config.torch_compute_dtype.itemsize
+    groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate)
+    widest = max(len(group) for group in groups)
+    square = heads * width * width  # entries of one layer's M
+    weights = _model_bytes(model)
+    second_moments = layers * width * width * 8
+
+    tokens = batch_size * seq_len
+    reference = statistics_attention(seq_len, device) == "eager"
+    if activations is None:
+        activations = activation_bytes(model, batch_size, seq_len, statistics_attention(seq_len, device))
+    scores = batch_size * heads * seq_len * (seq_len + width) * 4 if reference else 2 * 2**21 * 4
+    statistics = {
+        "model": weights, "activations": int(ACTIVATION_OVERHEAD * activations), "C": second_moments,
+        "M": widest * square * accumulate, "M of a batch": square * (compute + accumulate),
+        "inputs X'": layers * tokens * width * compute, "score gradients": scores,
+    }
+
+    solved = _solved_bytes(adapter.check_mode(model, None), config, layers, heads, width, max(qk_dims))
+    chunk = min(heads, HEAD_CHUNK)
+    solve = {
+        "model": weights, "C": second_moments, "metric": layers * width * width * 8,
+        "M": widest * square * accumulate, "solve of 8 heads": SOLVE_SQUARES_PER_HEAD * chunk * width * width * 8,
+        "compact solve": solved,
+    }
+    vocabulary = getattr(model_config, "vocab_size", 0) or 0
+    held_out = {
+        "model": weights, "grown model": weights, "C": second_moments, "metric": layers * width * width * 8,
+        "compact solve": solved, "held-out logits": 2 * batch_size * seq_len * vocabulary * 4,
+        "held-out forward": int(HELD_OUT_FORWARD * activations),
+        "held-out states": min(CACHE_BYTES, eval_tokens * width * 4 * max(layers - 1, 0)),
+    }
+    write = {"model": weights, "grown model": weights, "saving": weights}
+    stages = (
+        _stage("load", {"model": weights, "weights file": int(LOADING_OVERHEAD * weights)}, on_device),
+        _stage("statistics", statistics, on_device),
+        _stage("solve", solve, on_device),
+        _stage("line search", held_out, on_device),
+        _stage("write", write, on_device),
+    )
+    return MemoryPlan(stages, groups, on_device, layers, heads, width, batch_size)
+
+
+def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int) -> int:
+    """What the solve keeps for the steps (`layer_solve.LayerProblem`): per head, the compact bases (d x k) and
+    five k x k cores per truncation ("refactor"), or the unit update of the added dims ("append")."""
+    added = config.budget if config.budget is not None else _largest_p(config.p)
+    grown = min(width, qk_dim + added)
+    if mode == "append":
+        return layers * heads * 2 * width * max(1, grown - qk_dim) * 8
+    kept = min(width, qk_dim + compact_rank(width, grown))
+    # The whitened targets always (the step norms); the Frobenius ones too where a candidate truncates so.
+    truncations = 1 if {candidate[0] for candidate in config.candidates} == {"whitened"} else 2
+    return layers * heads * truncations * (2 * width * kept + 5 * kept * kept) * 8
+
+
+def _largest_p(p: int | dict[int, int] | None) -> int:
+    """The most dims any layer gains (`resolve_growth`: 8 when not given)."""
+    if p is None:
+        return 8
+    return p if isinstance(p, int) else max(p.values(), default=0)
+
+
+def _stage(name: str, terms: dict[str, int], on_device: bool) -> Stage:
+    """Host = the process + its terms on a CPU; on a GPU the terms are on the device and the host keeps the
+    process (and the model while it is loaded)."""
+    total = sum(terms.values())
+    if not on_device:
+        return Stage(name, PROCESS_BASELINE_BYTES + total, 0, terms)
+    return Stage(name, PROCESS_BASELINE_BYTES + (terms["model"] if name == "load" else 0), total, terms)
+
+
+def _model_bytes(model: nn.Module) -> int:
+    """Parameters and buffers, each storage once (tied embeddings count once)."""
+    seen: dict[tuple, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        key = (tensor.device.type, tensor.data_ptr()) if tensor.device.type != "meta" else ("meta", id(tensor))
+        seen[key] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def statistics_attention(seq_len: int, device: torch.device | str) -> str:
+    """The attention whose activations the statistics keep: eager where "auto" takes the reference method
+    (`statistics.choose_method`), else a fused one (`FUSED_PROBE`: what sdpa and the chunked method save)."""
+    on_cpu = torch.device(device).type == "cpu"
+    return "eager" if on_cpu and seq_len <= CPU_REFERENCE_MAX_LENGTH else FUSED_PROBE
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Saves what fused attention saves for backward (queries, keys, values, output and the row log-sum-exp),
+    without computing anything: on the meta device, sdpa falls back to the math path and saves the scores."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        output = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        ctx.save_for_backward(query, key, value, output, query.new_empty(query.shape[:-1]))
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):  # never run: the probe only counts
+        raise NotImplementedError
+
+
+def _fused_probe(module: nn.Module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+    return _FusedAttention.apply(query, key, value).transpose(1, 2), None
+
+
+FUSED_PROBE = "hf_grow_memory_probe"
+AttentionInterface.register(FUSED_PROBE, _fused_probe)
+AttentionMaskInterface.register(FUSED_PROBE, sdpa_mask)
+
+
+def activation_bytes(model: PreTrainedModel, batch_size: int, seq_len: int, attention: str) -> int:
+    """Bytes autograd saves in a forward with a language-model loss whose backward reaches the inputs only (as
+    in the statistics pass), plus the largest saved tensor again for its gradient: a forward of a twin of
+    ``model`` on the meta device."""
+    with torch.device("meta"):
+        twin = type(model)(model.config)
+    twin = twin.to(dtype=next(model.parameters()).dtype)
+    twin.set_attn_implementation(attention)
+    twin.requires_grad_(False)
+    parameters = {id(parameter) for parameter in twin.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor if tensor._base is None else tensor._base
+        if id(base) not in parameters and id(tensor) not in parameters:
+            saved[id(base)] = base.numel() * base.element_size()
+        return tensor
+
+    handle = twin.get_input_embeddings().register_forward_hook(lambda module, args, output: output.requires_grad_())
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            twin(input_ids=ids, labels=ids)
+    finally:
+        handle.remove()
+    return sum(saved.values()) + max(saved.values(), default=0)
+
+
+def fitting_changes(
+    plan_with: Callable[[dict], MemoryPlan], config: GrowthConfig, fits: Callable[[MemoryPlan], bool]
+) -> dict | None:
+    """The least change of options under which the plan fits, as {option: value}; None when none does.
+
+    ``plan_with(changes)`` plans with some `GrowthConfig` fields, ``batch_size`` or the model's ``dtype``
+    changed. Tried in order: fewer layers per statistics pass (``memory_budget``, the largest that fits), M
+    summed in float32 as well, then smaller batches, then a bfloat16 model.
+    """
+    base = plan_with({})
+    dtypes = [config.accumulate_dtype] + (["float32"] if config.accumulate_dtype == "float64" else [])
+    for dtype in dtypes:
+        for layers_per_pass in range(base.num_layers - 1, 0, -1):
+            changes = {"memory_budget": base.budget_for(layers_per_pass, COMPUTE_DTYPES[dtype].itemsize)}
+            if dtype != config.accumulate_dtype:
+                changes["accumulate_dtype"] = dtype
+            if fits(plan_with(changes)):
+                return changes
+    smallest = {"memory_budget": base.budget_for(1, 4), "accumulate_dtype": "float32"}
+    for batch_size in (base.batch_size // 2**halvings for halvings in range(1, base.batch_size.bit_length())):
+        if fits(plan_with({**smallest, "batch_size": batch_size})):
+            return {**smallest, "batch_size": batch_size}
+    last = {**smallest, "batch_size": 1, "dtype": "bfloat16"}
+    return last if fits(plan_with(last)) else None

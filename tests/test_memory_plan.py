@@ -1,0 +1,137 @@
+"""The memory plan: its terms, the activations it counts on the meta device, the command's --dry-run and its
+refusal of runs that would not fit, with the flags that make them fit."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import lm_batches, tiny_gpt2_config
+from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model
+from hf_grow.cli import memory as cli_memory
+from hf_grow.growth.memory_plan import activation_bytes, fitting_changes, plan_memory
+from hf_grow.statistics import layer_groups, statistics_bytes
+from test_cli import TEXT_GLOB, model_folder  # noqa: F401  (the trained model folder fixture)
+
+
+def meta_model(model_class, config):
+    with torch.device("meta"):
+        return model_class(config)
+
+
+def test_activation_bytes_on_the_meta_device_equal_what_a_real_forward_saves():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=2))
+    model.set_attn_implementation("eager")
+    model.requires_grad_(False)
+    ids = torch.randint(0, model.config.vocab_size, (4, 32))
+    saved = {}
+
+    def pack(tensor):
+        base = tensor if tensor._base is None else tensor._base
+        if not isinstance(base, torch.nn.Parameter) and not isinstance(tensor, torch.nn.Parameter):
+            saved[base.data_ptr()] = base.numel() * base.element_size()
+        return tensor
+
+    handle = model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.requires_grad_())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=ids, labels=ids)
+    handle.remove()
+    real = sum(saved.values()) + max(saved.values())
+    assert activation_bytes(model, 4, 32, "eager") == real
+    assert activation_bytes(model, 8, 32, "eager") == pytest.approx(2 * real, rel=0.01)  # linear in the batch
+
+
+def test_the_plan_holds_one_group_of_m_in_the_accumulators_dtype():
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300)
+    model = meta_model(LlamaForCausalLM, config)
+    adapter = get_adapter(model)
+    shape = dict(batch_size=2, seq_len=32, eval_tokens=256)
+    whole = plan_memory(model, adapter, GrowthConfig(), **shape)
+    statistics = dict(whole.stages[1].terms)
+    assert statistics["M"] == 6 * 4 * 65 * 65 * 8 and statistics["C"] == 6 * 65 * 65 * 8
+    assert whole.groups == [list(range(6))]
+    budget = statistics_bytes(6, 4, 64, 3, 4)  # two layers of float32 M per pass
+    grouped = plan_memory(model, adapter, GrowthConfig(memory_budget=budget, accumulate_dtype="float32"), **shape)
+    assert grouped.groups == layer_groups(6, 4, 64, budget, 4) == [[0, 1], [2, 3], [4, 5]]
+    assert grouped.stages[1].terms["M"] == 2 * 4 * 65 * 65 * 4
+    assert grouped.stages[1].host < whole.stages[1].host
+    assert grouped.budget_for(2, 4) == str(budget)
+    assert layer_groups(6, 4, 64, grouped.budget_for(2, 4), 4) == grouped.groups
+
+
+def test_fitting_changes_pick_the_largest_budget_that_fits():
+    # Wide enough that M, not the compact solve, dominates (on the meta device: no memory is used).
+    model = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=6, n_embd=512, n_head=32))
+    adapter, config = get_adapter(model), GrowthConfig(p=8)
+
+    def plan_with(changes):
+        fields = {name: value for name, value in changes.items() if name not in ("batch_size", "dtype")}
+        return plan_memory(model, adapter, dataclasses.replace(config, **fields),
+                           batch_size=changes.get("batch_size", 4), seq_len=32, eval_tokens=256)
+
+    plan = plan_with({})
+    assert max(plan.stages, key=lambda stage: stage.host).name in ("statistics", "solve")
+    limit = plan.peak_host - plan.stages[1].terms["M"] // 2  # half of M must go
+    changes = fitting_changes(plan_with, config, lambda plan: plan.peak_host <= limit)
+    assert set(changes) == {"memory_budget"}
+    fitted = plan_with(changes)
+    assert fitted.peak_host <= limit and len(fitted.groups) >= 2
+    fewer_passes = -(-6 // (len(fitted.groups) - 1))  # layers per pass with one pass less
+    assert plan_with({"memory_budget": plan.budget_for(fewer_passes, 8)}).peak_host > limit  # the fewest passes
+    assert fitting_changes(plan_with, config, lambda plan: False) is None
+
+
+def test_dry_run_prints_the_plan_and_reads_nothing(model_folder, tmp_path, capsys):  # noqa: F811
+    missing_text = str(tmp_path / "no-such-text-*.txt")  # a dry run reads no data
+    assert cli.main([str(model_folder), "--p", "8", "--data", missing_text, "--seq-len", "64", "--dry-run",
+                     "--device", "cpu"]) == 0
+    table = capsys.readouterr().out
+    for stage in ("load", "statistics", "solve", "line search", "write"):
+        assert f"\n{stage} " in table
+    assert "peak" in table and "1 pass over the data" in table
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_run_that_would_not_fit_is_refused_with_the_flags_that_fix_it(model_folder, tmp_path, capsys,  # noqa: F811
+                                                                         monkeypatch):
+    arguments = [str(model_folder), "--p", "8", "--data", TEXT_GLOB, "--seq-len", "64", "--batch-size", "8",
+                 "--max-tokens", "6000", "--eval-tokens", "2000", "--quiet", "--device", "cpu"]
+    assert cli.main([*arguments, "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    statistics_row = next(line for line in plan.splitlines() if line.startswith("statistics "))
+    model = GPT2LMHeadModel.from_pretrained(model_folder)
+    layers, heads, hidden = model.config.n_layer, model.config.n_head, model.config.n_embd
+    m_bytes = statistics_bytes(layers, heads, hidden, layers) - statistics_bytes(layers, heads, hidden, 0)
+    stages = plan_memory(model, get_adapter(model), GrowthConfig(p=8), batch_size=8, seq_len=64,
+                         eval_tokens=2000).stages
+    free = stages[1].host - m_bytes // 4
+    assert all(stage.host < free for stage in stages if stage.name != "statistics")  # only the statistics exceed
+    monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (free, 0))
+    output = tmp_path / "grown"
+    assert cli.main([*arguments, "--output-dir", str(output)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "statistics stage needs about" in error[0] and "--memory-budget" in error[0], (
+        statistics_row, error)
+    assert not output.exists()  # refused before any work
+    fix = error[0].split("rerun with ", 1)[1].split(" (see", 1)[0].split()
+    assert cli.main([*arguments, *fix, "--output-dir", str(output)]) == 0  # the named flags make it fit
+    assert (output / "config.json").is_file()
+    assert cli.main([*arguments, "--ignore-memory-plan", "--output-dir", str(tmp_path / "anyway")]) == 0
+
+
+def test_float32_sums_of_m_grow_the_same_model(trained_gpt2, stdlib_bytes):
+    batches = lm_batches(stdlib_bytes["stats"], 6, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    adapter = get_adapter(trained_gpt2)
+    single = collect_statistics(trained_gpt2, batches, adapter, accumulate_dtype=torch.float32)
+    double = collect_statistics(trained_gpt2, batches, adapter)
+    assert single.gradients[0].dtype == torch.float32 and double.gradients[0].dtype == torch.float64
+    for m32, m64 in zip(single.gradients, double.gradients):
+        assert (m32.double() - m64).norm() <= 1e-5 * m64.norm()
+    grown = [grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held_out,
+                        measure_realized_gains=False).growth_report for statistics in (single, double)]
+    assert grown[0].step_size == grown[1].step_size
+    assert grown[0].eval_loss_after == pytest.approx(grown[1].eval_loss_after, abs=1e-5)
