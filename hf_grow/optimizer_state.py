@@ -11,7 +11,6 @@ short warm-up of the new entries only. First moments (momentum) of new entries s
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 

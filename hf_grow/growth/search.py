@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from transformers import PreTrainedModel
@@ -76,7 +77,7 @@ def line_search(
     """Search ``problem``'s step on ``eval_batches`` (or take the config's ``step_size``) in ``target``, which
     computes the old function on entry; on exit it holds the chosen step's weights."""
     model, adapter = prepared.model, prepared.adapter
-    qk_after, accelerator = prepared.qk_after, prepared.accelerator
+    accelerator = prepared.accelerator
     config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
 
     passes = None if eval_batches is None else HeldOutPasses(target, adapter, eval_batches, loss_fn, accelerator)
@@ -132,12 +133,12 @@ def line_search(
                 # each layer at its own best step alone, then one multiplier t of all of them
                 losses = search_step_size(tracked("rank", evaluate_step), 1.0, factor=2.0) if gains else {0.0: 0.0}
             elif config.search == "fast":
-                full_rank = problem.unconstrained_widths()
+                full_rank = [part.targets[problem.truncation].width for part in problem.layers]
                 scalings = [adapter.scaling(model.config, layer, width) for layer, width in enumerate(full_rank)]
-                reference = adapter.build_grown_model(target, full_rank, problem.unconstrained_weights(0.0, scalings))
+                reference = adapter.build_grown_model(target, full_rank, unconstrained_weights(problem, 0.0, scalings))
 
                 def evaluate_unconstrained(step: float) -> float:
-                    write_weights(adapter, reference, problem.unconstrained_weights(step, scalings))
+                    write_weights(adapter, reference, unconstrained_weights(problem, step, scalings))
                     return evaluate(reference)
 
                 unconstrained = search_step_size(tracked("unconstrained", evaluate_unconstrained), start)
@@ -165,6 +166,19 @@ def line_search(
         step_size, chosen, loss_before, loss_after, eval_weight, unconstrained_loss, points,
         None if passes is None else passes.passes,
     )
+
+
+def unconstrained_weights(problem: GrowthProblem, step_size: float, scalings: list[float]) -> QKWeights:
+    """Weights computing ``Z - lam P`` on the compact subspaces without truncation (rank k = d_k + s, all of
+    Z - lam P where those are everything): queries ``L core(lam) / scaling``, keys ``R``; the reference of
+    ``search="fast"``."""
+    weights = {}
+    with torch.no_grad():
+        for layer, part in enumerate(problem.layers):
+            target = part.targets[problem.truncation]
+            core = target.core(problem.head_lams(step_size, layer))
+            weights[layer] = (target.left_basis @ core / scalings[layer], target.right_basis.clone())
+    return weights
 
 
 def write_report(

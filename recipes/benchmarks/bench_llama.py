@@ -19,7 +19,6 @@ the mean held-out loss over training (AUC), mean ± std over seeds.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import math
 import platform
