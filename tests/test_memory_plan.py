@@ -65,7 +65,7 @@ def test_the_plan_holds_one_group_of_m_in_the_accumulators_dtype():
 def test_fitting_changes_pick_the_largest_budget_that_fits():
     # Wide enough that M, not the compact solve, dominates (on the meta device: no memory is used).
     model = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=6, n_embd=512, n_head=32))
-    adapter, config = get_adapter(model), GrowthConfig(p=8)
+    adapter, config = get_adapter(model), GrowthConfig(p=8, accumulate_dtype="float32")
 
     def plan_with(changes):
         fields = {name: value for name, value in changes.items() if name not in ("batch_size", "dtype")}
@@ -82,6 +82,10 @@ def test_fitting_changes_pick_the_largest_budget_that_fits():
     fewer_passes = -(-6 // (len(fitted.groups) - 1))  # layers per pass with one pass less
     assert plan_with({"memory_budget": plan.budget_for(fewer_passes, 8)}).peak_host > limit  # the fewest passes
     assert fitting_changes(plan_with, config, lambda plan: False) is None
+    # Summed in float64, M is twice the size; float32 sums fit it in one pass, which beats two passes.
+    config = dataclasses.replace(config, accumulate_dtype="float64")
+    limit = plan_with({}).peak_host - 1
+    assert fitting_changes(plan_with, config, lambda plan: plan.peak_host <= limit) == {"accumulate_dtype": "float32"}
 
 
 def test_dry_run_prints_the_plan_and_reads_nothing(model_folder, tmp_path, capsys):  # noqa: F811
@@ -113,7 +117,7 @@ def test_a_run_that_would_not_fit_is_refused_with_the_flags_that_fix_it(model_fo
     output = tmp_path / "grown"
     assert cli.main([*arguments, "--output-dir", str(output)]) == 2
     error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and "statistics stage needs about" in error[0] and "--memory-budget" in error[0], (
+    assert len(error) == 1 and "statistics stage needs about" in error[0] and "rerun with --" in error[0], (
         statistics_row, error)
     assert not output.exists()  # refused before any work
     fix = error[0].split("rerun with ", 1)[1].split(" (see", 1)[0].split()
@@ -135,3 +139,14 @@ def test_float32_sums_of_m_grow_the_same_model(trained_gpt2, stdlib_bytes):
                         measure_realized_gains=False).growth_report for statistics in (single, double)]
     assert grown[0].step_size == grown[1].step_size
     assert grown[0].eval_loss_after == pytest.approx(grown[1].eval_loss_after, abs=1e-5)
+
+
+def test_max_memory_caps_the_plan_and_a_run_nothing_fits_says_so(model_folder, tmp_path, capsys):  # noqa: F811
+    arguments = [str(model_folder), "--p", "8", "--data", TEXT_GLOB, "--seq-len", "64", "--quiet", "--device", "cpu",
+                 "--output-dir", str(tmp_path / "grown")]
+    assert cli.main([*arguments, "--max-memory", "1MB"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "MiB is allowed (--max-memory): use a machine with more memory" in error, error
+    assert cli.main([*arguments, "--max-memory", "lots"]) == 2
+    assert "--max-memory 'lots' is not a size" in capsys.readouterr().err
+    assert not (tmp_path / "grown").exists()

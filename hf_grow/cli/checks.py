@@ -60,11 +60,12 @@ def _check_arguments(args: argparse.Namespace) -> None:
             f"{args.multiple_of}"
         )
     _check_data_arguments(args)
-    if args.memory_budget is not None:
-        try:
-            parse_bytes(args.memory_budget)
-        except ValueError as error:
-            raise CommandError(str(error)) from None
+    for option in ("memory_budget", "max_memory"):
+        if getattr(args, option) is not None:
+            try:
+                parse_bytes(getattr(args, option), "--" + option.replace("_", "-"))
+            except ValueError as error:
+                raise CommandError(str(error)) from None
     if args.push_to_hub:
         try:
             hub.check_push(args.push_to_hub)

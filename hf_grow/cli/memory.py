@@ -15,6 +15,7 @@ from ..adapters import get_adapter
 from ..data import DEFAULT_EVAL_TOKENS
 from ..growth.memory_plan import MemoryPlan, activation_bytes, fitting_changes, plan_memory, statistics_attention
 from ..progress import format_bytes
+from ..statistics import parse_bytes
 from .checks import CommandError
 from .loading import DTYPES
 
@@ -29,20 +30,25 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
     elif show_progress:
         print("memory plan:\n" + plan.table(), file=sys.stderr)
     free_host, free_device = _free_memory(args.device)
+    if args.max_memory is not None:
+        limit = parse_bytes(args.max_memory, "--max-memory")
+        free_host, free_device = (free_host, min(free_device, limit)) if plan.on_device else (
+            min(free_host, limit), free_device)
     if args.ignore_memory_plan or _fits(plan, free_host, free_device):
         return plan
     stage = max(plan.stages, key=lambda stage: stage.device if plan.on_device else stage.host)
     changes = fitting_changes(plan_with, args.config, lambda plan: _fits(plan, free_host, free_device))
     where = "device" if plan.on_device else "host"
     free = free_device if plan.on_device else free_host
+    limit = "allowed (--max-memory)" if args.max_memory is not None else "free"
     needed = stage.device if plan.on_device else stage.host
     fix = (
         "rerun with " + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in changes.items())
         if changes else "use a machine with more memory"
     )
     raise CommandError(
-        f"the {stage.name} stage needs about {format_bytes(needed)} of {where} memory, {format_bytes(free)} is free: "
-        f"{fix} (see --dry-run; --ignore-memory-plan runs anyway)"
+        f"the {stage.name} stage needs about {format_bytes(needed)} of {where} memory, {format_bytes(free)} is "
+        f"{limit}: {fix} (see --dry-run; --ignore-memory-plan runs anyway)"
     )
 
 

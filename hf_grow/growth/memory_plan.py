@@ -8,6 +8,7 @@ measured peaks.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -262,24 +263,30 @@ def activation_bytes(model: PreTrainedModel, batch_size: int, seq_len: int, atte
 def fitting_changes(
     plan_with: Callable[[dict], MemoryPlan], config: GrowthConfig, fits: Callable[[MemoryPlan], bool]
 ) -> dict | None:
-    """The least change of options under which the plan fits, as {option: value}; None when none does.
+    """The cheapest change of options under which the plan fits, as {option: value}; None when none does.
 
     ``plan_with(changes)`` plans with some `GrowthConfig` fields, ``batch_size`` or the model's ``dtype``
-    changed. Tried in order: fewer layers per statistics pass (``memory_budget``, the largest that fits), M
-    summed in float32 as well, then smaller batches, then a bfloat16 model.
+    changed. Passes over the data cost the most, so the fewest passes win (``memory_budget``, the largest that
+    gives them); then the fewest other changes: smaller batches (the same tokens), M summed in float32. A
+    bfloat16 model only where nothing else fits.
     """
     base = plan_with({})
-    dtypes = [config.accumulate_dtype] + (["float32"] if config.accumulate_dtype == "float64" else [])
-    for dtype in dtypes:
-        for layers_per_pass in range(base.num_layers - 1, 0, -1):
-            changes = {"memory_budget": base.budget_for(layers_per_pass, COMPUTE_DTYPES[dtype].itemsize)}
-            if dtype != config.accumulate_dtype:
-                changes["accumulate_dtype"] = dtype
-            if fits(plan_with(changes)):
-                return changes
-    smallest = {"memory_budget": base.budget_for(1, 4), "accumulate_dtype": "float32"}
-    for batch_size in (base.batch_size // 2**halvings for halvings in range(1, base.batch_size.bit_length())):
-        if fits(plan_with({**smallest, "batch_size": batch_size})):
-            return {**smallest, "batch_size": batch_size}
-    last = {**smallest, "batch_size": 1, "dtype": "bfloat16"}
-    return last if fits(plan_with(last)) else None
+    unchanged = {"batch_size": base.batch_size, "accumulate_dtype": config.accumulate_dtype}
+    variants = [  # the fewest changes first
+        {name: value for name, value in zip(unchanged, choice) if value != unchanged[name]}
+        for choice in itertools.product(
+            [base.batch_size >> halvings for halvings in range(base.batch_size.bit_length())],
+            [config.accumulate_dtype] + (["float32"] if config.accumulate_dtype == "float64" else []),
+        )
+    ]
+    for model_dtype in ({}, {"dtype": "bfloat16"}):  # the model's own precision changes only as a last resort
+        for passes in range(1, base.num_layers + 1):
+            layers_per_pass = math.ceil(base.num_layers / passes)
+            if math.ceil(base.num_layers / layers_per_pass) != passes:
+                continue  # no budget gives exactly this many passes
+            for variant in variants:
+                itemsize = COMPUTE_DTYPES[variant.get("accumulate_dtype", config.accumulate_dtype)].itemsize
+                budget = {} if passes == 1 else {"memory_budget": base.budget_for(layers_per_pass, itemsize)}
+                if fits(plan_with({**budget, **variant, **model_dtype})):
+                    return {**budget, **variant, **model_dtype}
+    return None

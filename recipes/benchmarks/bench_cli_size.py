@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -135,8 +136,12 @@ def main() -> None:
     transformers_logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as temporary:
         workdir = Path(args.workdir or temporary)
-        model_folder, output = workdir / f"gpt2-{args.shape}", workdir / f"gpt2-{args.shape}-grown"
-        parameters = build_model(model_folder, args.shape)
+        model_folder, output = workdir / args.shape, workdir / f"{args.shape}-grown"
+        if (model_folder / "config.json").is_file():  # a --workdir from an earlier run: the same seed and shape
+            parameters = json.loads((model_folder / "size.json").read_text())["parameters"]
+        else:
+            parameters = build_model(model_folder, args.shape)
+            (model_folder / "size.json").write_text(json.dumps({"parameters": parameters}))
         text = [os.path.join(STDLIB, folder, "*.py") for folder in ("json", "email", "asyncio", "unittest")]
         command = [sys.executable, "-m", "hf_grow", str(model_folder), "--p", str(args.p), "--data", *text,
                    "--max-tokens", str(args.max_tokens), "--eval-tokens", str(args.eval_tokens),
