@@ -185,11 +185,13 @@ def _largest_p(p: int | dict[int, int] | None) -> int:
 
 def _stage(name: str, terms: dict[str, int], on_device: bool) -> Stage:
     """Host = the process + its terms on a CPU; on a GPU the terms are on the device and the host keeps the
-    process (and the model while it is loaded)."""
+    process (and, while loading, the model and its weights file, before the model moves to the device)."""
     total = sum(terms.values())
     if not on_device:
         return Stage(name, PROCESS_BASELINE_BYTES + total, 0, terms)
-    return Stage(name, PROCESS_BASELINE_BYTES + (terms["model"] if name == "load" else 0), total, terms)
+    if name == "load":
+        return Stage(name, PROCESS_BASELINE_BYTES + total, terms["model"], terms)
+    return Stage(name, PROCESS_BASELINE_BYTES, total, terms)
 
 
 def _model_bytes(model: nn.Module) -> int:
