@@ -75,8 +75,9 @@ class GrowthConfig:
       rank-constrained step from there.
     - ``solver``: how each head's direction is decomposed, once, for the compact solve (`hf_grow.compact`):
       ``"subspace"`` (top singular directions by subspace iteration), ``"eigh"`` (eigendecomposition of A A^T),
-      ``"svd"`` (full SVD, several times slower), ``"auto"`` (subspace where the kept rank plus 16 is at most a
-      sixth of the hidden size, eigh otherwise); see `hf_grow.linalg.decompose`. The line search's small cores
+      ``"svd"`` (full SVD, several times slower), ``"auto"`` (eigh for "refactor" growth, measured faster
+      than subspace iteration for its rank of about twice the grown width; for "append" growth, subspace where
+      the added dims plus 16 are at most a sixth of the hidden size); see `hf_grow.linalg.decompose`. The line search's small cores
       use eigh (svd with ``"svd"``).
     - ``statistics_method``, ``compute_dtype``, ``accumulate_dtype``, ``query_block``, ``memory_budget``,
       ``max_batches``: how the statistics are collected; see `hf_grow.collect_statistics`.
@@ -126,8 +127,8 @@ class GrowthConfig:
     )
     solver: Literal["auto", "eigh", "svd", "subspace"] = field(
         default="auto",
-        metadata={"help": "how each head's direction is decomposed, once (auto: subspace iteration for wide models, "
-                  "eigh otherwise)"},
+        metadata={"help": "how each head's direction is decomposed, once (auto: eigh for refactor growth; for append "
+                  "growth subspace iteration in wide models, eigh otherwise)"},
     )
     initial_step_size: float = field(default=0.03, metadata={"help": "where the log-grid line search starts"})
     rtol: float = field(

@@ -95,9 +95,13 @@ def bilinear_form(query_weight: Tensor, key_weight: Tensor, scaling: float) -> T
 
 def solve_direction(gradient: Tensor, metric: Metric) -> Tensor:
     """P = C^+ M C^+ for the loss gradient M = dLoss/dZ."""
+    return metric.from_basis(solve_direction_in_basis(gradient, metric))
+
+
+def solve_direction_in_basis(gradient: Tensor, metric: Metric) -> Tensor:
+    """U^T P U: P = C^+ M C^+ in the eigenbasis of C, where whitening is a scaling (`whiten`)."""
     inverse = metric.pinv_diag
-    in_basis = metric.to_basis(gradient) * inverse[..., :, None] * inverse[..., None, :]
-    return metric.from_basis(in_basis)
+    return metric.to_basis(gradient) * inverse[..., :, None] * inverse[..., None, :]
 
 
 def whitened_norm_sq(matrix: Tensor, metric: Metric) -> Tensor:

@@ -209,14 +209,14 @@ def test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor(stdlib
     layer_size = 8 * size * size
     baseline = live_layer_tensors(layer_size)  # the model's own weights and the data
     counts = []
-    direction = layer_solve.linalg.solve_direction
+    direction = layer_solve.linalg.solve_direction_in_basis
 
     def counting_direction(*args, **kwargs):  # inside the solve of a chunk of heads: M of the layer is live
         result = direction(*args, **kwargs)
         counts.append(live_layer_tensors(layer_size) - baseline)
         return result
 
-    monkeypatch.setattr(layer_solve.linalg, "solve_direction", counting_direction)
+    monkeypatch.setattr(layer_solve.linalg, "solve_direction_in_basis", counting_direction)
     problems = []
 
     def solve_group(statistics, group):

@@ -18,6 +18,10 @@ from .. import compact, linalg
 
 #: Heads solved together: bounds the solve's transient d x d tensors (a few per head) without giving up batching.
 HEAD_CHUNK = 8
+#: How ``solver="auto"`` decomposes each head's direction for the compact solve: once per head, from a cold
+#: start, to a rank s of about twice the grown width. There eigh beat subspace iteration on a 2-core CPU at
+#: GPT-2 medium's width (s + 16 = 160 of 1,025 columns: 2.7x faster) and at 2,049 (BENCHMARKS.md).
+COMPACT_AUTO_METHOD = "eigh"
 
 
 @dataclass(frozen=True)
@@ -98,20 +102,26 @@ def solve_layer(
     for start in range(0, heads, chunk):
         selected = slice(start, min(start + chunk, heads))
         gradient = gradient_of(selected)
-        direction = linalg.solve_direction(gradient, problem.metric)
+        # P in C's eigenbasis gives its whitened form and its Frobenius norm (U is orthogonal) by scaling alone;
+        # P in model coordinates costs two more d^3 products per head, only where something reads it.
+        direction_in_basis = linalg.solve_direction_in_basis(gradient, problem.metric)
+        root = problem.metric.root_diag
+        whitened_step = direction_in_basis * root[..., :, None] * root[..., None, :]
+        needs_direction = "frobenius" in truncations or with_rates
+        direction = problem.metric.from_basis(direction_in_basis) if needs_direction else None
         query, key = problem.query[selected], problem.repeated_key[selected]
         root_scaling = problem.scaling_before**0.5
         plain = (query * root_scaling, key * root_scaling)
         whitened_base = tuple(_whiten_factor(factor, problem.metric) for factor in plain)
-        whitened_step = linalg.whiten(direction, problem.metric)
         part: dict = {
             "whitened": (_sq(whitened_base), whitened_step.square().sum(dim=(-2, -1))),
-            "frobenius": (_sq(plain), direction.square().sum(dim=(-2, -1))),
+            "frobenius": (_sq(plain), direction_in_basis.square().sum(dim=(-2, -1))),
         }
+        del direction_in_basis
         coordinates = {"whitened": (whitened_base, whitened_step), "frobenius": (plain, direction)}
         if mode == "refactor":
             rank = compact.compact_rank(size, max_width)
-            method = solver if solver != "auto" else linalg.choose_method(size, rank)
+            method = solver if solver != "auto" else COMPACT_AUTO_METHOD
             methods.add(method)
             for truncation in truncations:
                 base, step = coordinates[truncation]
