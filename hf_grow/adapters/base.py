@@ -153,8 +153,13 @@ class ArchitectureAdapter(ABC):
     def grown_state_dict(
         self, model: PreTrainedModel, qk_weights: Mapping[int, tuple[Tensor, Tensor]]
     ) -> dict[str, Tensor]:
-        """The state dict of ``model`` with new augmented Q/K weights for the given layers (new tensors)."""
-        state_dict = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        """The state dict of ``model`` with new augmented Q/K weights for the given layers.
+
+        Its other entries are ``model``'s own tensors, to be copied from (`build_grown_model` loads them into
+        the grown model's storage): a clone would hold a third copy of the weights while the grown model is
+        filled (at the Llama-3.2-1B shape, 5.7 GiB more, tied embeddings cloned twice).
+        """
+        state_dict = {name: tensor.detach() for name, tensor in model.state_dict().items()}
         module_names = {module: name for name, module in model.named_modules()}
         attentions = self.attention_modules(model)
         for layer, (query, key) in qk_weights.items():
@@ -198,8 +203,8 @@ class ArchitectureAdapter(ABC):
     ) -> PreTrainedModel:
         """A new grown model: ``model``'s weights, with the given augmented Q/K weights per layer.
 
-        Built on the meta device and filled from the state dict, so no time is spent on random init and no
-        storage is shared with ``model``.
+        Built on the meta device and filled by copying from the state dict, so no time is spent on random
+        init, no storage is shared with ``model``, and no third copy of the weights is made.
         """
         config = self.grown_config(model.config, qk_head_dims)
         config._attn_implementation_internal = model.config._attn_implementation
