@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import sysconfig
@@ -52,8 +53,9 @@ SHAPES = {
                      max_position_embeddings=2048, rope_theta=500000.0),
 }
 #: Plan stage -> the command's stages it covers (the realized gains run on the line search's memory).
+BUILD = "build the grown model, first held-out pass"
 PLAN_STAGES = {"load": ("load model and data",), "statistics": ("statistics",), "solve": ("solve",),
-               "line search": ("line search", "realized gains"), "write": ("writing the grown model",)}
+               "line search": (BUILD, "line search", "realized gains"), "write": ("writing the grown model",)}
 STDLIB = sysconfig.get_paths()["stdlib"]
 
 
@@ -106,7 +108,8 @@ def split_stages(lines: list[tuple[float, str]], total: float) -> list[tuple[str
         stage = line.split(": ", 1)[0].split(" to ")[0]  # "writing the grown model to DIR" -> its first words
         begin = at - _seconds(line.rsplit("done in ", 1)[1].split(",")[0])
         if begin > cursor + 0.5:
-            stages.append(("load model and data" if not stages else "other", cursor, begin))
+            gap = "load model and data" if not stages else BUILD if stage == "line search" else "other"
+            stages.append((gap, cursor, begin))
         stages.append((stage, begin, at))
         cursor = at
     stages.append(("exit", cursor, total))
@@ -161,14 +164,15 @@ def main() -> None:
         print("\n".join(line for _, line in lines[-20:]))
         raise SystemExit(f"hf-grow exited with {returncode} after {total:.0f} s "
                          f"(peak {max(rss for _, rss in samples) / 2**30:.1f} GiB)")
-    print(f"{'stage':<22}{'seconds':>9}{'share':>8}{'peak GiB':>10}")
+    print(f"{'stage':<44}{'seconds':>9}{'share':>8}{'peak GiB':>10}")
     peaks: dict[str, float] = {}
     for stage, begin, end in split_stages(lines, total):
         # A stage shorter than the sampling interval gets the samples around it.
         peak = max((rss for at, rss in samples if begin - 0.25 <= at <= end + 0.25), default=0)
-        peaks[stage] = max(peaks.get(stage, 0), peak)
-        print(f"{stage:<22}{end - begin:>9.1f}{(end - begin) / total:>8.0%}{peak / 2**30:>10.2f}")
-    print(f"{'total':<22}{total:>9.1f}{1:>8.0%}{max(rss for _, rss in samples) / 2**30:>10.2f}")
+        passes = re.sub(r" \d+/\d+$", "", stage)  # "statistics 1/2" -> "statistics"
+        peaks[passes] = max(peaks.get(passes, 0), peak)
+        print(f"{stage:<44}{end - begin:>9.1f}{(end - begin) / total:>8.0%}{peak / 2**30:>10.2f}")
+    print(f"{'total':<44}{total:>9.1f}{1:>8.0%}{max(rss for _, rss in samples) / 2**30:>10.2f}")
     predicted = planned_peaks(plan)
     print(f"\n{'plan stage':<14}{'planned GiB':>12}{'measured GiB':>14}{'planned/measured':>18}")
     for name, covered in PLAN_STAGES.items():
