@@ -184,6 +184,28 @@ def test_input_model_is_unchanged(gpt2_copy, stdlib_bytes):
     assert hf_grow.get_adapter(grown).qk_head_dims(grown.config) == [24, 24]
 
 
+def test_building_the_grown_model_makes_no_third_copy_of_the_weights(gpt2_copy, monkeypatch):
+    """While the grown model is filled, the live weights are the source's and the grown model's: the state dict
+    it is filled from holds the source's own tensors (only the new Q/K weights are new)."""
+    model = gpt2_copy.eval()
+    adapter = hf_grow.get_adapter(model)
+    source = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    loaded = {}
+    load = torch.nn.Module.load_state_dict
+
+    def recording_load(module, state_dict, *args, **kwargs):
+        loaded.update(state_dict)
+        return load(module, state_dict, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", recording_load)
+    query, key = adapter.read_qk(adapter.attention_modules(model)[0])
+    grown = adapter.build_grown_model(model, [query.shape[-1]] * 2, {0: (query, key)})
+    copied = {name for name, tensor in loaded.items() if tensor.untyped_storage().data_ptr() not in source}
+    assert copied and all(".attn." in name for name in copied), copied  # only layer 0's new Q/K tensors
+    grown_storages = {t.untyped_storage().data_ptr() for t in grown.state_dict().values()}
+    assert not grown_storages & source
+
+
 def test_widths_off_multiples_of_eight_warn(trained_gpt2, stdlib_bytes):
     batches = lm_batches(stdlib_bytes["stats"], 2)
     with pytest.warns(UserWarning, match="not multiples of 8"):
