@@ -16,7 +16,7 @@ from ..distributed import OtherProcessFailed, Processes
 from ..growth import grow_model
 from ..inspection import PLOT_EXTRA, inspect_growth
 from ..progress import stage
-from ..statistics import collect_statistics
+from ..statistics import collect_statistics, return_free_memory
 from .checks import CommandError, _check_arguments, _check_data_arguments, _check_device, _check_file_folders
 from .memory import check_memory
 from .loading import _load_model, _load_statistics, _load_tokenizer, _objective
@@ -68,6 +68,8 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
         )
     except (ValueError, OtherProcessFailed) as error:
         raise CommandError(str(error)) from None
+    del model  # the grown model holds its own weights: saving it needs no second model beside it
+    return_free_memory()
     try:
         # Only the main process writes and pushes; the others wait for it, and learn if it failed.
         with Processes(accelerator).failing_together():

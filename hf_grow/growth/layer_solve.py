@@ -19,8 +19,9 @@ from .. import compact, linalg
 #: Heads solved together: bounds the solve's transient d x d tensors (a few per head) without giving up batching.
 HEAD_CHUNK = 8
 #: How ``solver="auto"`` decomposes each head's direction for the compact solve: once per head, from a cold
-#: start, to a rank s of about twice the grown width. There eigh beat subspace iteration on a 2-core CPU at
-#: GPT-2 medium's width (s + 16 = 160 of 1,025 columns: 2.7x faster) and at 2,049 (BENCHMARKS.md).
+#: start, to a rank s of about twice the grown width. There eigh was never slower than subspace iteration on a
+#: 2-core CPU at GPT-2 medium's width (s + 16 = 160 of 1,025 columns): 1.04x on a trained layer, 1.4x with
+#: random weights, whose flat spectra slow the iteration (bench_solver.py, BENCHMARKS.md).
 COMPACT_AUTO_METHOD = "eigh"
 
 

@@ -152,7 +152,7 @@ def plan_memory(
         "held-out forward": int(HELD_OUT_FORWARD * activations),
         "held-out states": min(CACHE_BYTES, eval_tokens * width * 4 * max(layers - 1, 0)),
     }
-    write = {"model": weights, "grown model": weights, "saving": weights}
+    write = {"grown model": weights, "saving": weights}  # the command frees the input model first
     stages = (
         _stage("load", {"model": weights, "weights file": int(LOADING_OVERHEAD * weights)}, on_device),
         _stage("statistics", statistics, on_device),

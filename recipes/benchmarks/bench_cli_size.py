@@ -167,8 +167,9 @@ def main() -> None:
     print(f"{'stage':<44}{'seconds':>9}{'share':>8}{'peak GiB':>10}")
     peaks: dict[str, float] = {}
     for stage, begin, end in split_stages(lines, total):
-        # A stage shorter than the sampling interval gets the samples around it.
-        peak = max((rss for at, rss in samples if begin - 0.25 <= at <= end + 0.25), default=0)
+        # The samples within the stage; one shorter than the sampling interval gets the samples around it.
+        inside = [rss for at, rss in samples if begin <= at <= end]
+        peak = max(inside or [rss for at, rss in samples if begin - 0.25 <= at <= end + 0.25] or [0])
         passes = re.sub(r" \d+/\d+$", "", stage)  # "statistics 1/2" -> "statistics"
         peaks[passes] = max(peaks.get(passes, 0), peak)
         print(f"{stage:<44}{end - begin:>9.1f}{(end - begin) / total:>8.0%}{peak / 2**30:>10.2f}")

@@ -35,7 +35,7 @@ from hf_grow.compact import compact_rank  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=150, help="training steps before growth")
+    parser.add_argument("--steps", type=int, default=150, help="training steps before growth (0: random weights)")
     parser.add_argument("--n-embd", type=int, default=768)
     parser.add_argument("--n-head", type=int, default=12)
     parser.add_argument("--n-layer", type=int, default=1)
@@ -55,7 +55,8 @@ def main() -> None:
           f"{args.n_layer} layers x {args.n_head} heads (d_k {qk_dim}), {args.steps} steps; compact rank s = "
           f"{compact_rank(args.n_embd + 1, qk_dim + 8)} of {args.n_embd + 1}", flush=True)
     model = make_model(args.n_embd, args.n_layer, args.n_head, seq_len, seed=0)
-    train(model, data["train"], args.steps, batch_size, seq_len, seed=0)
+    if args.steps > 0:  # 0: random weights, as in bench_cli_size
+        train(model, data["train"], args.steps, batch_size, seq_len, seed=0)
     model.to(args.device)
     to_device = lambda batches: [{k: v.to(args.device) for k, v in b.items()} for b in batches]  # noqa: E731
     stats = to_device(lm_batches(data["stats"], 12, batch_size, seq_len, 1))
