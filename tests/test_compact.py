@@ -94,6 +94,37 @@ def test_compact_gradient_and_metric_terms_equal_the_full_ones(truncation):
     torch.testing.assert_close(target.metric_norm_sq(core_delta), linalg.whitened_norm_sq(delta, metric), rtol=1e-9, atol=1e-12)
 
 
+def test_certified_rank_is_the_smallest_that_meets_the_tolerance_in_every_head():
+    """sigma_i = 0.9^i: sqrt(2) sigma_{s+1} <= 0.2 sigma_w needs 0.9^(s - w + 1) <= 0.2 / sqrt(2), s >= w + 18; the
+    worst head decides, and the ceiling (5 w, fewer than size - base columns) bounds s on flat spectra."""
+    decaying = 0.9 ** torch.arange(200, dtype=torch.float64)
+    width, base = 8, 4
+    needed = next(s for s in range(200) if 2**0.5 * decaying[s] <= compact.CERTIFICATE_TOLERANCE * decaying[width - 1])
+    assert compact.certified_rank(decaying[None], width, 16, base) == needed == width + 18
+    slower = 0.95 ** torch.arange(200, dtype=torch.float64)
+    both = torch.stack([decaying, slower])
+    assert compact.certified_rank(both, width, 16, base) == compact.certified_rank(slower[None], width, 16, base) > needed
+    flat = torch.ones(2, 200, dtype=torch.float64)
+    assert compact.certified_rank(flat, width, 16, base) == 5 * width
+    assert compact.certified_rank(flat[:, :30], width, 16, base) == 30 - base - 1  # stays compact
+    assert compact.certified_rank(decaying[None], width, 64, base) == 64  # never below the minimum
+
+
+@pytest.mark.parametrize("truncation", ["whitened", "frobenius"])
+def test_padded_targets_truncate_and_measure_as_the_unpadded_ones(truncation):
+    """Chunks of heads kept to different ranks are stacked with zero columns: nothing they compute changes."""
+    target, core, approximate, _, (*_, lams) = exact_and_compact(truncation, rank_kept=16, lam=0.3)
+    padded = target.padded(target.width + 7)
+    assert padded.width == target.width + 7 and target.padded(target.width) is target
+    padded_core = padded.decompose(lams)
+    torch.testing.assert_close(padded.to_model(padded_core.truncate(8)).product, approximate.product, rtol=1e-9,
+                               atol=1e-10)
+    delta = core.truncate(8).product - target.core(lams)
+    padded_delta = torch.nn.functional.pad(delta, (0, 7, 0, 7))
+    torch.testing.assert_close(padded.gradient_inner(padded_delta), target.gradient_inner(delta))
+    torch.testing.assert_close(padded.metric_norm_sq(padded_delta), target.metric_norm_sq(delta))
+
+
 @pytest.fixture(scope="module")
 def wide_gpt2(stdlib_bytes):
     """A GPT-2 wide enough that the compact subspaces are a part of the width: d = 193, d_k = 48, k = 48 + 120."""

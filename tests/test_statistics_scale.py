@@ -199,7 +199,7 @@ def live_layer_tensors(entries: int) -> int:
 def test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor(stdlib_bytes, monkeypatch, layers):
     """One layer per pass: while a layer is solved, the live (heads, d, d) tensors are that layer's M and the
     solve's own, as many with 4 layers as with 2; after it, the statistics hold no M and the problem no tensor of
-    that size (d = 129, 8 heads of 16 dims grown to 24: compact subspaces of 16 + 88 < 129 columns)."""
+    that size (d = 129, 8 heads of 16 dims grown to 24: compact subspaces of 16 + 88 to 16 + 112 < 129 columns)."""
     from hf_grow.growth import GrowthProblem, layer_solve
 
     torch.manual_seed(0)
@@ -239,7 +239,7 @@ def test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor(stdlib
     for part in problem.layers:
         kept = [getattr(part.targets["whitened"], name) for name in ("left_basis", "right_basis", "base_core",
                                                                        "step_core", "gradient_core")]
-        assert part.targets["whitened"].width == 16 + 88
+        assert 16 + 88 <= part.targets["whitened"].width < size  # s from its minimum to below the width
         assert all(tensor.numel() < layer_size for tensor in kept)
 
 

@@ -127,7 +127,7 @@ def solve_layer(
             for truncation in truncations:
                 base, step = coordinates[truncation]
                 part[truncation, "target"] = compact.compact_target(
-                    *base, step, gradient, rank, problem.metric, truncation == "whitened", method
+                    *base, step, gradient, rank, problem.metric, truncation == "whitened", method, max_width
                 )
         else:
             method = "eigh" if per_group > 1 else (solver if solver != "auto" else linalg.choose_method(size, added))
@@ -208,6 +208,8 @@ def _rates(
 def _cat_targets(targets: list[compact.CompactTarget]) -> compact.CompactTarget:
     if len(targets) == 1:
         return targets[0]
+    width = max(target.width for target in targets)  # chunks may keep different ranks: pad to the largest
+    targets = [target.padded(width) for target in targets]
     fields = compact.CompactTarget.__dataclass_fields__
     return compact.CompactTarget(**{
         name: None if getattr(targets[0], name) is None else torch.cat([getattr(t, name) for t in targets])
