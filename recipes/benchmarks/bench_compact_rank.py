@@ -6,7 +6,7 @@ subspaces; the exact solve keeps every direction. The scale issue's acceptance: 
 held-out loss within 1e-4 of the exact solve. On all-MiniLM-L6-v2 (d = 385, d_k 32 grown to 40) the default s
 leaves a part of the width out, so this is where the two can differ. The statistics are collected once on the
 model's own contrastive loss (docstring/code pairs of the standard library, `recipes/sentence_pairs.py`); each
-row grows with s forced to a value (0: exact) and prints the chosen step, the held-out losses, the largest
+row grows with s forced to a value (0: exact; the first row: the default, s certified per chunk of heads) and prints the chosen step, the held-out losses, the largest
 certificate over the heads (`HeadReport.compact_perturbation`, sqrt(2) lam sigma_{s+1}(P) over the smallest
 kept singular value) and the seconds of the solve and the line search.
 
@@ -35,8 +35,9 @@ from sentence_pairs import contrastive_loss, pair_splits  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[104, 168, 232, 0],
-                        help="compact ranks s to force (0: the exact solve; 104 is the default at p = 8)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[-1, 104, 168, 232, 0],
+                        help="compact ranks s to force (-1: the default, certified rank; 0: the exact solve; 104: "
+                             "the default's minimum at p = 8)")
     parser.add_argument("--p", type=int, default=8)
     args = parser.parse_args()
     transformers_logging.set_verbosity_error()
@@ -49,22 +50,33 @@ def main() -> None:
     print(f"# bench_compact_rank {datetime.date.today()} torch {torch.__version__} "
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; all-MiniLM-L6-v2, "
           f"p {args.p}, default s = {hf_grow.compact.compact_rank(385, 32 + args.p)}")
-    print(f"{'s':>6} {'step':>9} {'held-out after':>15} {'vs exact':>10} {'test after':>11} {'max certificate':>16} "
+    print(f"{'s':>13} {'step':>9} {'held-out after':>15} {'vs exact':>10} {'test after':>11} {'max certificate':>16} "
           f"{'solve s':>8} {'search s':>9}")
     rows = []
     for rank in args.ranks:
-        chosen = (lambda size, width: size) if rank == 0 else (lambda size, width, rank=rank: min(size, rank))
-        with mock.patch.object(hf_grow.compact, "compact_rank", chosen):
+        kept: list[int] = []
+        certified = hf_grow.compact.certified_rank
+
+        def recorded(*args, **kwargs) -> int:
+            kept.append(certified(*args, **kwargs))
+            return kept[-1]
+
+        forced = {"certified_rank": recorded} if rank < 0 else {
+            "compact_rank": (lambda size, width: size) if rank == 0 else (lambda size, width, rank=rank: min(size, rank)),
+            "certified_rank": lambda singular_values, width, rank, base: rank,
+        }
+        with mock.patch.multiple(hf_grow.compact, **forced):
             grown = hf_grow.grow_model(model, None, p=args.p, statistics=statistics, eval_dataloader=batches["eval"],
                                        loss_fn=contrastive_loss, initial_step_size=0.01, measure_realized_gains=False)
         report = grown.growth_report
         test = hf_grow.evaluate_loss(grown, batches["test"], loss_fn=contrastive_loss)[0]
         certificate = max(head.compact_perturbation or 0.0 for layer in report.layers for head in layer.heads)
-        rows.append((rank, report, test, certificate))
-    exact = next((report.eval_loss_after for rank, report, _, _ in rows if rank == 0), None)
-    for rank, report, test, certificate in rows:
+        rows.append((rank, report, test, certificate, f"{min(kept)}-{max(kept)}" if kept else "-"))
+    exact = next((report.eval_loss_after for rank, report, *_ in rows if rank == 0), None)
+    for rank, report, test, certificate, kept in rows:
         versus = f"{report.eval_loss_after - exact:>+10.2e}" if exact is not None else f"{'-':>10}"
-        print(f"{'exact' if rank == 0 else rank:>6} {report.step_size:>9.4g} {report.eval_loss_after:>15.6f} {versus} "
+        name = "exact" if rank == 0 else f"{kept} (default)" if rank < 0 else str(rank)  # default: s per chunk
+        print(f"{name:>13} {report.step_size:>9.4g} {report.eval_loss_after:>15.6f} {versus} "
               f"{test:>11.6f} {certificate:>16.3f} {report.seconds['solve']:>8.1f} {report.seconds['line_search']:>9.1f}")
 
 
