@@ -48,12 +48,17 @@ CERTIFICATE_TOLERANCE = 0.2
 MAX_RANK_PER_WIDTH = 5
 
 
+def rank_ceiling(size: int, width: int, base: int) -> int:
+    """The most s `certified_rank` keeps: ``MAX_RANK_PER_WIDTH * width``, and fewer than ``size - base`` columns
+    (``base``: the columns of W's factors), so that the subspaces stay a part of the width."""
+    return min(MAX_RANK_PER_WIDTH * width, size - base - 1)
+
+
 def certified_rank(singular_values: Tensor, width: int, rank: int, base: int) -> int:
     """s for a chunk of heads from their whole spectra (heads, size), largest first: from ``rank`` on, the
-    smallest s at which ``sqrt(2) sigma_{s+1} <= CERTIFICATE_TOLERANCE sigma_width`` in every head; at most
-    ``MAX_RANK_PER_WIDTH * width``, and fewer than ``size - base`` (``base``: the columns of W's factors)."""
-    size = singular_values.shape[-1]
-    ceiling = min(MAX_RANK_PER_WIDTH * width, size - base - 1)
+    smallest s at which ``sqrt(2) sigma_{s+1} <= CERTIFICATE_TOLERANCE sigma_width`` in every head, at most
+    `rank_ceiling`."""
+    ceiling = rank_ceiling(singular_values.shape[-1], width, base)
     if ceiling <= rank:
         return rank
     reference = singular_values[..., width - 1 : width]

@@ -76,9 +76,9 @@ class GrowthConfig:
     - ``solver``: how each head's direction is decomposed, once, for the compact solve (`hf_grow.compact`):
       ``"subspace"`` (top singular directions by subspace iteration), ``"eigh"`` (eigendecomposition of A A^T),
       ``"svd"`` (full SVD, several times slower), ``"auto"`` (eigh for "refactor" growth, measured never
-      slower than subspace iteration for its rank of about twice the grown width; for "append" growth, subspace where
-      the added dims plus 16 are at most a sixth of the hidden size); see `hf_grow.linalg.decompose`. The line search's small cores
-      use eigh (svd with ``"svd"``).
+      slower than subspace iteration for its rank of about twice the grown width; for "append" growth,
+      subspace where the added dims plus 16 are at most a sixth of the hidden size); see
+      `hf_grow.linalg.decompose`. The line search's small cores use eigh (svd with ``"svd"``).
     - ``statistics_method``, ``compute_dtype``, ``accumulate_dtype``, ``query_block``, ``memory_budget``,
       ``max_batches``: how the statistics are collected; see `hf_grow.collect_statistics`.
     """

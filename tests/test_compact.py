@@ -99,11 +99,13 @@ def test_certified_rank_is_the_smallest_that_meets_the_tolerance_in_every_head()
     worst head decides, and the ceiling (5 w, fewer than size - base columns) bounds s on flat spectra."""
     decaying = 0.9 ** torch.arange(200, dtype=torch.float64)
     width, base = 8, 4
-    needed = next(s for s in range(200) if 2**0.5 * decaying[s] <= compact.CERTIFICATE_TOLERANCE * decaying[width - 1])
+    tolerance = compact.CERTIFICATE_TOLERANCE
+    needed = next(s for s in range(200) if 2**0.5 * decaying[s] <= tolerance * decaying[width - 1])
     assert compact.certified_rank(decaying[None], width, 16, base) == needed == width + 18
     slower = 0.95 ** torch.arange(200, dtype=torch.float64)
     both = torch.stack([decaying, slower])
-    assert compact.certified_rank(both, width, 16, base) == compact.certified_rank(slower[None], width, 16, base) > needed
+    worst = compact.certified_rank(slower[None], width, 16, base)
+    assert compact.certified_rank(both, width, 16, base) == worst > needed
     flat = torch.ones(2, 200, dtype=torch.float64)
     assert compact.certified_rank(flat, width, 16, base) == 5 * width
     assert compact.certified_rank(flat[:, :30], width, 16, base) == 30 - base - 1  # stays compact

@@ -19,7 +19,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..adapters import ArchitectureAdapter
-from ..compact import MAX_RANK_PER_WIDTH, compact_rank
+from ..compact import compact_rank, rank_ceiling
 from ..config import COMPUTE_DTYPES, GrowthConfig
 from ..progress import format_bytes
 from ..statistics import CPU_REFERENCE_MAX_LENGTH, layer_groups, statistics_bytes
@@ -172,7 +172,7 @@ def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, widt
         return layers * heads * 2 * width * max(1, grown - qk_dim) * 8
     rank = compact_rank(width, grown)
     if qk_dim + rank < width:  # compact: the certified rank may keep up to its ceiling (`compact.certified_rank`)
-        rank = max(rank, min(MAX_RANK_PER_WIDTH * grown, width - qk_dim - 1))
+        rank = max(rank, rank_ceiling(width, grown, qk_dim))
     kept = min(width, qk_dim + rank)
     # The whitened targets always (the step norms); the Frobenius ones too where a candidate truncates so.
     truncations = 1 if {candidate[0] for candidate in config.candidates} == {"whitened"} else 2

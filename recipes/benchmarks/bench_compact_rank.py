@@ -5,8 +5,9 @@ The compact solve keeps, per head, the top s singular directions of the whitened
 subspaces; the exact solve keeps every direction. The scale issue's acceptance: the same chosen step and a
 held-out loss within 1e-4 of the exact solve. On all-MiniLM-L6-v2 (d = 385, d_k 32 grown to 40) the default s
 leaves a part of the width out, so this is where the two can differ. The statistics are collected once on the
-model's own contrastive loss (docstring/code pairs of the standard library, `recipes/sentence_pairs.py`); each
-row grows with s forced to a value (0: exact; the first row: the default, s certified per chunk of heads) and prints the chosen step, the held-out losses, the largest
+model's own contrastive loss (docstring/code pairs of the standard library, `recipes/sentence_pairs.py`). The
+first row grows with the default (s certified per chunk of heads: the range kept is printed), each other row
+with s forced to a value (0: exact); each prints the chosen step, the held-out losses, the largest
 certificate over the heads (`HeadReport.compact_perturbation`, sqrt(2) lam sigma_{s+1}(P) over the smallest
 kept singular value) and the seconds of the solve and the line search.
 
@@ -62,7 +63,7 @@ def main() -> None:
             return kept[-1]
 
         forced = {"certified_rank": recorded} if rank < 0 else {
-            "compact_rank": (lambda size, width: size) if rank == 0 else (lambda size, width, rank=rank: min(size, rank)),
+            "compact_rank": (lambda size, width: size) if rank == 0 else lambda size, width, rank=rank: min(size, rank),
             "certified_rank": lambda singular_values, width, rank, base: rank,
         }
         with mock.patch.multiple(hf_grow.compact, **forced):
@@ -76,8 +77,9 @@ def main() -> None:
     for rank, report, test, certificate, kept in rows:
         versus = f"{report.eval_loss_after - exact:>+10.2e}" if exact is not None else f"{'-':>10}"
         name = "exact" if rank == 0 else f"{kept} (default)" if rank < 0 else str(rank)  # default: s per chunk
+        seconds = report.seconds
         print(f"{name:>13} {report.step_size:>9.4g} {report.eval_loss_after:>15.6f} {versus} "
-              f"{test:>11.6f} {certificate:>16.3f} {report.seconds['solve']:>8.1f} {report.seconds['line_search']:>9.1f}")
+              f"{test:>11.6f} {certificate:>16.3f} {seconds['solve']:>8.1f} {seconds['line_search']:>9.1f}")
 
 
 if __name__ == "__main__":
