@@ -273,6 +273,10 @@ class Collector:
 
         return hook
 
+    def collects(self, layer: int) -> bool:
+        """Whether this pass collects M of ``layer`` (a layer of its group)."""
+        return layer in self.sums.gradients
+
     def score_hook(self, layer: int) -> Callable[[Tensor], None] | None:
         """The reference method: receives G = dLoss/dS of ``layer`` as a whole (paired with this pass's X').
 

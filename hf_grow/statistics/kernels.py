@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -30,8 +30,26 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 
-if TYPE_CHECKING:
-    from .collector import Collector
+class AttentionObserver(Protocol):
+    """What `statistics_attention` asks of the collector a module is registered with (`collector.Collector`),
+    stated here so that this module imports nothing of the collector's, which imports it."""
+
+    #: The method of the forward pass under way: "reference", "chunked" or "triton".
+    batch_method: str
+    #: The model normally runs eager attention (whose fully masked rows the statistics keep).
+    eager_model: bool
+
+    def collects(self, layer: int) -> bool:
+        """Whether this pass collects M of ``layer``."""
+
+    def score_hook(self, layer: int) -> Callable[[Tensor], None] | None:
+        """The reference method: the hook that receives G = dLoss/dS of ``layer``."""
+
+    def on_attention_output(
+        self, layer: int, output: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+        scaling: float, is_causal: bool,
+    ) -> None:
+        """The chunked and triton methods: ``layer``'s attention output, whose gradient brings M."""
 
 
 STATISTICS_ATTENTION = "hf_grow_statistics"
@@ -40,7 +58,7 @@ METHODS: tuple[str, ...] = ("auto", "chunked", "reference", "triton")
 CPU_REFERENCE_MAX_LENGTH = 256
 
 # Per attention module of the model under collection: the collector and the layer. Read by `statistics_attention`.
-_COLLECTING: dict[nn.Module, tuple[Collector, int]] = {}
+_COLLECTING: dict[nn.Module, tuple[AttentionObserver, int]] = {}
 
 # Elements of one (b, h, block, s) float tensor in the chunked path. On a CPU, 2^21 float32 numbers
 # (8 MiB) stay in cache and skip most of a causal mask's upper triangle: 1.2-1.9x faster than 1024-query blocks
@@ -73,7 +91,7 @@ def statistics_attention(
     causal = getattr(module, "is_causal", True) if causal is None else causal
     is_causal = attention_mask is None and query.shape[2] > 1 and causal
     collector, layer = _COLLECTING.get(module, (None, None))
-    collects = collector is not None and layer in collector.sums.gradients
+    collects = collector is not None and collector.collects(layer)
     if collector is not None and collector.batch_method == "reference":
         # Every layer runs eager attention, also those whose M is collected in another pass: the same forward.
         hook = collector.score_hook(layer) if collects else None
