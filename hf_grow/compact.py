@@ -114,9 +114,11 @@ class CompactTarget:
         """``L^T (W - lam Q) R`` for each head's lam, shape (heads, k, k)."""
         return self.base_core - lam[:, None, None] * self.step_core
 
-    def decompose(self, lam: Tensor, method: str = "eigh") -> linalg.Decomposition:
-        """The SVD of the core at ``lam`` (in core coordinates): its truncations are those of T^(lam)."""
-        return linalg.decompose_whitened(self.core(lam), None, "svd" if method == "svd" else "eigh")
+    def decompose(self, lam: Tensor, method: str = "eigh", columns: int | None = None) -> linalg.Decomposition:
+        """The SVD of the core at ``lam`` (in core coordinates): its truncations are those of T^(lam), up to rank
+        ``columns`` (None: any)."""
+        method = "svd" if method == "svd" else "eigh"
+        return linalg.decompose_whitened(self.core(lam), None, method, columns=columns)
 
     def to_model(self, factors: linalg.Factorization) -> linalg.Factorization:
         """Core-coordinate factors mapped to model coordinates (the un-whitened Q/K form)."""
@@ -173,7 +175,8 @@ def compact_target(
         identity = torch.eye(size, dtype=step.dtype, device=step.device).expand_as(step)
         left, right, tail = identity, identity, step.new_zeros(step.shape[0])
     else:
-        decomposition = linalg.decompose_whitened(step, None, method, rank=rank)
+        ceiling = rank if width is None else max(rank, rank_ceiling(size, width, base_left.shape[-1]))
+        decomposition = linalg.decompose_whitened(step, None, method, rank=rank, columns=ceiling)
         if width is not None and method != "subspace":
             rank = certified_rank(decomposition.singular_values, width, rank, base_left.shape[-1])
         directions = decomposition.projected[..., :rank]  # V_s S_s: spans V_s where sigma > 0

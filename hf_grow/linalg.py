@@ -139,6 +139,7 @@ class Decomposition:
 
     ``left_vectors`` U and ``projected`` A^T U = V Sigma of the whitened target A, singular values largest
     first; ``metric`` un-whitens the factors (None for the Frobenius norm, where A is the target itself).
+    U and V Sigma may hold only the top columns (truncations up to that rank), the singular values are all there.
     """
 
     left_vectors: Tensor
@@ -163,7 +164,7 @@ class Decomposition:
         if rank <= 0:
             raise ValueError(f"rank must be positive, got {rank}")
         if rank > self.left_vectors.shape[-1]:
-            raise ValueError(f"rank {rank} exceeds the size {self.left_vectors.shape[-1]} of the matrix")
+            raise ValueError(f"rank {rank} exceeds the {self.left_vectors.shape[-1]} singular vectors kept")
         sigma = self.singular_values[..., :rank]
         kept = sigma > SINGULAR_VALUE_RTOL * self.singular_values[..., :1]
         root_sigma = torch.where(kept, sigma, torch.ones_like(sigma)).sqrt()
@@ -208,16 +209,23 @@ def decompose_whitened(
     *,
     rank: int | None = None,
     start: Tensor | None = None,
+    columns: int | None = None,
 ) -> Decomposition:
-    """`decompose` of an already whitened target A (``metric`` only un-whitens the truncations)."""
+    """`decompose` of an already whitened target A (``metric`` only un-whitens the truncations).
+
+    ``columns``: keep only the top this many singular vectors (of "eigh" and "svd"; every singular value is
+    kept): truncations are then at most that rank, and "eigh" forms A^T U for those columns only.
+    """
     if not bool(torch.isfinite(whitened).all()):
         raise FloatingPointError("the target to decompose holds NaN or Inf: check the step size and the statistics.")
+    kept = slice(None, columns)
     if method == "svd":
         left_vectors, singular_values, right_vectors_h = torch.linalg.svd(whitened)
-        return Decomposition(left_vectors, right_vectors_h.mT * singular_values[..., None, :], singular_values, metric)
+        projected = right_vectors_h[..., kept, :].mT * singular_values[..., None, kept]
+        return Decomposition(left_vectors[..., kept], projected, singular_values, metric)
     if method == "eigh":
         eigenvalues, eigenvectors = torch.linalg.eigh(whitened @ whitened.mT)
-        left_vectors = eigenvectors.flip(-1)
+        left_vectors = eigenvectors.flip(-1)[..., kept]
         singular_values = eigenvalues.flip(-1).clamp_min(0).sqrt()
         return Decomposition(left_vectors, whitened.mT @ left_vectors, singular_values, metric)
     if method == "subspace":

@@ -126,6 +126,21 @@ def test_truncate_rejects_impossible_ranks(generator):
         linalg.truncate(target, 0)
 
 
+@pytest.mark.parametrize("method", linalg.SVD_METHODS)
+def test_decomposition_kept_to_some_columns_truncates_as_the_whole_one(generator, method):
+    """``columns`` keeps the top singular vectors only (the line search asks for its width): the same
+    truncations up to that rank, every singular value, and a clear error beyond it."""
+    target = torch.randn(3, 20, 20, generator=generator, dtype=torch.float64)
+    whole = linalg.decompose_whitened(target, None, method)
+    kept = linalg.decompose_whitened(target, None, method, columns=6)
+    assert kept.left_vectors.shape[-1] == kept.projected.shape[-1] == 6
+    torch.testing.assert_close(kept.singular_values, whole.singular_values, rtol=0, atol=0)
+    for rank in (1, 6):
+        torch.testing.assert_close(kept.truncate(rank).product, whole.truncate(rank).product, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="exceeds the 6 singular vectors kept"):
+        kept.truncate(7)
+
+
 @pytest.mark.parametrize("singular", [False, True])
 def test_eigh_and_svd_methods_agree(generator, singular):
     """The fast eigh-of-A A^T path gives the full SVD's truncation, also for rank-deficient targets."""

@@ -33,7 +33,7 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
             perturbation = zeros
         else:
             target = problem.targets[solved.truncation]
-            decomposition = solved.decomposition(layer, step_size, solved.truncation)
+            decomposition = solved.decomposition(layer, step_size, solved.truncation, qk_after)
             base = target.base_core
             delta = decomposition.truncate(qk_after).product - base
             delta_kept = decomposition.truncate(qk_before).product - base

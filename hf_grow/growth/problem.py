@@ -127,11 +127,14 @@ class GrowthProblem(StepScaling):
         unit = self.layer_lam_units[layer] * self.head_factors[layer]  # each head's, before any search per layer
         return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit[:, None])
 
-    def decomposition(self, layer: int, step_size: float, truncation: str) -> linalg.Decomposition:
+    def decomposition(
+        self, layer: int, step_size: float, truncation: str, columns: int | None = None
+    ) -> linalg.Decomposition:
         """The decomposition of the core of layer's ``Z - lam P`` (whitened or not), in core coordinates: its
-        truncations map to Q/K factors by the target's bases (`compact.CompactTarget.to_model`)."""
+        truncations (up to rank ``columns``, None: any) map to Q/K factors by the target's bases
+        (`compact.CompactTarget.to_model`)."""
         method = "svd" if self.solver == "svd" else "eigh"
-        return self.layers[layer].targets[truncation].decompose(self.head_lams(step_size, layer), method)
+        return self.layers[layer].targets[truncation].decompose(self.head_lams(step_size, layer), method, columns)
 
     def unit_update(self, layer: int) -> linalg.Factorization:
         """The "append" update at lam = 1: the truncation of -P to the layer's added dimensions; under
@@ -169,7 +172,8 @@ class GrowthProblem(StepScaling):
                     torch.nn.functional.pad(problem.key, (0, padding)),
                 )
             target = problem.targets[self.truncation]
-            factors = target.to_model(self.decomposition(layer, step_size, self.truncation).truncate(problem.qk_dim_after))
+            width = problem.qk_dim_after
+            factors = target.to_model(self.decomposition(layer, step_size, self.truncation, width).truncate(width))
             root_scaling = math.sqrt(problem.scaling_after)
             return factors.left / root_scaling, factors.right / root_scaling
 
