@@ -5,15 +5,17 @@ mode) candidate is line-searched on the first part of the held-out batches. The 
 kept only if it also beats the simplest candidate (the first: whitened truncation, steps per head) on the rest,
 the confirmation batches (``confirm_fraction`` of them). Otherwise the simplest is kept: with few held-out
 batches, the search's best can fit their noise (BENCHMARKS: the per-layer searches on MiniLM's 8 batches).
+The kept candidate's step is then searched again on all the held-out batches, from the step found on part of
+them: a step searched on fewer batches is noisier.
 
 Cost: one line search per candidate on the search batches, one pass over the confirmation batches per
-candidate and one at step 0. The statistics are shared; one problem is solved per truncation, and its step
-modes are switched without solving again. At most two problems are alive: the simplest's and the best so far.
+candidate, and a shorter line search on all the batches. The statistics are shared; one problem is solved per
+truncation, and its step modes are switched without solving again. At most two problems are alive: the
+simplest's and the best so far.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -58,11 +60,18 @@ def search_and_report(
         report.candidates = [CandidateReport(report.truncation, report.step_mode, report.step_size, None, None)]
         return report
     tick = time.perf_counter()
-    chosen, reports, selection, margin = _choose(prepared, target, *parts, progress=progress)
-    prepared.seconds["line_search"] = time.perf_counter() - tick
-    problem, step_mode, outcome = chosen
+    (problem, step_mode, searched, passes), reports, selection, margin = _choose(
+        prepared, target, *parts, progress=progress
+    )
     problem.set_step_mode(step_mode)  # the report's steps per layer and head are the chosen mode's
-    write_weights(prepared.adapter, target, outcome.weights)
+    # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
+    # step its search found: with few batches, a step searched on part of them is noisier (BENCHMARKS: MiniLM).
+    write_weights(prepared.adapter, target, problem.weights(0.0))
+    outcome = search.line_search(
+        prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size
+    )
+    outcome.passes += passes
+    prepared.seconds["line_search"] = time.perf_counter() - tick
     return search.write_report(
         prepared, problem, target, outcome, prepared.eval_batches, **reporting,
         candidates=reports, selection=selection, selection_margin=margin,
@@ -80,7 +89,7 @@ def confirmation_split(
     return batches[:-count], batches[-count:]
 
 
-Kept = tuple[GrowthProblem, str, search.SearchOutcome]
+Kept = tuple[GrowthProblem, str, search.SearchOutcome, float]
 
 
 def _choose(
@@ -88,19 +97,19 @@ def _choose(
     *, progress: bool,
 ) -> tuple[Kept, list[CandidateReport], str, float]:
     """Line-search every candidate on ``search_batches``, confirm on ``confirm_batches``: the candidate kept (its
-    problem, step mode and outcome, with losses over all the held-out batches), every candidate's report, how it
-    was chosen ("search" or "fallback") and its confirmation margin over the simplest."""
+    problem, step mode, outcome on the search batches, and what choosing cost in full passes over all the held-out
+    batches), every candidate's report, how it was chosen ("search" or "fallback") and its confirmation margin
+    over the simplest."""
     adapter, loss_fn, accelerator = prepared.adapter, prepared.loss_fn, prepared.accelerator
     at_zero = prepared.problem.weights(0.0)  # the old function at the grown widths, whatever the candidate
 
     def confirm() -> tuple[float, int]:
         return evaluate_loss(target, confirm_batches, adapter, loss_fn, accelerator)
 
-    confirm_before, confirm_weight = confirm()
     problem = prepared.problem  # the simplest candidate's truncation and step mode
     reports: list[CandidateReport] = []
     simplest = best = None
-    searched_passes, confirm_passes = 0.0, 1
+    searched_passes, confirm_passes = 0.0, 0
     for truncation, step_mode in prepared.config.candidates:
         if truncation != problem.truncation:
             problem = GrowthProblem(
@@ -112,7 +121,8 @@ def _choose(
         outcome = search.line_search(prepared, problem, target, search_batches, progress=progress)
         searched_passes += outcome.passes
         confirm_passes += 1
-        report = CandidateReport(truncation, step_mode, outcome.step_size, outcome.loss_after, confirm()[0])
+        confirm_loss, confirm_weight = confirm()
+        report = CandidateReport(truncation, step_mode, outcome.step_size, outcome.loss_after, confirm_loss)
         reports.append(report)
         logger.info("candidate %s, %s: step %.4g, search loss %.5f, confirmation loss %.5f", truncation, step_mode,
                     report.step_size, report.search_loss, report.confirm_loss)
@@ -124,13 +134,6 @@ def _choose(
     selection = "fallback" if best is not simplest and not confirmed else "search"
     problem, step_mode, outcome, report = best if confirmed else simplest
     search_weight = outcome.eval_weight
-    total = search_weight + confirm_weight
-    merged = dataclasses.replace(
-        outcome,
-        loss_before=(outcome.loss_before * search_weight + confirm_before * confirm_weight) / total,
-        loss_after=(report.search_loss * search_weight + report.confirm_loss * confirm_weight) / total,
-        eval_weight=total,
-        # in full passes over all the held-out batches: the searches' over their part, the confirmations' over theirs
-        passes=(searched_passes * search_weight + confirm_passes * confirm_weight) / total,
-    )
-    return (problem, step_mode, merged), reports, selection, simplest[3].confirm_loss - report.confirm_loss
+    # in full passes over all the held-out batches: the searches' over their part, the confirmations' over theirs
+    passes = (searched_passes * search_weight + confirm_passes * confirm_weight) / (search_weight + confirm_weight)
+    return (problem, step_mode, outcome, passes), reports, selection, simplest[3].confirm_loss - report.confirm_loss

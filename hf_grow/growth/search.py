@@ -73,9 +73,11 @@ def line_search(
     eval_batches: list[dict[str, Tensor]] | None,
     *,
     progress: bool,
+    near: float | None = None,
 ) -> SearchOutcome:
     """Search ``problem``'s step on ``eval_batches`` (or take the config's ``step_size``) in ``target``, which
-    computes the old function on entry; on exit it holds the chosen step's weights."""
+    computes the old function on entry; on exit it holds the chosen step's weights. ``near``: a step already
+    searched on some of the batches, from which a shorter search starts (factor 2, two refinements)."""
     model, adapter = prepared.model, prepared.adapter
     accelerator = prepared.accelerator
     config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
@@ -128,7 +130,9 @@ def line_search(
                 return run
 
             start = config.initial_step_size
-            if problem.step_mode == "layer_search":
+            if near:
+                losses = search_step_size(tracked("rank", evaluate_step), near, factor=2.0, refinements=2)
+            elif problem.step_mode == "layer_search":
                 gains = search_layers_alone(problem, passes, adapter, target, start, loss_before, tracked)
                 # each layer at its own best step alone, then one multiplier t of all of them
                 losses = search_step_size(tracked("rank", evaluate_step), 1.0, factor=2.0) if gains else {0.0: 0.0}
