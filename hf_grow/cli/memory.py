@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+from pathlib import Path
 
 import psutil
 import torch
 
-from ..adapters import get_adapter
+from ..adapters import get_adapter, supported_model_types
 from ..data import DEFAULT_EVAL_TOKENS
 from ..growth.memory_plan import MemoryPlan, activation_bytes, fitting_changes, plan_memory, statistics_attention
 from ..progress import format_bytes
@@ -22,7 +24,12 @@ from .loading import DTYPES
 
 def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) -> MemoryPlan:
     """Plan the run from the model's config alone (a model on the meta device), print the plan (on stdout with
-    ``--dry-run``, else with the progress lines) and refuse a run that would not fit the free memory."""
+    ``--dry-run``, else with the progress lines) and refuse a run that would not fit the free memory.
+
+    ``objective``: "causal" or "masked" (a language-model loss on ``--seq-len`` tokens), or "pairs" (a
+    SentenceTransformer's contrastive loss: its transformers model without a head, anchors and positives of
+    each batch in one graph, at the model's maximum sequence length unless ``--seq-len`` says less).
+    """
     plan_with = _planner(args, objective)
     plan = plan_with({})
     if args.dry_run:
@@ -54,10 +61,26 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
 
 def _planner(args: argparse.Namespace, objective: str):
     """``plan_with(changes)``: the plan with some options changed (config fields, batch_size, dtype)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
-    auto_class = AutoModelForMaskedLM if objective == "masked" else AutoModelForCausalLM
-    model_config = AutoConfig.from_pretrained(args.model)
+    auto_class = {"masked": AutoModelForMaskedLM, "causal": AutoModelForCausalLM, "pairs": AutoModel}[objective]
+    seq_len, eval_tokens = args.seq_len, args.eval_tokens or DEFAULT_EVAL_TOKENS
+    if objective == "pairs":
+        folder, max_seq_length = _sentence_transformer_parts(args.model)
+        try:
+            model_config = AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError) as error:
+            message = str(error).splitlines()[0]
+            raise CommandError(f"cannot load {args.model!r} as a SentenceTransformer: {message}") from None
+        if model_config.model_type not in supported_model_types():
+            raise CommandError(f"hf_grow cannot grow {args.model!r} (model_type={model_config.model_type!r}); "
+                               f"supported model types: {', '.join(supported_model_types())}")
+        positions = max_seq_length or getattr(model_config, "max_position_embeddings", None) or 512
+        seq_len = min(args.seq_len or positions, positions)
+        eval_tokens = 2 * seq_len * args.eval_pairs if args.eval_pairs else DEFAULT_EVAL_TOKENS
+    else:
+        model_config = AutoConfig.from_pretrained(args.model)
+    sequences = 2 if objective == "pairs" else 1  # a batch of pairs: its anchors and its positives
     models: dict[str, torch.nn.Module] = {}
     activations: dict[tuple[str, int], int] = {}
 
@@ -70,16 +93,28 @@ def _planner(args: argparse.Namespace, objective: str):
         model = models[dtype]
         fields = {name: value for name, value in changes.items() if name not in ("dtype", "batch_size")}
         config = dataclasses.replace(args.config, **fields)
-        attention = statistics_attention(args.seq_len, args.device)
+        attention = statistics_attention(seq_len, args.device)
         if (dtype, batch_size) not in activations:
-            activations[dtype, batch_size] = activation_bytes(model, batch_size, args.seq_len, attention)
-        return plan_memory(
-            model, get_adapter(model), config, batch_size=batch_size, seq_len=args.seq_len,
-            eval_tokens=args.eval_tokens or DEFAULT_EVAL_TOKENS, device=args.device,
-            activations=activations[dtype, batch_size],
+            activations[dtype, batch_size] = activation_bytes(model, sequences * batch_size, seq_len, attention)
+        plan = plan_memory(
+            model, get_adapter(model), config, batch_size=sequences * batch_size, seq_len=seq_len,
+            eval_tokens=eval_tokens, device=args.device, activations=activations[dtype, batch_size],
         )
+        return dataclasses.replace(plan, batch_size=batch_size)  # the flag's value, which a refusal may halve
 
     return plan_with
+
+
+def _sentence_transformer_parts(model: str) -> tuple[str, int | None]:
+    """Where a SentenceTransformer (a local folder or a Hub id) keeps its transformers model's config, and its
+    maximum sequence length where its folder says it (``modules.json``, ``sentence_bert_config.json``)."""
+    folder = Path(model)
+    if not (folder / "modules.json").is_file():
+        return model, None
+    modules = json.loads((folder / "modules.json").read_text())
+    inner = folder / next((module["path"] for module in modules if module["type"].endswith(".Transformer")), "")
+    settings = inner / "sentence_bert_config.json"
+    return str(inner), json.loads(settings.read_text()).get("max_seq_length") if settings.is_file() else None
 
 
 def _free_memory(device: str) -> tuple[int, int]:

@@ -12,7 +12,6 @@ import importlib.util
 import time
 from pathlib import Path
 
-from ..adapters import supported_model_types
 from ..distributed import OtherProcessFailed, Processes
 from ..growth import grow_model
 from ..progress import stage
@@ -34,15 +33,19 @@ def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
                        help="held-out pairs for the line search: the last ones (default 10%%, at least one batch)")
 
 
-def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_main: bool,
-                    show_progress: bool) -> None:
-    """``--pairs``: a SentenceTransformer grown with MultipleNegativesRankingLoss on text pairs, saved by
-    sentence-transformers (its modules, pooling and normalization config) with the grown model inside."""
+def check_pairs_arguments(args: argparse.Namespace) -> None:
+    """``--pairs``' own checks, before the memory plan and any data."""
     if args.data or args.dataset or args.push_to_hub:
         raise CommandError("--pairs grows a SentenceTransformer: give no --data, --dataset or --push-to-hub "
                            "(push the output folder with SentenceTransformer.push_to_hub)")
     if importlib.util.find_spec("sentence_transformers") is None:
         raise CommandError('--pairs needs sentence-transformers: pip install "hf_grow[sentence-transformers]"')
+
+
+def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_main: bool,
+                    show_progress: bool) -> None:
+    """``--pairs``: a SentenceTransformer grown with MultipleNegativesRankingLoss on text pairs, saved by
+    sentence-transformers (its modules, pooling and normalization config) with the grown model inside."""
     from sentence_transformers import SentenceTransformer
 
     from ..sentence import read_pairs, tokenize_pairs, transformer_module
@@ -57,12 +60,9 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
                            "line search (lower --eval-pairs or --batch-size, or pass more pairs)")
     try:
         model = SentenceTransformer(args.model, device=args.device, model_kwargs={"dtype": DTYPES[args.dtype]})
-        inner = transformer_module(model).model
+        transformer_module(model)  # exactly one transformers model inside, or a ValueError saying so
     except (OSError, ValueError) as error:
         raise CommandError(f"cannot load {args.model!r} as a SentenceTransformer: {str(error).splitlines()[0]}") from None
-    if inner.config.model_type not in supported_model_types():
-        raise CommandError(f"hf_grow cannot grow {args.model!r} (model_type={inner.config.model_type!r}); "
-                           f"supported model types: {', '.join(supported_model_types())}")
     if args.seq_len:
         model.max_seq_length = args.seq_len
     statistics = _load_statistics(args.stats) if args.stats else None

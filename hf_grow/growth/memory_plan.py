@@ -145,7 +145,8 @@ def plan_memory(
         "M": widest * square * accumulate, "solve of 8 heads": SOLVE_SQUARES_PER_HEAD * chunk * width * width * 8,
         "compact solve": solved,
     }
-    vocabulary = getattr(model_config, "vocab_size", 0) or 0
+    # no logits without a language-model head (the transformers model inside a SentenceTransformer)
+    vocabulary = 0 if model.get_output_embeddings() is None else getattr(model_config, "vocab_size", 0) or 0
     held_out = {
         "model": weights, "grown model": weights, "C": second_moments, "metric": layers * width * width * 8,
         "compact solve": solved, "held-out logits": 2 * batch_size * seq_len * vocabulary * 4,
@@ -242,7 +243,8 @@ AttentionMaskInterface.register(FUSED_PROBE, sdpa_mask)
 def activation_bytes(model: PreTrainedModel, batch_size: int, seq_len: int, attention: str) -> int:
     """Bytes autograd saves in a forward with a language-model loss whose backward reaches the inputs only (as
     in the statistics pass), plus the largest saved tensor again for its gradient: a forward of a twin of
-    ``model`` on the meta device."""
+    ``model`` on the meta device. A model without a head (a SentenceTransformer's) runs without labels: its
+    loss on the pooled outputs saves little beside the model's own tensors."""
     with torch.device("meta"):
         twin = type(model)(model.config)
     twin = twin.to(dtype=next(model.parameters()).dtype)
@@ -261,7 +263,7 @@ def activation_bytes(model: PreTrainedModel, batch_size: int, seq_len: int, atte
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            twin(input_ids=ids, labels=ids)
+            twin(input_ids=ids, **({} if twin.get_output_embeddings() is None else {"labels": ids}))
     finally:
         handle.remove()
     return sum(saved.values()) + max(saved.values(), default=0)
