@@ -186,6 +186,17 @@ class GrownGPT2PreTrainedModel(GPT2PreTrainedModel):
             block_sequence_ids=block_sequence_ids,
         )
 
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        """transformers' weight initialization, as for the built-in GPT-2 (`is_custom_code=False`).
+
+        For a class outside `transformers.`, transformers marks a module initialized, unvisited, once all its own
+        parameters are, a guard for remote code that writes weights in place. GPT-2's attention and MLP own no
+        parameters (their `Conv1D`s do, and are initialized first), so that guard would skip GPT-2's scaled
+        initialization of `c_proj` (std `initializer_range / sqrt(2 * n_layer)`). `_init_weights` is GPT-2's and
+        uses `transformers.initialization`, which marks every tensor it sets, so the guard is not needed.
+        """
+        super()._initialize_weights(module, is_custom_code=False)
+
     def init_continuous_batching(self, *args, **kwargs):
         """transformers' continuous batching (`generate_batch`, `transformers serve`), where keys are as wide as values.
 
