@@ -65,7 +65,8 @@ def search_and_report(
     )
     problem.set_step_mode(step_mode)  # the report's steps per layer and head are the chosen mode's
     # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
-    # step its search found: with few batches, a step searched on part of them is noisier (BENCHMARKS: MiniLM).
+    # step its search found (from the start where that was 0): with few batches, a step searched on part of them
+    # is noisier (BENCHMARKS: MiniLM).
     write_weights(prepared.adapter, target, problem.weights(0.0))
     outcome = search.line_search(
         prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size
