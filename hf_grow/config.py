@@ -49,8 +49,9 @@ DEFAULT_STEP_MODE = "per_head"
 #: What ``"auto"`` lets the held-out loss choose from, per option, simplest first: the candidates are the
 #: product over the options set to "auto", each line-searched; the simplest (the first of each) is kept when
 #: the held-out batches the search did not use disagree with the search (`hf_grow.growth.candidates`). Not the
-#: default (bench_candidates.py): never below the notes' formula, 1.01x the default on 12 splits of four language
-#: models in the mean, but 0.54x on one MiniLM split, where its step was searched on 5 of 8 held-out batches.
+#: default for its cost (3-4.4x the line search's time; M kept for every layer with both truncations), though
+#: measured better (bench_candidates.py: never below the notes' formula, 1.03x the default in the mean over 18
+#: splits of six models, 0.98-1.25x per split).
 AUTO_CHOICES = {"truncation": (DEFAULT_TRUNCATION, "frobenius"), "step_mode": (DEFAULT_STEP_MODE, "per_layer")}
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
