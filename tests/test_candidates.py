@@ -126,3 +126,36 @@ def test_bad_confirm_fraction_is_refused_before_any_work():
         ("whitened", "per_layer"), ("frobenius", "per_layer")
     ]
     assert GrowthConfig(truncation="frobenius", step_mode="per_head").candidates == [("frobenius", "per_head")]
+
+
+def test_auto_solves_refactor_growth_once_and_frees_m_group_by_group(trained_gpt2, stdlib_bytes):
+    """With both truncations among the candidates, "refactor" growth is solved once, for Frobenius truncation,
+    which holds the whitened targets too: M is freed group by group as for one candidate, and the simplest
+    candidate's targets are those of a solve for whitened truncation alone."""
+    from hf_grow.growth.prepare import prepare_growth
+    from hf_grow.statistics import statistics_bytes
+
+    batches = lm_batches(stdlib_bytes["stats"], 3, seed=47)
+    config = trained_gpt2.config
+    budget = statistics_bytes(config.n_layer, config.n_head, config.n_embd, 2)  # one layer per pass
+    prepared = {
+        settings["truncation"]: prepare_growth(
+            trained_gpt2, batches, GrowthConfig(p=8, memory_budget=budget, **settings), mode=None,
+            eval_dataloader=None, loss_fn=None, statistics=None, accelerator=None, progress=False,
+        )
+        for settings in (AUTO, dict(truncation="whitened"))
+    }
+    auto, alone = prepared["auto"], prepared["whitened"]
+    assert all(gradient is None for gradient in auto.statistics.gradients)  # every group's M freed after its solve
+    assert auto.problem.truncation == "whitened" and auto.problem.holds("frobenius")
+    assert not alone.problem.holds("frobenius")
+    for ours, theirs in zip(auto.problem.layers, alone.problem.layers):
+        torch.testing.assert_close(ours.targets["whitened"].step_core, theirs.targets["whitened"].step_core)
+    for step in (0.0, 0.05):
+        for layer, (query, key) in auto.problem.weights(step).items():
+            torch.testing.assert_close(query, alone.problem.weights(step)[layer][0])
+            torch.testing.assert_close(key, alone.problem.weights(step)[layer][1])
+    auto.problem.set_truncation("frobenius")
+    assert auto.problem.truncation == "frobenius"
+    with pytest.raises(ValueError, match="not solved for 'frobenius'"):
+        alone.problem.set_truncation("frobenius")

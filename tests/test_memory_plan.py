@@ -150,3 +150,24 @@ def test_max_memory_caps_the_plan_and_a_run_nothing_fits_says_so(model_folder, t
     assert cli.main([*arguments, "--max-memory", "lots"]) == 2
     assert "--max-memory 'lots' is not a size" in capsys.readouterr().err
     assert not (tmp_path / "grown").exists()
+
+
+def test_auto_truncation_keeps_every_layers_m_only_in_append_growth():
+    """Both truncations among the candidates: "refactor" growth (GPT-2) is solved once for both and frees M group
+    by group; "append" growth (Llama) solves again from the M it keeps, so the plan counts every layer's."""
+    budget_layers = 1
+    for model, keeps in ((GPT2LMHeadModel(tiny_gpt2_config(n_layer=4)), False),
+                         (LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                       num_hidden_layers=4, num_attention_heads=4,
+                                                       num_key_value_heads=2, head_dim=16)), True)):
+        adapter, config = get_adapter(model), model.config
+        layers, heads, hidden = 4, adapter.num_heads(config), adapter.hidden_size(config)
+        budget = statistics_bytes(layers, heads, hidden, budget_layers + 1)
+
+        def m_term(**settings):
+            plan = plan_memory(model, adapter, GrowthConfig(p=8, memory_budget=budget, **settings), batch_size=2,
+                               seq_len=16, eval_tokens=64)
+            return next(stage for stage in plan.stages if stage.name == "solve").terms["M"]
+
+        one_group = m_term()
+        assert m_term(truncation="auto") == (layers * one_group if keeps else one_group), type(model).__name__

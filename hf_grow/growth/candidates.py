@@ -9,9 +9,10 @@ The kept candidate's step is then searched again on all the held-out batches, fr
 them: a step searched on fewer batches is noisier.
 
 Cost: one line search per candidate on the search batches, one pass over the confirmation batches per
-candidate, and a shorter line search on all the batches. The statistics are shared; one problem is solved per
-truncation, and its step modes are switched without solving again. At most two problems are alive: the
-simplest's and the best so far.
+candidate, and a shorter line search on all the batches. The statistics are shared. "refactor" growth is solved
+once for both truncations (`GrowthProblem.holds`), so M is freed group by group as for one candidate; "append"
+growth is solved again for Frobenius truncation from the M kept (at most two problems alive: the simplest's and
+the best so far). Step modes are switched without solving again.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def search_and_report(
         report.candidates = [CandidateReport(report.truncation, report.step_mode, report.step_size, None, None)]
         return report
     tick = time.perf_counter()
-    (problem, step_mode, searched, passes), reports, selection, margin = _choose(
+    (problem, truncation, step_mode, searched, passes), reports, selection, margin = _choose(
         prepared, target, *parts, progress=progress
     )
+    problem.set_truncation(truncation)  # a problem shared by the candidates holds the last one's settings
     problem.set_step_mode(step_mode)  # the report's steps per layer and head are the chosen mode's
     # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
     # step its search found (from the start where that was 0): with few batches, a step searched on part of them
@@ -90,7 +92,7 @@ def confirmation_split(
     return batches[:-count], batches[-count:]
 
 
-Kept = tuple[GrowthProblem, str, search.SearchOutcome, float]
+Kept = tuple[GrowthProblem, str, str, search.SearchOutcome, float]
 
 
 def _choose(
@@ -98,9 +100,9 @@ def _choose(
     *, progress: bool,
 ) -> tuple[Kept, list[CandidateReport], str, float]:
     """Line-search every candidate on ``search_batches``, confirm on ``confirm_batches``: the candidate kept (its
-    problem, step mode, outcome on the search batches, and what choosing cost in full passes over all the held-out
-    batches), every candidate's report, how it was chosen ("search" or "fallback") and its confirmation margin
-    over the simplest."""
+    problem, truncation, step mode, outcome on the search batches, and what choosing cost in full passes over all
+    the held-out batches), every candidate's report, how it was chosen ("search" or "fallback") and its
+    confirmation margin over the simplest."""
     adapter, loss_fn, accelerator = prepared.adapter, prepared.loss_fn, prepared.accelerator
     at_zero = prepared.problem.weights(0.0)  # the old function at the grown widths, whatever the candidate
 
@@ -112,7 +114,9 @@ def _choose(
     simplest = best = None
     searched_passes, confirm_passes = 0.0, 0
     for truncation, step_mode in prepared.config.candidates:
-        if truncation != problem.truncation:
+        if problem.holds(truncation):  # one solve for both truncations ("refactor" growth)
+            problem.set_truncation(truncation)
+        else:
             problem = GrowthProblem(
                 prepared.model, adapter, prepared.statistics, prepared.qk_after, truncation, prepared.config.rtol,
                 prepared.config.solver, problem.mode, step_mode,
@@ -137,4 +141,5 @@ def _choose(
     search_weight = outcome.eval_weight
     # in full passes over all the held-out batches: the searches' over their part, the confirmations' over theirs
     passes = (searched_passes * search_weight + confirm_passes * confirm_weight) / (search_weight + confirm_weight)
-    return (problem, step_mode, outcome, passes), reports, selection, simplest[3].confirm_loss - report.confirm_loss
+    chosen = (problem, report.truncation, step_mode, outcome, passes)
+    return chosen, reports, selection, simplest[3].confirm_loss - report.confirm_loss

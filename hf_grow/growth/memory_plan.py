@@ -122,7 +122,11 @@ def plan_memory(
     accumulate = config.torch_accumulate_dtype.itemsize
     compute = config.torch_compute_dtype.itemsize
     groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate)
-    widest = max(len(group) for group in groups)
+    mode = adapter.check_mode(model, None)
+    # "append" growth with both truncations among the candidates keeps every layer's M for its second solve
+    # (`growth.candidates`); otherwise each group's M is freed once it is solved.
+    keeps_m = mode == "append" and len({candidate[0] for candidate in config.candidates}) > 1
+    widest = layers if keeps_m else max(len(group) for group in groups)
     square = heads * width * width  # entries of one layer's M
     weights = _model_bytes(model)
     second_moments = layers * width * width * 8
@@ -138,7 +142,7 @@ def plan_memory(
         "inputs X'": layers * tokens * width * compute, "score gradients": scores,
     }
 
-    solved = _solved_bytes(adapter.check_mode(model, None), config, layers, heads, width, max(qk_dims))
+    solved = _solved_bytes(mode, config, layers, heads, width, max(qk_dims))
     chunk = min(heads, HEAD_CHUNK)
     solve = {
         "model": weights, "C": second_moments, "metric": layers * width * width * 8,

@@ -231,14 +231,18 @@ def prepare_growth(
     widest = qk_after if growth is not None else [min(max_rank, dim + config.budget) for dim in qk_before]
 
     truncation, step_mode = config.candidates[0]  # of "auto" options the simplest (`growth.candidates`)
-    # One truncation among the candidates: M is freed group by group; several are solved from the same M later.
-    single_truncation = len({candidate[0] for candidate in config.candidates}) == 1
+    # M is freed group by group where one solve serves every truncation among the candidates: one truncation, or
+    # "refactor" growth solved for Frobenius truncation, which holds the whitened targets too
+    # (`GrowthProblem.holds`). "append" growth with both is solved again from the same M later, which is kept.
+    truncations = {candidate[0] for candidate in config.candidates}
+    shared = len(truncations) == 1 or mode == "refactor"
+    solved_for = "frobenius" if "frobenius" in truncations and mode == "refactor" else truncation
 
     def solve(statistics: GrowthStatistics, layers: Iterable[int], release: bool) -> GrowthProblem:
         return GrowthProblem(
-            model, adapter, statistics, qk_before if growth is None else qk_after, truncation, config.rtol,
+            model, adapter, statistics, qk_before if growth is None else qk_after, solved_for, config.rtol,
             config.solver, mode, step_mode, max_dims_after=widest, with_rates=growth is None,
-            layers=layers, release=release and single_truncation,
+            layers=layers, release=release and shared,
         )
 
     problem: GrowthProblem | None = None
@@ -267,6 +271,8 @@ def prepare_growth(
     with stage("solve", enabled=progress and problem is None):
         if problem is None:
             problem = solve(statistics, range(len(qk_before)), release=False)
+    if problem.truncation != truncation:  # solved for Frobenius truncation, the simplest candidate's held too
+        problem.set_truncation(truncation)
     with stage("budget", enabled=progress and growth is None):
         if growth is None:
             gains = [problem.gain_rates(layer).marginal.sum(dim=0) for layer in range(len(qk_before))]

@@ -109,6 +109,20 @@ class GrowthProblem(StepScaling):
         if all(part is not None for part in self.layers):
             self.set_step_mode(self.step_mode)
 
+    def holds(self, truncation: str) -> bool:
+        """Whether the solve kept ``truncation``'s targets: a "refactor" problem solved for Frobenius truncation
+        holds the whitened ones too (its steps are normalized with them); "append" holds its own truncation's."""
+        if self.mode == "append":
+            return truncation == self.truncation
+        return all(truncation in part.targets for part in self.layers)
+
+    def set_truncation(self, truncation: str) -> None:
+        """Truncate the ``truncation`` way from now on, without solving again (it must be `held`)."""
+        if not self.holds(truncation):
+            raise ValueError(f"this problem was not solved for {truncation!r} truncation: solve it again")
+        self.truncation = truncation
+        self.set_step_mode(self.step_mode)
+
     def widen(self, qk_dims_after: list[int], adapter: ArchitectureAdapter, config) -> None:
         """Set the grown widths (decided after the statistics, e.g. by a budget), at most ``max_dims_after``."""
         too_wide = [layer for layer, dim in enumerate(qk_dims_after) if dim > self._max_dims[layer]]
