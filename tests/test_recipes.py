@@ -19,9 +19,11 @@ def task():
 
 
 def test_retrieval_labels_are_the_value_stored_under_the_query(task):
-    """A wide enough head learns the lookup almost perfectly: the labels are consistent with the inputs."""
+    """A wide enough head learns the lookup almost perfectly: the labels are consistent with the inputs. (250
+    steps: with GPT-2's scaled initialization of c_proj, which grown GPT-2s built from a config have had since
+    ae14d91, this seed reaches 0.77 accuracy at 150 steps, 0.99 at 200 and 1.0 at 250.)"""
     torch.manual_seed(0)
-    run = train_variant(Variant("fixed-large", 8), task, steps=150, lr=3e-3, warmup=10, eval_every=150, log=lambda _: None)
+    run = train_variant(Variant("fixed-large", 8), task, steps=250, lr=3e-3, warmup=10, eval_every=250, log=lambda _: None)
     assert run.curve[-1].metrics["accuracy"] >= 0.9
     assert run.final_loss < 0.5 * run.curve[0].eval_loss
 
