@@ -233,9 +233,19 @@ class GrowthConfig:
     def candidates(self) -> list[tuple[str, str]]:
         """The (truncation, step_mode) pairs the held-out loss chooses from, the simplest first (`AUTO_CHOICES`);
         one pair where neither option is "auto"."""
-        truncations = AUTO_CHOICES["truncation"] if self.truncation == "auto" else (self.truncation,)
         step_modes = AUTO_CHOICES["step_mode"] if self.step_mode == "auto" else (self.step_mode,)
-        return [(truncation, step_mode) for truncation in truncations for step_mode in step_modes]
+        return [(truncation, step_mode) for truncation in self.candidate_truncations for step_mode in step_modes]
+
+    @property
+    def candidate_truncations(self) -> tuple[str, ...]:
+        """The truncations among `candidates`, the simplest first."""
+        return AUTO_CHOICES["truncation"] if self.truncation == "auto" else (self.truncation,)
+
+    def keeps_every_m(self, mode: str) -> bool:
+        """Whether growth in ``mode`` keeps every layer's M to the end instead of freeing it group by group:
+        "append" growth with both truncations among the candidates solves the Frobenius one again from it
+        ("refactor" growth solves both at once, `hf_grow.growth.candidates`)."""
+        return mode == "append" and len(self.candidate_truncations) > 1
 
     def replace(self, **overrides: Any) -> GrowthConfig:
         """A copy with ``overrides`` applied and checked; an unknown option is a TypeError naming the known ones."""

@@ -123,10 +123,8 @@ def plan_memory(
     compute = config.torch_compute_dtype.itemsize
     groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate)
     mode = adapter.check_mode(model, None)
-    # "append" growth with both truncations among the candidates keeps every layer's M for its second solve
-    # (`growth.candidates`); otherwise each group's M is freed once it is solved.
-    keeps_m = mode == "append" and len({candidate[0] for candidate in config.candidates}) > 1
-    widest = layers if keeps_m else max(len(group) for group in groups)
+    # each group's M is freed once it is solved, unless a second solve needs every layer's
+    widest = layers if config.keeps_every_m(mode) else max(len(group) for group in groups)
     square = heads * width * width  # entries of one layer's M
     weights = _model_bytes(model)
     second_moments = layers * width * width * 8
@@ -182,7 +180,7 @@ def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, widt
         rank = max(rank, rank_ceiling(width, grown, qk_dim))
     kept = min(width, qk_dim + rank)
     # The whitened targets always (the step norms); the Frobenius ones too where a candidate truncates so.
-    truncations = 1 if {candidate[0] for candidate in config.candidates} == {"whitened"} else 2
+    truncations = 1 if config.candidate_truncations == ("whitened",) else 2
     return layers * heads * truncations * (2 * width * kept + 5 * kept * kept) * 8
 
 

@@ -234,15 +234,13 @@ def prepare_growth(
     # M is freed group by group where one solve serves every truncation among the candidates: one truncation, or
     # "refactor" growth solved for Frobenius truncation, which holds the whitened targets too
     # (`GrowthProblem.holds`). "append" growth with both is solved again from the same M later, which is kept.
-    truncations = {candidate[0] for candidate in config.candidates}
-    shared = len(truncations) == 1 or mode == "refactor"
-    solved_for = "frobenius" if "frobenius" in truncations and mode == "refactor" else truncation
+    solved_for = "frobenius" if "frobenius" in config.candidate_truncations and mode == "refactor" else truncation
 
     def solve(statistics: GrowthStatistics, layers: Iterable[int], release: bool) -> GrowthProblem:
         return GrowthProblem(
             model, adapter, statistics, qk_before if growth is None else qk_after, solved_for, config.rtol,
             config.solver, mode, step_mode, max_dims_after=widest, with_rates=growth is None,
-            layers=layers, release=release and shared,
+            layers=layers, release=release and not config.keeps_every_m(mode),
         )
 
     problem: GrowthProblem | None = None
