@@ -24,16 +24,16 @@ from test_grown_llama import tiny_llama_config
 GROWTHS = {"plus0": [0, 0], "plus8": [8, 8], "mixed": [8, 4]}
 
 
-def grown_gpt2(added: list[int]) -> GrownGPT2LMHeadModel:
+def grown_gpt2(added: list[int], **overrides) -> GrownGPT2LMHeadModel:
     torch.manual_seed(0)
-    config = GrownGPT2Config(**tiny_gpt2_config().to_dict() | {"qk_head_dims": [16 + dim for dim in added]})
-    return GrownGPT2LMHeadModel(config).eval()
+    settings = tiny_gpt2_config(**overrides).to_dict()
+    return GrownGPT2LMHeadModel(GrownGPT2Config(**settings | {"qk_head_dims": [16 + dim for dim in added]})).eval()
 
 
-def grown_llama(added: list[int]) -> GrownLlamaForCausalLM:
+def grown_llama(added: list[int], **overrides) -> GrownLlamaForCausalLM:
     torch.manual_seed(0)
-    config = GrownLlamaConfig(**tiny_llama_config(num_key_value_heads=2).to_dict() | {"qk_nope_dims": added})
-    return GrownLlamaForCausalLM(config).eval()
+    settings = tiny_llama_config(num_key_value_heads=2, **overrides).to_dict()
+    return GrownLlamaForCausalLM(GrownLlamaConfig(**settings | {"qk_nope_dims": added})).eval()
 
 
 @pytest.fixture(params=[grown_gpt2, grown_llama], ids=["gpt2", "llama"])
@@ -79,28 +79,53 @@ def test_executorch_export_runs_and_matches_the_model(build, added):
     assert generated.shape == (1, prompt.shape[1] + 4) and torch.equal(generated[:, : prompt.shape[1]], prompt)
 
 
-@pytest.mark.parametrize("make", [grown_gpt2, grown_llama], ids=["gpt2", "llama"])
-def test_continuous_batching_matches_greedy_generate(make):
-    """`generate_batch` (the engine of `transformers serve`) with keys as wide as values: the same tokens as
-    greedy `generate`, per prompt (prompts of different lengths, no padding)."""
-    model = make(GROWTHS["plus0"])
-    inputs = [prompts(1, 10)[0].tolist(), prompts(1, 7)[0].tolist()]
-    config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    small = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=32, default_compile_level=0)
-    outputs = model.generate_batch(inputs, generation_config=config, continuous_batching_config=small)
-    assert len(outputs) == 2
+#: Continuous batching settings small enough for a CPU, and the generation settings it runs with.
+SMALL_BATCHING = dict(num_blocks=8, max_batch_tokens=32, default_compile_level=0)
+GREEDY = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def test_continuous_batching_matches_greedy_generate(build, added):
+    """`generate_batch` (the engine of `transformers serve`) gives, per prompt (three lengths, no padding), the
+    tokens of greedy `generate` and their log-probabilities. Keys wider than values (by 8 in both layers, or by 8
+    and 4) are zero-padded to one width in the paged cache. Weights are drawn at 10 times GPT-2's scale, so that the
+    tokens depend on the prompt (at 0.02 the tiny GPT-2 repeats one token whatever the attention does)."""
+    model = build(added, initializer_range=0.2)
+    inputs = [prompts(1, length)[0].tolist() for length in (10, 7, 3)]
+    batching = ContinuousBatchingConfig(**SMALL_BATCHING, return_logprobs=True)
+    outputs = model.generate_batch(inputs, GenerationConfig(**GREEDY), continuous_batching_config=batching)
+    assert [output.prompt_ids for output in outputs.values()] == inputs
     for output in outputs.values():
         prompt = torch.tensor([output.prompt_ids])
-        expected = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert output.generated_tokens == expected[0, prompt.shape[1] :].tolist()
+        expected = model.generate(prompt, output_logits=True, return_dict_in_generate=True, **GREEDY)
+        tokens = expected.sequences[0, prompt.shape[1] :]
+        assert output.generated_tokens == tokens.tolist()
+        logprobs = torch.stack([logits[0].log_softmax(-1)[token] for logits, token in zip(expected.logits, tokens)])
+        torch.testing.assert_close(torch.tensor(output.logprobs), logprobs, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("growth", ["plus8", "mixed"])
-def test_continuous_batching_refuses_keys_wider_than_values(build, growth):
-    """The paged cache holds keys and values at one width: refused up front, not an empty result."""
-    model = build(GROWTHS[growth])
-    with pytest.raises(ValueError, match="continuous batching cannot serve layers .* differ in width"):
-        model.generate_batch([[1, 2, 3]], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False))
+def test_continuous_batching_pads_a_paged_cache_to_the_widest_keys(build):
+    """Where keys and values differ in width, transformers' manager is given the model through hf_grow's view, so
+    its paged cache holds all layers in one full-attention group at the widest key width (24: 16 + 8). Kept on the
+    model (`persistent_manager`), the manager serves the next session too; both give greedy `generate`'s tokens
+    with eager attention ("paged|eager" while batching), which the model has again afterwards."""
+    model = build(GROWTHS["mixed"])
+    model.set_attn_implementation("eager")
+    batching = ContinuousBatchingConfig(**SMALL_BATCHING)
+    run = dict(generation_config=GenerationConfig(**GREEDY), continuous_batching_config=batching)
+    first = model.generate_batch([[1, 2, 3]], persistent_manager=True, **run)
+    manager = model._cached_continuous_batching_manager
+    assert type(manager.model).__name__ == "PagedModelView" and manager.model._model is model
+    allocators = manager.batch_processor.cache.cache_allocators
+    assert {kind: (allocator.head_dim, allocator.layer_indices) for kind, allocator in allocators.items()} == {
+        "full_attention": (24, [0, 1])
+    }
+    second = model.generate_batch([[1, 2, 3]], persistent_manager=True, **run)
+    assert model._cached_continuous_batching_manager is manager
+    model.destroy_cached_continuous_batching_manager()
+    assert model.config._attn_implementation == "eager"
+    assert [output.generated_tokens for output in (*first.values(), *second.values())] == [
+        model.generate(torch.tensor([[1, 2, 3]]), **GREEDY)[0, 3:].tolist()
+    ] * 2
 
 
 def test_saved_config_gives_caches_each_layers_key_width(build, tmp_path):

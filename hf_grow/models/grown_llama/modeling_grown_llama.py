@@ -21,6 +21,11 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.generation.continuous_batching import (
+    ContinuousBatchingManager,
+    ContinuousMixin,
+    PagedAttentionCache,
+)
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -41,6 +46,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .configuration_grown_llama import GrownLlamaConfig
+from .paged_grown_llama import PagedModelView, cache_head_dim, update_paged_cache
 
 
 #: `push_to_hub`'s options that `save_pretrained(push_to_hub=True, ...)` passes on to it.
@@ -108,7 +114,12 @@ class GrownLlamaAttention(LlamaAttention):
 
         # Older transformers pass the layer's cache as ``past_key_values``; it would otherwise stay empty.
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
-        if cache is not None:
+        if isinstance(cache, PagedAttentionCache):  # continuous batching: one width for all keys and values
+            width = cache_head_dim(self.config)
+            key_states, value_states = update_paged_cache(
+                cache, key_states, value_states, self.layer_idx, width, kwargs
+            )
+        elif cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -178,19 +189,15 @@ class GrownLlamaPreTrainedModel(LlamaPreTrainedModel):
             block_sequence_ids=block_sequence_ids,
         )
 
-    def init_continuous_batching(self, *args, **kwargs):
-        """transformers' continuous batching (`generate_batch`, `transformers serve`), where keys are as wide as values.
+    def init_continuous_batching(self, *args, **kwargs) -> ContinuousBatchingManager:
+        """transformers' continuous batching (`generate_batch`, `transformers serve`), keys wider than values included.
 
-        Its paged cache holds keys and values in one tensor, at one head width for every layer (`config.head_dim`
-        or `hidden_size // num_attention_heads`): grown layers' keys do not fit.
+        Where some layer's keys and values differ in width, transformers' manager is given the model through
+        `PagedModelView`, whose config sizes the paged cache at one head width for all keys and values (the
+        attention pads them to it: `paged_grown_llama`).
         """
-        grown = [layer for layer, kind in enumerate(self.config.layer_types) if kind != "full_attention"]
-        if grown:
-            raise ValueError(
-                f"continuous batching cannot serve layers {grown}, whose keys and values differ in width: "
-                "transformers' paged cache stores keys and values at one width. Use generate() (any cache, "
-                'cache_implementation="static" included) or export with a static cache instead.'
-            )
+        if any(kind != "full_attention" for kind in self.config.layer_types):
+            return ContinuousMixin.init_continuous_batching(PagedModelView(self), *args, **kwargs)
         return super().init_continuous_batching(*args, **kwargs)
 
     def save_pretrained(
