@@ -160,6 +160,21 @@ def run_without_hf_grow(script: str, tmp_path) -> None:
     assert "remote code ok" in result.stdout
 
 
+#: A check for `assert_causal_lm_loads_without_hf_grow`: the loaded model's continuous batching (`generate_batch`)
+#: gives greedy `generate`'s tokens for two prompts of different lengths.
+CONTINUOUS_BATCHING_MATCHES_GENERATE = """
+from transformers import ContinuousBatchingConfig, GenerationConfig
+greedy = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+prompts = [expected["input_ids"][0, :12].tolist(), expected["input_ids"][1, :7].tolist()]
+batching = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=32)
+outputs = model.generate_batch(prompts, GenerationConfig(**greedy), continuous_batching_config=batching)
+assert [output.prompt_ids for output in outputs.values()] == prompts, outputs
+for output in outputs.values():
+    ids = torch.tensor([output.prompt_ids])
+    assert output.generated_tokens == model.generate(ids, **greedy)[0, ids.shape[1] :].tolist(), output
+"""
+
+
 def assert_causal_lm_loads_without_hf_grow(
     grown, folder, batch: dict, tmp_path, base_class: str, more_checks: str = ""
 ) -> None:

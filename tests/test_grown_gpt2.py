@@ -22,6 +22,7 @@ import hf_grow
 from hf_grow import GrownGPT2LMHeadModel, grow_model, load_growth_report
 
 from conftest import (
+    CONTINUOUS_BATCHING_MATCHES_GENERATE,
     assert_causal_lm_loads_without_hf_grow,
     assert_generation_is_unchanged,
     grown_twice,
@@ -127,7 +128,8 @@ def test_remote_code_loads_without_hf_grow(trained_gpt2, stdlib_bytes, tmp_path)
     folder = tmp_path / "grown"
     grown.save_pretrained(folder)
     batch = lm_batches(stdlib_bytes["test"], 1, seed=5)[0]
-    assert_causal_lm_loads_without_hf_grow(grown, folder, batch, tmp_path, base_class="GrownGPT2Model")
+    assert_causal_lm_loads_without_hf_grow(grown, folder, batch, tmp_path, base_class="GrownGPT2Model",
+                                           more_checks=CONTINUOUS_BATCHING_MATCHES_GENERATE)
 
 
 def test_generate_with_cache_matches_the_original(trained_gpt2, stdlib_bytes):

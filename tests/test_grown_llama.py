@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -49,6 +50,7 @@ from hf_grow import (
 from hf_grow.growth import GrowthProblem
 
 from conftest import (
+    CONTINUOUS_BATCHING_MATCHES_GENERATE,
     assert_causal_lm_loads_without_hf_grow,
     assert_generation_is_unchanged,
     grown_twice,
@@ -220,8 +222,9 @@ def test_save_and_remote_code_load_without_hf_grow(llama_gqa, stdlib_bytes, tmp_
         settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(prompt, **settings), model.generate(prompt, use_cache=False, **settings))
         """
+    more_checks = textwrap.dedent(generation) + CONTINUOUS_BATCHING_MATCHES_GENERATE
     assert_causal_lm_loads_without_hf_grow(grown, folder, batch, tmp_path, base_class="GrownLlamaModel",
-                                           more_checks=generation)
+                                           more_checks=more_checks)
 
 
 def test_generate_with_cache_matches_the_original(llama, stdlib_bytes):
