@@ -81,7 +81,9 @@ class GrowthConfig:
       subspace where the added dims plus 16 are at most a sixth of the hidden size); see
       `hf_grow.linalg.decompose`. The line search's small cores use eigh (svd with ``"svd"``).
     - ``statistics_method``, ``compute_dtype``, ``accumulate_dtype``, ``query_block``, ``memory_budget``,
-      ``max_batches``: how the statistics are collected; see `hf_grow.collect_statistics`.
+      ``offload_dir``, ``max_batches``: how the statistics are collected; see `hf_grow.collect_statistics`. The
+      folder of ``offload_dir`` is checked where the statistics are collected (a config may be read on another
+      machine).
     """
 
     #: The section of `hf-grow --help` that lists these options (`transformers.HfArgumentParser`).
@@ -168,6 +170,11 @@ class GrowthConfig:
         metadata={"help": "bytes for the statistics' accumulators, e.g. 2GB (in Python also an int): M is "
                   "collected for groups of layers in several passes"},
     )
+    offload_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "a folder where M's accumulators live as memory-mapped files instead of memory (CPU only; "
+                  "needs disk for M of a pass's layers), for M that does not fit even one layer at a time"},
+    )
 
     def __post_init__(self) -> None:
         names = {dtype: name for name, dtype in COMPUTE_DTYPES.items()}
@@ -179,6 +186,8 @@ class GrowthConfig:
                 setattr(self, option, names[dtype])
         if isinstance(self.p, Mapping):
             self.p = dict(self.p)  # a plain dict: to_dict copies it
+        if isinstance(self.offload_dir, os.PathLike):
+            self.offload_dir = os.fspath(self.offload_dir)  # a string: to_json_file writes it
         self._check()
 
     def _check(self) -> None:
@@ -214,6 +223,8 @@ class GrowthConfig:
             parse_bytes(self.memory_budget)
         _choose("compute_dtype", self.compute_dtype, tuple(COMPUTE_DTYPES))
         _choose("accumulate_dtype", self.accumulate_dtype, tuple(COMPUTE_DTYPES))
+        if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
+            raise ValueError(f"offload_dir must be a folder's path, got {self.offload_dir!r}")
         if self.query_block is not None and self.query_block <= 0:
             raise ValueError(f"query_block must be positive, got {self.query_block}")
         if self.statistics_method == "triton" and self.compute_dtype != "float32":

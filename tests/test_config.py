@@ -69,6 +69,7 @@ def test_defaults_are_the_ones_grow_model_always_had_but_the_measured_step_mode(
         ({"compute_dtype": torch.float16}, ValueError, "compute_dtype must be float32 or float64"),
         ({"statistics_method": "triton", "compute_dtype": "float64"}, ValueError, "computes in float32"),
         ({"query_block": 0}, ValueError, "query_block must be positive"),
+        ({"offload_dir": ""}, ValueError, "offload_dir must be a folder's path"),
     ],
 )
 def test_bad_options_are_refused_when_made_and_before_any_data(options, error, message, trained_gpt2):
@@ -95,6 +96,7 @@ def test_json_round_trip_keeps_every_option(tmp_path):
     assert GrowthConfig.from_dict(json.loads(config.to_json_string())) == config
     assert GrowthConfig.from_dict({"p": {"3": 8}}).p == {3: 8}
     assert GrowthConfig(memory_budget=2**31).memory_budget == 2**31  # an int of bytes works in Python
+    assert GrowthConfig(offload_dir=tmp_path).offload_dir == str(tmp_path)  # a Path works too, kept as a string
 
 
 def test_layers_of_p_are_not_guessed_in_python(trained_gpt2):

@@ -10,9 +10,11 @@ from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model
 from hf_grow.cli import memory as cli_memory
-from hf_grow.growth.memory_plan import activation_bytes, fitting_changes, plan_memory
+from hf_grow.growth.memory_plan import OFFLOAD_PLACEHOLDER, activation_bytes, fitting_changes, plan_memory
+from hf_grow.progress import format_bytes
 from hf_grow.statistics import layer_groups, statistics_bytes
-from test_cli import TEXT_GLOB, model_folder  # noqa: F401  (the trained model folder fixture)
+from quickstart import train_small_gpt2
+from test_cli import TEXT_GLOB, TRAIN_FILES, model_folder  # noqa: F401  (the trained model folder fixture)
 
 
 def meta_model(model_class, config):
@@ -171,3 +173,98 @@ def test_auto_truncation_keeps_every_layers_m_only_in_append_growth():
 
         one_group = m_term()
         assert m_term(truncation="auto") == (layers * one_group if keeps else one_group), type(model).__name__
+
+
+def test_m_on_disk_leaves_the_host_memory_and_the_plan_says_where_it_is(tmp_path):
+    model = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=6, n_embd=512, n_head=32))
+    adapter, shape = get_adapter(model), dict(batch_size=4, seq_len=32, eval_tokens=256)
+    in_memory = plan_memory(model, adapter, GrowthConfig(p=8), **shape)
+    on_disk = plan_memory(model, adapter, GrowthConfig(p=8, offload_dir=str(tmp_path)), **shape)
+    m_bytes = 6 * 32 * 513 * 513 * 8
+    assert (in_memory.disk, on_disk.disk, on_disk.groups) == (0, m_bytes, in_memory.groups)
+    for memory, disk in zip(in_memory.stages, on_disk.stages):
+        assert "M" not in disk.terms and memory.host - disk.host == memory.terms.get("M", 0)
+    assert in_memory.stages[1].terms["M"] == m_bytes  # statistics and solve hold it in memory
+    assert f"M on disk: {format_bytes(m_bytes)} in {tmp_path}" in on_disk.table()
+    assert "on disk" not in in_memory.table()
+    # a pass's group on disk at a time; on a GPU, M is on the device (a run refuses offload_dir there)
+    budget = statistics_bytes(6, 32, 512, 3)
+    assert plan_memory(model, adapter, GrowthConfig(p=8, offload_dir=str(tmp_path), memory_budget=budget),
+                       **shape).disk == 2 * 32 * 513 * 513 * 8
+    on_gpu = plan_memory(model, adapter, GrowthConfig(p=8, offload_dir=str(tmp_path)), device="cuda", **shape)
+    assert on_gpu.disk == 0 and on_gpu.offload_dir is None and "M" in on_gpu.stages[1].terms
+
+
+def test_where_no_pass_fits_m_in_memory_the_fix_is_m_on_disk(tmp_path):
+    model = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=6, n_embd=512, n_head=32))
+    adapter = get_adapter(model)
+
+    def planner(config):
+        def plan_with(changes):
+            fields = {name: value for name, value in changes.items() if name not in ("batch_size", "dtype")}
+            return plan_memory(model, adapter, dataclasses.replace(config, **fields),
+                               batch_size=changes.get("batch_size", 4), seq_len=32, eval_tokens=256)
+        return plan_with
+
+    config = GrowthConfig(p=8)
+    plan_with = planner(config)
+    limit = plan_with({"offload_dir": OFFLOAD_PLACEHOLDER}).peak_host
+    one_layer = {"memory_budget": plan_with({}).budget_for(1, 4), "accumulate_dtype": "float32", "batch_size": 1}
+    assert plan_with(one_layer).peak_host > limit  # one layer's M per pass, in float32, at batch 1: too much
+    assert fitting_changes(plan_with, config, lambda plan: plan.peak_host <= limit) == {"offload_dir": "DIR"}
+    # With a folder given, a disk that holds two layers' float64 M: three layers' float32 M per pass, two passes
+    config = GrowthConfig(p=8, offload_dir=str(tmp_path))
+    plan_with, two_layers = planner(config), 2 * 32 * 513 * 513 * 8
+    changes = fitting_changes(plan_with, config, lambda plan: plan.disk <= two_layers)
+    assert changes == {"memory_budget": plan_with({}).budget_for(3, 4), "accumulate_dtype": "float32"}
+    assert plan_with(changes).groups == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.fixture(scope="module")
+def wide_model_folder(tmp_path_factory):
+    """A GPT-2 whose M (16 heads over 257 inputs) outweighs one batch's activations at batch size 1."""
+    folder = tmp_path_factory.mktemp("wide-model")
+    train_small_gpt2(folder, TRAIN_FILES, steps=1, vocab_size=400, n_embd=256, n_head=16)
+    return folder
+
+
+def test_the_command_plans_m_on_disk_and_names_the_flag_where_nothing_else_fits(wide_model_folder, tmp_path, capsys,
+                                                                                monkeypatch):
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    arguments = [str(wide_model_folder), "--p", "8", "--data", TEXT_GLOB, "--seq-len", "64", "--batch-size", "1",
+                 "--max-tokens", "1200", "--eval-tokens", "600", "--quiet", "--device", "cpu"]
+    assert cli.main([*arguments, "--dry-run", "--offload-dir", str(offload)]) == 0
+    assert f"\nM on disk: 16 MiB in {offload} (memory-mapped" in capsys.readouterr().out
+    model = GPT2LMHeadModel.from_pretrained(wide_model_folder)
+    free = plan_memory(model, get_adapter(model), GrowthConfig(p=8, offload_dir=str(offload)), batch_size=1,
+                       seq_len=64, eval_tokens=600).peak_host
+    monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (free, 0))
+    output = tmp_path / "grown"
+    assert cli.main([*arguments, "--output-dir", str(output)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert "rerun with --offload-dir DIR, DIR a folder with 16 MiB of free disk for M (see --dry-run" in error
+    assert not output.exists()
+    fix = error.split("rerun with ", 1)[1].split(",", 1)[0].replace("DIR", str(offload)).split()
+    assert cli.main([*arguments, *fix, "--output-dir", str(output)]) == 0  # the named flag makes it fit
+    assert (output / "config.json").is_file() and not any(offload.iterdir())
+    # A folder whose disk holds less than one layer's M (8 MiB): one layer per pass, summed in float32
+    usage = cli_memory.shutil.disk_usage(offload)
+    monkeypatch.setattr(cli_memory.shutil, "disk_usage", lambda path: usage._replace(free=6 * 2**20))
+    assert cli.main([*arguments, *fix, "--output-dir", str(tmp_path / "other")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert f"M needs about 16 MiB of disk in --offload-dir {offload}, 6 MiB is free there: rerun with --memory-budget" \
+        in error and error.endswith("--accumulate-dtype float32 (see --dry-run; --ignore-memory-plan runs anyway)")
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("folder, message", [("missing", "is not a folder"), ("a-file", "is not a folder")])
+def test_a_bad_offload_dir_is_refused_before_any_work(model_folder, tmp_path, capsys, folder, message):  # noqa: F811
+    (tmp_path / "a-file").write_text("")
+    output = tmp_path / "grown"
+    assert cli.main([str(model_folder), "--p", "8", "--data", TEXT_GLOB, "--offload-dir", str(tmp_path / folder),
+                     "--output-dir", str(output), "--quiet", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and f"--offload-dir {tmp_path / folder} {message}" in error, error
+    assert not output.exists()

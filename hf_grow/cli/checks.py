@@ -13,7 +13,7 @@ import torch
 
 from .. import hub
 from ..config import GrowthConfig
-from ..statistics import parse_bytes
+from ..statistics import check_offload_dir, parse_bytes
 
 
 class CommandError(Exception):
@@ -78,6 +78,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
         _check_output_folder(Path(args.output_dir), args.overwrite)
     _check_file_folders(("--report", args.report))
     args.config = _growth_config(args)
+    if args.config.offload_dir is not None:
+        try:
+            check_offload_dir(args.config.offload_dir, torch.device(args.device), "--offload-dir")
+        except ValueError as error:
+            raise CommandError(str(error)) from None
 
 
 def _growth_config(args: argparse.Namespace) -> GrowthConfig:

@@ -7,7 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -15,7 +18,9 @@ import torch
 
 from ..adapters import get_adapter, supported_model_types
 from ..data import DEFAULT_EVAL_TOKENS
-from ..growth.memory_plan import MemoryPlan, activation_bytes, fitting_changes, plan_memory, statistics_attention
+from ..growth.memory_plan import (
+    OFFLOAD_PLACEHOLDER, MemoryPlan, activation_bytes, fitting_changes, plan_memory, statistics_attention,
+)
 from ..progress import format_bytes
 from ..statistics import parse_bytes
 from .checks import CommandError
@@ -29,6 +34,9 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
     ``objective``: "causal" or "masked" (a language-model loss on ``--seq-len`` tokens), or "pairs" (a
     SentenceTransformer's contrastive loss: its transformers model without a head, anchors and positives of
     each batch in one graph, at the model's maximum sequence length unless ``--seq-len`` says less).
+
+    With ``--offload-dir``, M is planned on disk, refused where that folder's free disk cannot hold it. Where M
+    does not fit the memory even one layer at a time, the refusal names ``--offload-dir DIR`` and the disk it needs.
     """
     plan_with = _planner(args, objective)
     plan = plan_with({})
@@ -41,22 +49,38 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
         limit = parse_bytes(args.max_memory, "--max-memory")
         free_host, free_device = (free_host, min(free_device, limit)) if plan.on_device else (
             min(free_host, limit), free_device)
-    if args.ignore_memory_plan or _fits(plan, free_host, free_device):
+    free_disk = shutil.disk_usage(plan.offload_dir).free if plan.offload_dir is not None else math.inf
+
+    def fits(candidate: MemoryPlan) -> bool:
+        return _fits(candidate, free_host, free_device) and candidate.disk <= free_disk
+
+    if args.ignore_memory_plan or fits(plan):
         return plan
+    changes = fitting_changes(plan_with, args.config, fits)
+    fix = _rerun_with(changes, plan_with) if changes else None
+    if _fits(plan, free_host, free_device):  # only the disk of --offload-dir is short
+        raise CommandError(
+            f"M needs about {format_bytes(plan.disk)} of disk in --offload-dir {plan.offload_dir}, "
+            f"{format_bytes(free_disk)} is free there: {fix or 'free disk there or name another folder'} (see "
+            "--dry-run; --ignore-memory-plan runs anyway)"
+        )
     stage = max(plan.stages, key=lambda stage: stage.device if plan.on_device else stage.host)
-    changes = fitting_changes(plan_with, args.config, lambda plan: _fits(plan, free_host, free_device))
     where = "device" if plan.on_device else "host"
     free = free_device if plan.on_device else free_host
     limit = "allowed (--max-memory)" if args.max_memory is not None else "free"
     needed = stage.device if plan.on_device else stage.host
-    fix = (
-        "rerun with " + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in changes.items())
-        if changes else "use a machine with more memory"
-    )
     raise CommandError(
         f"the {stage.name} stage needs about {format_bytes(needed)} of {where} memory, {format_bytes(free)} is "
-        f"{limit}: {fix} (see --dry-run; --ignore-memory-plan runs anyway)"
+        f"{limit}: {fix or 'use a machine with more memory'} (see --dry-run; --ignore-memory-plan runs anyway)"
     )
+
+
+def _rerun_with(changes: dict, plan_with: Callable[[dict], MemoryPlan]) -> str:
+    """The flags of ``changes``; a folder to name for `OFFLOAD_PLACEHOLDER` comes with the disk it needs."""
+    fix = "rerun with " + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in changes.items())
+    if changes.get("offload_dir") == OFFLOAD_PLACEHOLDER:
+        fix += f", {OFFLOAD_PLACEHOLDER} a folder with {format_bytes(plan_with(changes).disk)} of free disk for M"
+    return fix
 
 
 def _planner(args: argparse.Namespace, objective: str):

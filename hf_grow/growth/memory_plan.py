@@ -41,6 +41,8 @@ LOADING_OVERHEAD = 0.5
 #: (heads, d, d) float64 tensors alive at once while a chunk of heads is solved: M, the direction, its whitened
 #: form, and the decomposition's input, vectors and workspace.
 SOLVE_SQUARES_PER_HEAD = 6
+#: The ``offload_dir`` a refusal names where only M on disk fits (the user picks the folder).
+OFFLOAD_PLACEHOLDER = "DIR"
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class MemoryPlan:
     num_heads: int
     width: int
     batch_size: int
+    #: With ``offload_dir`` (on a CPU): the folder M's accumulators are mapped from, and the most bytes of M it holds
+    #: at once (not counted in any stage's host memory: the operating system pages them out as memory runs short).
+    offload_dir: str | None = None
+    disk: int = 0
 
     @property
     def peak_host(self) -> int:
@@ -93,6 +99,9 @@ class MemoryPlan:
         rows.append(f"peak {format_bytes(self.peak_host)} host" + (
             f", {format_bytes(self.peak_device)} device" if self.on_device else "") +
             f"; statistics in {passes} pass{'es' if passes > 1 else ''} over the data")
+        if self.offload_dir is not None:
+            disk = format_bytes(self.disk)
+            rows.append(f"M on disk: {disk} in {self.offload_dir} (memory-mapped, not in the host peak)")
         return "\n".join(rows)
 
 
@@ -112,7 +121,8 @@ def plan_memory(
 
     ``activations``: the bytes of one batch's forward and backward, by default `activation_bytes` of a
     language-model loss on the batch (labels = inputs). On a GPU (``device``) the model, the sums and the solve
-    live on the device and the host holds the process and the data.
+    live on the device and the host holds the process and the data. With ``config.offload_dir`` on a CPU, M lives
+    on disk (`MemoryPlan.disk`) instead of in the statistics' and the solve's host memory.
     """
     on_device = torch.device(device).type != "cpu"
     model_config = model.config
@@ -134,9 +144,11 @@ def plan_memory(
     if activations is None:
         activations = activation_bytes(model, batch_size, seq_len, statistics_attention(seq_len, device))
     scores = batch_size * heads * seq_len * (seq_len + width) * 4 if reference else 2 * 2**21 * 4
+    offload = config.offload_dir is not None and not on_device  # on a GPU the run refuses it (`check_offload_dir`)
+    held_m = {} if offload else {"M": widest * square * accumulate}
     statistics = {
         "model": weights, "activations": int(ACTIVATION_OVERHEAD * activations), "C": second_moments,
-        "M": widest * square * accumulate, "M of a batch": square * (compute + accumulate),
+        **held_m, "M of a batch": square * (compute + accumulate),
         "inputs X'": layers * tokens * width * compute, "score gradients": scores,
     }
 
@@ -144,7 +156,7 @@ def plan_memory(
     chunk = min(heads, HEAD_CHUNK)
     solve = {
         "model": weights, "C": second_moments, "metric": layers * width * width * 8,
-        "M": widest * square * accumulate, "solve of 8 heads": SOLVE_SQUARES_PER_HEAD * chunk * width * width * 8,
+        **held_m, "solve of 8 heads": SOLVE_SQUARES_PER_HEAD * chunk * width * width * 8,
         "compact solve": solved,
     }
     # no logits without a language-model head (the transformers model inside a SentenceTransformer)
@@ -165,7 +177,10 @@ def plan_memory(
         _stage("line search", held_out, on_device),
         _stage("write", write, on_device),
     )
-    return MemoryPlan(stages, groups, on_device, layers, heads, width, batch_size)
+    disk = widest * square * accumulate if offload else 0
+    return MemoryPlan(
+        stages, groups, on_device, layers, heads, width, batch_size, config.offload_dir if offload else None, disk
+    )
 
 
 def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int) -> int:
@@ -278,7 +293,8 @@ def fitting_changes(
 
     ``plan_with(changes)`` plans with some `GrowthConfig` fields, ``batch_size`` or the model's ``dtype``
     changed. Passes over the data cost the most, so the fewest passes win (``memory_budget``, the largest that
-    gives them); then the fewest other changes: smaller batches (the same tokens), M summed in float32. A
+    gives them); then the fewest other changes: smaller batches (the same tokens), M summed in float32. Where no
+    number of passes fits M in memory (on a CPU), M on disk: ``offload_dir`` `OFFLOAD_PLACEHOLDER` in one pass. A
     bfloat16 model only where nothing else fits.
     """
     base = plan_with({})
@@ -290,14 +306,17 @@ def fitting_changes(
             [config.accumulate_dtype] + (["float32"] if config.accumulate_dtype == "float64" else []),
         )
     ]
+    offloads = [{}] if config.offload_dir is not None or base.on_device else [{}, {"offload_dir": OFFLOAD_PLACEHOLDER}]
     for model_dtype in ({}, {"dtype": "bfloat16"}):  # the model's own precision changes only as a last resort
-        for passes in range(1, base.num_layers + 1):
-            layers_per_pass = math.ceil(base.num_layers / passes)
-            if math.ceil(base.num_layers / layers_per_pass) != passes:
-                continue  # no budget gives exactly this many passes
-            for variant in variants:
-                itemsize = COMPUTE_DTYPES[variant.get("accumulate_dtype", config.accumulate_dtype)].itemsize
-                budget = {} if passes == 1 else {"memory_budget": base.budget_for(layers_per_pass, itemsize)}
-                if fits(plan_with({**budget, **variant, **model_dtype})):
-                    return {**budget, **variant, **model_dtype}
+        for offload in offloads:
+            for passes in range(1, 2 if offload else base.num_layers + 1):
+                layers_per_pass = math.ceil(base.num_layers / passes)
+                if math.ceil(base.num_layers / layers_per_pass) != passes:
+                    continue  # no budget gives exactly this many passes
+                for variant in variants:
+                    itemsize = COMPUTE_DTYPES[variant.get("accumulate_dtype", config.accumulate_dtype)].itemsize
+                    budget = {} if passes == 1 else {"memory_budget": base.budget_for(layers_per_pass, itemsize)}
+                    changes = {**budget, **offload, **variant, **model_dtype}
+                    if fits(plan_with(changes)):
+                        return changes
     return None

@@ -123,8 +123,8 @@ def collect_configured_statistics(
     on_group: Callable[[GrowthStatistics, list[int]], None] | None = None,
 ) -> GrowthStatistics:
     """`collect_statistics` with the statistics options of ``config`` (``max_batches``, ``compute_dtype``, ``accumulate_dtype``,
-    ``statistics_method``, ``query_block``, ``memory_budget``): one place for `prepare_growth` and
-    `inspect_growth`."""
+    ``statistics_method``, ``query_block``, ``memory_budget``, ``offload_dir``): one place for `prepare_growth`
+    and `inspect_growth`."""
     return collect_statistics(
         model,
         dataloader,
@@ -137,6 +137,7 @@ def collect_configured_statistics(
         method=config.statistics_method,
         query_block=config.query_block,
         memory_budget=config.memory_budget,
+        offload_dir=config.offload_dir,
         accelerator=accelerator,
         on_group=on_group,
     )
@@ -208,7 +209,7 @@ def prepare_growth(
             raise ValueError("growth needs a dataloader, or statistics collected before.")
         check_statistics_arguments(
             config.statistics_method, next(model.parameters()).device, config.torch_compute_dtype, config.query_block,
-            config.max_batches, config.memory_budget, config.torch_accumulate_dtype,
+            config.max_batches, config.memory_budget, config.torch_accumulate_dtype, config.offload_dir,
         )
     else:
         check_statistics(statistics, model, adapter)

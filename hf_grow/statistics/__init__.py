@@ -7,8 +7,9 @@ M_i is exactly dLoss/dZ_i for the bilinear form Z_i of `hf_grow.linalg`.
 The package, one job a module: `kernels` (the attention under collection and the M products: methods
 "chunked", "triton", "reference"), `collector` (the hooks that accumulate C and M on a batch), `collect`
 (`collect_statistics` over a dataloader, in one or several passes), `container` (`GrowthStatistics` and its
-file format), `memory` (the accumulators' bytes and the layer groups of a memory budget), `batches` (batches,
-loss terms and losses as the statistics and the line search see them).
+file format), `memory` (the accumulators' bytes and the layer groups of a memory budget), `offload` (M's
+accumulators in memory-mapped files), `batches` (batches, loss terms and losses as the statistics and the line
+search see them).
 """
 
 from .batches import (
@@ -36,17 +37,20 @@ from .kernels import (
     triton_available,
 )
 from .memory import layer_groups, parse_bytes, return_free_memory, statistics_bytes
+from .offload import OFFLOAD_PREFIX, check_offload_dir
 
 
 __all__ = [
     "CPU_REFERENCE_MAX_LENGTH",
     "METHODS",
+    "OFFLOAD_PREFIX",
     "STATISTICS_ATTENTION",
     "STATISTICS_FORMAT",
     "GrowthStatistics",
     "LossFn",
     "batch_loss_weight",
     "check_arguments",
+    "check_offload_dir",
     "choose_method",
     "collect_statistics",
     "compute_loss",

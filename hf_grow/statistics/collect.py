@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ from .collector import Collector, statistics_mode
 from .container import GrowthStatistics, weight_sample
 from .kernels import METHODS, triton_available
 from .memory import layer_groups, parse_bytes, return_free_memory
+from .offload import check_offload_dir, offload_folder
 
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ def check_arguments(
     max_batches: int | None = None,
     memory_budget: int | str | None = None,
     accumulate_dtype: torch.dtype = torch.float64,
+    offload_dir: str | os.PathLike | None = None,
 ) -> None:
     """A ValueError, before any work, for arguments `collect_statistics` cannot run with on ``device``."""
     invalid_count = isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
@@ -64,6 +67,8 @@ def check_arguments(
         )
     if method == "triton" and compute_dtype != torch.float32:
         raise ValueError("method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'.")
+    if offload_dir is not None:
+        check_offload_dir(offload_dir, device)
 
 
 def collect_statistics(
@@ -81,6 +86,7 @@ def collect_statistics(
     accelerator: Accelerator | None = None,
     on_group: Callable[[GrowthStatistics, list[int]], None] | None = None,
     accumulate_dtype: torch.dtype = torch.float64,
+    offload_dir: str | os.PathLike | None = None,
 ) -> GrowthStatistics:
     """Accumulate C and M over ``dataloader`` (at most ``max_batches``), leaving the model as it was.
 
@@ -100,6 +106,11 @@ def collect_statistics(
     for as many layers as fit, in several passes over ``dataloader`` (which must then be re-iterable and
     yield the same batches each time), and finished layers move to the CPU. The result equals one pass.
 
+    ``offload_dir``: a folder where M's accumulators live in memory-mapped safetensors files instead of memory
+    (`offload`; CPU models only), for M that does not fit the host memory even one layer at a time. A pass's file
+    needs disk for the M of its group (all layers without a ``memory_budget``, which then bounds the disk) and is
+    removed once ``on_group`` returns; M that outlives it stays mapped from the removed file until it is freed.
+
     ``accelerator``: an `accelerate.Accelerator`; every process passes its own shard of the data (e.g. a
     DataLoader prepared by it) and gets the sums over all processes. ``model`` may be wrapped by it or by
     DistributedDataParallel. Raises ValueError on empty data, FloatingPointError on non-finite losses or
@@ -113,7 +124,9 @@ def collect_statistics(
     processes = Processes(accelerator)
     config = model.config
     parameter = next(model.parameters())
-    check_arguments(method, parameter.device, compute_dtype, query_block, max_batches, memory_budget, accumulate_dtype)
+    check_arguments(
+        method, parameter.device, compute_dtype, query_block, max_batches, memory_budget, accumulate_dtype, offload_dir
+    )
     eager_model = config._attn_implementation == "eager"
     num_layers = len(adapter.attention_modules(model))
     groups = layer_groups(
@@ -126,16 +139,17 @@ def collect_statistics(
         )
     if tf32 is None:
         tf32 = parameter.dtype in (torch.bfloat16, torch.float16)
-    offload = len(groups) > 1 and on_group is None  # a solve per group frees M where it was collected
+    to_cpu = len(groups) > 1 and on_group is None  # a solve per group frees M where it was collected
     statistics: GrowthStatistics | None = None
     first_pass: tuple[int, int, int, int, float] | None = None
     methods_used: set[str] = set()
-    with statistics_mode(model, tf32):
+    with offload_folder(offload_dir) as folder, statistics_mode(model, tf32):
         for index, group in enumerate(groups):
+            offload_file = None if folder is None else folder / f"m-pass-{index + 1}.safetensors"
             with processes.failing_together():
                 collector = Collector(
                     model, adapter, compute_dtype, method, query_block, group, index == 0, eager_model,
-                    accumulate_dtype,
+                    accumulate_dtype, offload_file,
                 )
                 description = f"statistics {index + 1}/{len(groups)}" if len(groups) > 1 else "statistics"
                 show = progress and processes.is_main
@@ -153,17 +167,19 @@ def collect_statistics(
                     )
             if statistics is None:
                 second_moments = [processes.sum_(moment) for moment in sums.second_moments]
-                second_moments = [moment.cpu() for moment in second_moments] if offload else second_moments
+                second_moments = [moment.cpu() for moment in second_moments] if to_cpu else second_moments
                 statistics = _checked_statistics(processes, first_pass, second_moments, num_layers, parameter.device)
                 statistics.model_type, statistics.weights = config.model_type, weight_sample(model)
             for layer in group:  # no name outlives the loop: the solve may free each M (on_group)
                 statistics.gradients[layer] = processes.sum_(sums.gradients.pop(layer))
-                statistics.gradients[layer] = statistics.gradients[layer].cpu() if offload else statistics.gradients[layer]
+                statistics.gradients[layer] = statistics.gradients[layer].cpu() if to_cpu else statistics.gradients[layer]
             del sums, collector
             return_free_memory()  # the pass's activations: otherwise resident for the rest of the run
             statistics.method = "+".join(sorted(methods_used))
             if on_group is not None:
                 on_group(statistics, list(group))
+            if offload_file is not None:
+                offload_file.unlink()  # M solved and freed, or kept: mapped from the removed file until freed
     return statistics
 
 

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from .kernels import (
     default_query_block,
     score_gradient_products,
 )
+from .offload import mapped_zeros
 
 
 @contextlib.contextmanager
@@ -92,20 +94,25 @@ def augmented_input(hidden: Tensor, token_mask: Tensor | None, dtype: torch.dtyp
 
 class Sums:
     """The sums of one pass: C for every layer (``with_second_moments``, float64), M for the layers of ``group``
-    (in ``accumulate_dtype``), and the counts of tokens, batches, loss terms and losses they were summed over."""
+    (in ``accumulate_dtype``; in memory, or mapped from the safetensors file ``offload_file``: `offload`), and the
+    counts of tokens, batches, loss terms and losses they were summed over."""
 
     def __init__(
         self, num_layers: int, num_heads: int, width: int, group: Sequence[int], with_second_moments: bool,
         device: torch.device, float16: bool, accumulate_dtype: torch.dtype = torch.float64,
+        offload_file: Path | None = None,
     ):
         self.second_moments = (
             [torch.zeros(width, width, dtype=torch.float64, device=device) for _ in range(num_layers)]
             if with_second_moments
             else None
         )
-        self.gradients = {
-            layer: torch.zeros(num_heads, width, width, dtype=accumulate_dtype, device=device) for layer in group
-        }
+        shape = (num_heads, width, width)
+        if offload_file is None:
+            self.gradients = {layer: torch.zeros(shape, dtype=accumulate_dtype, device=device) for layer in group}
+        else:
+            mapped = mapped_zeros(offload_file, {f"gradients.{layer}": shape for layer in group}, accumulate_dtype)
+            self.gradients = {layer: mapped[f"gradients.{layer}"] for layer in group}
         self.float16 = float16
         self.num_tokens = 0
         self.batch_index = 0
@@ -151,6 +158,7 @@ class Collector:
     `PreTrainedModel` inside ``model``), and a pass starts when its first layer runs.
 
     ``eager_model``: the model normally runs eager attention, whose fully masked rows the statistics keep.
+    ``offload_file``: where M's accumulators are mapped from (`offload`), None for memory.
     """
 
     def __init__(
@@ -164,6 +172,7 @@ class Collector:
         with_second_moments: bool,
         eager_model: bool,
         accumulate_dtype: torch.dtype = torch.float64,
+        offload_file: Path | None = None,
     ):
         self.attentions = adapter.attention_modules(model)
         self.compute_dtype = compute_dtype
@@ -180,7 +189,7 @@ class Collector:
         self.sums = Sums(
             len(self.attentions), adapter.num_heads(model.config), adapter.hidden_size(model.config) + 1, group,
             with_second_moments, parameter.device, float16=parameter.dtype == torch.float16,
-            accumulate_dtype=accumulate_dtype,
+            accumulate_dtype=accumulate_dtype, offload_file=offload_file,
         )
         self.hooked_layers = sorted({0, *(range(len(self.attentions)) if with_second_moments else group)})
         self.qk_inputs = [adapter.qk_input_module(attention) for attention in self.attentions]

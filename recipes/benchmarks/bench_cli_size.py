@@ -8,7 +8,9 @@ byte-level BPE tokenizer trained on a few standard-library files, saves them to 
 as a new user would, with stderr going to a pipe (as in a log file). It samples the command's resident memory
 every 0.2 s and splits the run at the command's own progress lines: model and data loading, statistics, solve,
 line search, realized gains, writing the grown model.
-Prints one table row per stage (seconds and peak resident memory within it) and the total.
+Prints one table row per stage (seconds and peak resident memory within it) and the total, and the peak of its
+anonymous memory (resident memory less file-backed pages, such as the mapping of ``--offload-dir``, which the
+operating system can write back and drop).
 
     python recipes/benchmarks/bench_cli_size.py --shape small            # ~4 minutes on 2 CPU cores
     python recipes/benchmarks/bench_cli_size.py --shape medium           # ~12 minutes, ~16 GB
@@ -70,13 +72,15 @@ def build_model(folder: Path, shape: str) -> int:
     return model.num_parameters()
 
 
-def run_command(command: list[str]) -> tuple[list[tuple[float, str]], list[tuple[float, int]], int]:
-    """Run ``command``; its stderr lines and resident-memory samples (bytes, children included), timestamped."""
+def run_command(command: list[str]) -> tuple[list[tuple[float, str]], list[tuple[float, int]], int, int]:
+    """Run ``command``; its stderr lines and resident-memory samples (bytes), timestamped, its exit status and its
+    peak anonymous memory."""
     started = time.monotonic()
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines: list[tuple[float, str]] = []
     samples: list[tuple[float, int]] = []
+    anonymous = 0
 
     def read_stderr() -> None:
         for line in process.stderr:
@@ -88,13 +92,23 @@ def run_command(command: list[str]) -> tuple[list[tuple[float, str]], list[tuple
     while process.poll() is None:
         try:
             samples.append((time.monotonic() - started, watched.memory_info().rss))
+            anonymous = max(anonymous, anonymous_memory(process.pid))
         except psutil.NoSuchProcess:
             break
         time.sleep(0.2)
     reader.join()
     samples.append((time.monotonic() - started, 0))
     print(process.stdout.read())
-    return lines, samples, process.returncode
+    return lines, samples, process.returncode, anonymous
+
+
+def anonymous_memory(pid: int) -> int:
+    """``RssAnon`` of /proc/PID/status in bytes (Linux; 0 elsewhere or once the process is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssAnon:")), 0)
 
 
 def split_stages(lines: list[tuple[float, str]], total: float) -> list[tuple[str, float, float]]:
@@ -158,7 +172,7 @@ def main() -> None:
         print("$ hf-grow " + " ".join(command[3:]), flush=True)
         plan = subprocess.run([*command, "--dry-run"], capture_output=True, text=True, check=True).stdout
         print(plan, flush=True)
-        lines, samples, returncode = run_command(command)
+        lines, samples, returncode, anonymous = run_command(command)
     total = samples[-1][0]
     if returncode != 0:
         print("\n".join(line for _, line in lines[-20:]))
@@ -174,6 +188,7 @@ def main() -> None:
         peaks[passes] = max(peaks.get(passes, 0), peak)
         print(f"{stage:<44}{end - begin:>9.1f}{(end - begin) / total:>8.0%}{peak / 2**30:>10.2f}")
     print(f"{'total':<44}{total:>9.1f}{1:>8.0%}{max(rss for _, rss in samples) / 2**30:>10.2f}")
+    print(f"peak anonymous memory (resident less file-backed pages): {anonymous / 2**30:.2f} GiB")
     predicted = planned_peaks(plan)
     print(f"\n{'plan stage':<14}{'planned GiB':>12}{'measured GiB':>14}{'planned/measured':>18}")
     for name, covered in PLAN_STAGES.items():
