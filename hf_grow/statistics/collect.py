@@ -157,7 +157,7 @@ def collect_statistics(
                 sums = collector.sums
                 counts = (sums.num_tokens, sums.batch_index, skipped, sums.loss_weight, sums.loss_sum)
                 first_pass = first_pass or counts
-                methods_used |= collector.methods_used
+                methods_used |= collector.products.methods_used
                 if counts[:4] != first_pass[:4] or not math.isclose(counts[4], first_pass[4], rel_tol=1e-6):
                     raise ValueError(
                         "the data changed between passes over it (tokens, batches, skipped, loss terms, loss sum: "

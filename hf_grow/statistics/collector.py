@@ -149,138 +149,41 @@ class Sums:
         self.loss_sum += loss
 
 
-class Collector:
-    """Hooks that accumulate C for every layer (``with_second_moments``) and M for the layers of ``group``.
+class GradientProducts:
+    """M of the layers of ``sums``'s group, from their attention: the `kernels.AttentionObserver` that
+    `statistics_attention` reports to. Each layer's X', kept in ``inputs`` by the collector's input hook, is paired
+    with the gradient of the same forward pass's scores: dLoss/dS as a whole (the reference method), or dLoss/dO,
+    from which M is computed one block of queries at a time (chunked, triton).
 
-    A ``loss_fn`` may run the model any number of times per batch (one pass per text column, say). Each forward
-    pass's X' is paired with its own dLoss/dS: the attention of a layer takes the X' its input hook kept in the
-    same pass. The padding of a pass is the ``attention_mask`` the model received (read by a hook on every
-    `PreTrainedModel` inside ``model``), and a pass starts when its first layer runs.
-
-    ``eager_model``: the model normally runs eager attention, whose fully masked rows the statistics keep.
-    ``offload_file``: where M's accumulators are mapped from (`offload`), None for memory.
+    ``method`` may be ``"auto"``: `start_pass` then chooses one per forward pass. ``eager_model``: the model
+    normally runs eager attention, whose fully masked rows the statistics keep.
     """
 
     def __init__(
-        self,
-        model: PreTrainedModel,
-        adapter: ArchitectureAdapter,
-        compute_dtype: torch.dtype,
-        method: str,
-        query_block: int | None,
-        group: Sequence[int],
-        with_second_moments: bool,
-        eager_model: bool,
-        accumulate_dtype: torch.dtype = torch.float64,
-        offload_file: Path | None = None,
+        self, sums: Sums, compute_dtype: torch.dtype, method: str, query_block: int | None, eager_model: bool,
+        device: torch.device,
     ):
-        self.attentions = adapter.attention_modules(model)
+        self.sums = sums
         self.compute_dtype = compute_dtype
         self.method = method
+        self.query_block = query_block
         self.eager_model = eager_model
+        self.device = device
         #: The method of the forward pass under way (``method``, or what ``"auto"`` chose for it).
         self.batch_method = method
         self.methods_used: set[str] = set()
-        self.query_block = query_block
-        self.embeddings = model.get_input_embeddings()
-        self.models = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
-        parameter = next(model.parameters())
-        self.device = parameter.device
-        self.sums = Sums(
-            len(self.attentions), adapter.num_heads(model.config), adapter.hidden_size(model.config) + 1, group,
-            with_second_moments, parameter.device, float16=parameter.dtype == torch.float16,
-            accumulate_dtype=accumulate_dtype, offload_file=offload_file,
-        )
-        self.hooked_layers = sorted({0, *(range(len(self.attentions)) if with_second_moments else group)})
-        self.qk_inputs = [adapter.qk_input_module(attention) for attention in self.attentions]
-        #: The attention mask the model last received (the next pass's padding), and that of the pass under way.
-        self.received_mask: Tensor | None = None
-        self.token_mask: Tensor | None = None
+        #: The X' of the pass under way, per layer of the group, until its attention takes it.
         self.inputs: dict[int, Tensor] = {}
-        self.passes = 0
-        self.pass_tokens = 0
-        self.anchors: list[Tensor] = []
-        # True while backward runs: checkpointed layers then run their forward again, which adds nothing.
+        # True while the collector's backward runs (`Collector.step`): checkpointed layers then run their forward
+        # again, which adds nothing.
         self.in_backward = False
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        handles = [self.embeddings.register_forward_hook(self._keep_anchor)]
-        for module in self.models:
-            handles.append(module.register_forward_pre_hook(self._model_inputs_hook(module), with_kwargs=True))
-        for layer in self.hooked_layers:
-            handles.append(self.qk_inputs[layer].register_forward_pre_hook(self._input_hook(layer)))
-        for layer, attention in enumerate(self.attentions):
-            _COLLECTING[attention] = (self, layer)
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            for attention in self.attentions:
-                _COLLECTING.pop(attention, None)
-            self.inputs.clear()
-            self.anchors.clear()
-
-    def _keep_anchor(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-        # Backward runs towards the embeddings' output, so it must be part of the graph even if they are frozen.
-        if not output.requires_grad:
-            output = output.detach().requires_grad_(True)
-        self.anchors.append(output)
-        return output
-
-    def _model_inputs_hook(self, module: nn.Module) -> Callable:
-        names = list(inspect.signature(module.forward).parameters)
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if self.in_backward:
-                return None
-            positional = dict(zip(names, args))
-            mask = kwargs.get("attention_mask", positional.get("attention_mask"))
-            self.received_mask = mask if isinstance(mask, Tensor) else None
-            embeddings = kwargs.get("inputs_embeds", positional.get("inputs_embeds"))
-            if not isinstance(embeddings, Tensor):
-                return None
-            # Inputs given as embeddings skip the embedding layer: backward runs towards them instead.
-            if not embeddings.requires_grad:
-                embeddings = embeddings.detach().requires_grad_(True)
-                if "inputs_embeds" in kwargs:
-                    kwargs = {**kwargs, "inputs_embeds": embeddings}
-                else:
-                    index = names.index("inputs_embeds")
-                    args = (*args[:index], embeddings, *args[index + 1 :])
-            self.anchors.append(embeddings)
-            return args, kwargs
-
-        return hook
-
-    def _start_pass(self, hidden: Tensor) -> None:
-        """The first layer runs: a new forward pass, whose padding is the mask the model received."""
-        mask = self.received_mask
-        self.received_mask = None
-        self.token_mask = None if mask is None else (mask != 0).reshape(-1, mask.shape[-1])
-        self.pass_tokens += int(self.token_mask.sum()) if self.token_mask is not None else hidden.shape[:-1].numel()
-        self.passes += 1
+    def start_pass(self, length: int) -> None:
+        """A forward pass of ``length`` tokens per sequence starts: X' of its own, and its method."""
         self.inputs.clear()
         if self.method == "auto":
-            self.batch_method = choose_method(self.device, hidden.shape[-2], self.eager_model)
+            self.batch_method = choose_method(self.device, length, self.eager_model)
         self.methods_used.add(self.batch_method)
-
-    def _input_hook(self, layer: int) -> Callable:
-        def hook(module: nn.Module, args: tuple) -> None:
-            if self.in_backward:
-                return  # gradient checkpointing recomputes the layer: its inputs were taken in the forward pass
-            if layer == 0:
-                self._start_pass(args[0])
-            if layer not in self.sums.gradients and self.sums.second_moments is None:
-                return
-            augmented = augmented_input(args[0].detach(), self.token_mask, self.compute_dtype, layer)
-            if layer in self.sums.gradients:
-                self.inputs[layer] = augmented
-            if self.sums.second_moments is not None:
-                self.sums.add_second_moment(layer, augmented)
-
-        return hook
 
     def collects(self, layer: int) -> bool:
         """Whether this pass collects M of ``layer`` (a layer of its group)."""
@@ -338,6 +241,129 @@ class Collector:
 
         output.register_hook(on_backward)
 
+
+class Collector:
+    """Hooks that accumulate C for every layer (``with_second_moments``) and M for the layers of ``group``.
+
+    A ``loss_fn`` may run the model any number of times per batch (one pass per text column, say). Each forward
+    pass's X' is paired with its own dLoss/dS: the attention of a layer takes the X' its input hook kept in the
+    same pass (`GradientProducts`, the collector's ``products``). The padding of a pass is the ``attention_mask``
+    the model received (read by a hook on every `PreTrainedModel` inside ``model``), and a pass starts when its
+    first layer runs.
+
+    ``eager_model``: the model normally runs eager attention, whose fully masked rows the statistics keep.
+    ``offload_file``: where M's accumulators are mapped from (`offload`), None for memory.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        adapter: ArchitectureAdapter,
+        compute_dtype: torch.dtype,
+        method: str,
+        query_block: int | None,
+        group: Sequence[int],
+        with_second_moments: bool,
+        eager_model: bool,
+        accumulate_dtype: torch.dtype = torch.float64,
+        offload_file: Path | None = None,
+    ):
+        self.attentions = adapter.attention_modules(model)
+        self.compute_dtype = compute_dtype
+        self.embeddings = model.get_input_embeddings()
+        self.models = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+        parameter = next(model.parameters())
+        self.sums = Sums(
+            len(self.attentions), adapter.num_heads(model.config), adapter.hidden_size(model.config) + 1, group,
+            with_second_moments, parameter.device, float16=parameter.dtype == torch.float16,
+            accumulate_dtype=accumulate_dtype, offload_file=offload_file,
+        )
+        self.products = GradientProducts(self.sums, compute_dtype, method, query_block, eager_model, parameter.device)
+        self.hooked_layers = sorted({0, *(range(len(self.attentions)) if with_second_moments else group)})
+        self.qk_inputs = [adapter.qk_input_module(attention) for attention in self.attentions]
+        #: The attention mask the model last received (the next pass's padding), and that of the pass under way.
+        self.received_mask: Tensor | None = None
+        self.token_mask: Tensor | None = None
+        self.passes = 0
+        self.pass_tokens = 0
+        self.anchors: list[Tensor] = []
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        handles = [self.embeddings.register_forward_hook(self._keep_anchor)]
+        for module in self.models:
+            handles.append(module.register_forward_pre_hook(self._model_inputs_hook(module), with_kwargs=True))
+        for layer in self.hooked_layers:
+            handles.append(self.qk_inputs[layer].register_forward_pre_hook(self._input_hook(layer)))
+        for layer, attention in enumerate(self.attentions):
+            _COLLECTING[attention] = (self.products, layer)
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for attention in self.attentions:
+                _COLLECTING.pop(attention, None)
+            self.products.inputs.clear()
+            self.anchors.clear()
+
+    def _keep_anchor(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        # Backward runs towards the embeddings' output, so it must be part of the graph even if they are frozen.
+        if not output.requires_grad:
+            output = output.detach().requires_grad_(True)
+        self.anchors.append(output)
+        return output
+
+    def _model_inputs_hook(self, module: nn.Module) -> Callable:
+        names = list(inspect.signature(module.forward).parameters)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if self.products.in_backward:
+                return None
+            positional = dict(zip(names, args))
+            mask = kwargs.get("attention_mask", positional.get("attention_mask"))
+            self.received_mask = mask if isinstance(mask, Tensor) else None
+            embeddings = kwargs.get("inputs_embeds", positional.get("inputs_embeds"))
+            if not isinstance(embeddings, Tensor):
+                return None
+            # Inputs given as embeddings skip the embedding layer: backward runs towards them instead.
+            if not embeddings.requires_grad:
+                embeddings = embeddings.detach().requires_grad_(True)
+                if "inputs_embeds" in kwargs:
+                    kwargs = {**kwargs, "inputs_embeds": embeddings}
+                else:
+                    index = names.index("inputs_embeds")
+                    args = (*args[:index], embeddings, *args[index + 1 :])
+            self.anchors.append(embeddings)
+            return args, kwargs
+
+        return hook
+
+    def _start_pass(self, hidden: Tensor) -> None:
+        """The first layer runs: a new forward pass, whose padding is the mask the model received."""
+        mask = self.received_mask
+        self.received_mask = None
+        self.token_mask = None if mask is None else (mask != 0).reshape(-1, mask.shape[-1])
+        self.pass_tokens += int(self.token_mask.sum()) if self.token_mask is not None else hidden.shape[:-1].numel()
+        self.passes += 1
+        self.products.start_pass(hidden.shape[-2])
+
+    def _input_hook(self, layer: int) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self.products.in_backward:
+                return  # gradient checkpointing recomputes the layer: its inputs were taken in the forward pass
+            if layer == 0:
+                self._start_pass(args[0])
+            if layer not in self.sums.gradients and self.sums.second_moments is None:
+                return
+            augmented = augmented_input(args[0].detach(), self.token_mask, self.compute_dtype, layer)
+            if layer in self.sums.gradients:
+                self.products.inputs[layer] = augmented
+            if self.sums.second_moments is not None:
+                self.sums.add_second_moment(layer, augmented)
+
+        return hook
+
     def step(self, model: PreTrainedModel, batch: Any, loss_fn: LossFn | None, weight: int) -> float:
         """Forward and backward on one batch of ``weight`` loss terms, accumulating C and M. Returns its loss.
 
@@ -345,7 +371,7 @@ class Collector:
         and each term's gradient is of order one, which keeps float16 score gradients from underflowing. Every
         forward pass the loss makes counts its real tokens in C and its score gradients in M.
         """
-        self.inputs.clear()
+        self.products.inputs.clear()
         self.anchors.clear()
         self.passes = self.pass_tokens = 0
         self.received_mask = None
@@ -361,12 +387,12 @@ class Collector:
         if not torch.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss.item()} at batch {self.sums.batch_index}")
         anchors = list({id(anchor): anchor for anchor in self.anchors if anchor.requires_grad}.values())
-        self.in_backward = True
+        self.products.in_backward = True
         try:
             torch.autograd.grad(loss * weight, anchors, allow_unused=True)
         finally:
-            self.in_backward = False
-        self.inputs.clear()
+            self.products.in_backward = False
+        self.products.inputs.clear()
         self.anchors.clear()
         self.sums.add_batch(self.pass_tokens, weight, float(loss.detach()))
         return float(loss.detach())

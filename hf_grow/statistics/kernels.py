@@ -31,8 +31,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 
 class AttentionObserver(Protocol):
-    """What `statistics_attention` asks of the collector a module is registered with (`collector.Collector`),
-    stated here so that this module imports nothing of the collector's, which imports it."""
+    """What `statistics_attention` asks of the observer a module is registered with
+    (`collector.GradientProducts`), stated here so that this module imports nothing of the collector's, which
+    imports it."""
 
     #: The method of the forward pass under way: "reference", "chunked" or "triton".
     batch_method: str
