@@ -28,8 +28,69 @@ MODES = ("refactor", "append")
 QKWeights = dict[int, tuple[Tensor, Tensor]]
 
 
-class GrowthProblem(StepScaling):
-    """The solved statistics of a model: Q/K weights for any step size, and what they are expected to gain.
+class StepWeights(StepScaling):
+    """The Q/K weights of a solved problem at any step size: each layer's compact target ("refactor") or unit
+    update ("append"), at the head lams of its `StepScaling`. Needs ``layers`` solved, ``mode``, ``truncation``
+    and ``solver``; touches no (heads, d, d) tensor."""
+
+    layers: list[LayerProblem]
+    mode: str
+    solver: str
+
+    def decomposition(
+        self, layer: int, step_size: float, truncation: str, columns: int | None = None
+    ) -> linalg.Decomposition:
+        """The decomposition of the core of layer's ``Z - lam P`` (whitened or not), in core coordinates: its
+        truncations (up to rank ``columns``, None: any) map to Q/K factors by the target's bases
+        (`compact.CompactTarget.to_model`)."""
+        method = "svd" if self.solver == "svd" else "eigh"
+        return self.layers[layer].targets[truncation].decompose(self.head_lams(step_size, layer), method, columns)
+
+    def unit_update(self, layer: int) -> linalg.Factorization:
+        """The "append" update at lam = 1: the truncation of -P to the layer's added dimensions; under
+        grouped-query attention, the joint truncation of each group's heads with one key."""
+        problem = self.layers[layer]
+        added = problem.qk_dim_after - problem.query.shape[-1]
+        unit = problem.update.unit
+        return linalg.Factorization(unit.left[..., :added], unit.right[..., :added], unit.singular_values)
+
+    def weights(self, step_size: float) -> QKWeights:
+        """Augmented Q/K weights of the grown width for every layer (see `layer_weights`)."""
+        return {layer: self.layer_weights(layer, step_size) for layer in range(len(self.layers))}
+
+    def layer_weights(self, layer: int, step_size: float) -> tuple[Tensor, Tensor]:
+        """Augmented Q/K weights of ``layer`` at its own lam for ``step_size``. Step size 0 is exactly the old
+        function: the old weights, zero-padded, with the change of scale folded into the queries (so in a
+        bfloat16 or float16 model, up to the rounding of those queries). In "append" mode the old weights are
+        kept at every step (layers without added dimensions do not change)."""
+        problem = self.layers[layer]
+        lam = self.lam(step_size, layer)
+        with torch.no_grad():
+            if self.mode == "append" and problem.qk_dim_after > problem.query.shape[-1]:
+                update = linalg.rescaled_to_step(self.unit_update(layer), self.head_lams(step_size, layer))
+                if problem.groups < problem.query.shape[0]:  # one key per group (repeated in the update)
+                    per_group = problem.query.shape[0] // problem.groups
+                    update = linalg.Factorization(update.left, update.right[::per_group], update.singular_values)
+                return linalg.appended_weights(
+                    problem.query, problem.key, problem.scaling_before, problem.scaling_after, update
+                )
+            if lam == 0 or self.mode == "append":
+                padding = problem.qk_dim_after - problem.query.shape[-1]
+                fold = problem.scaling_before / problem.scaling_after
+                return (
+                    torch.nn.functional.pad(problem.query * fold, (0, padding)),
+                    torch.nn.functional.pad(problem.key, (0, padding)),
+                )
+            target = problem.targets[self.truncation]
+            width = problem.qk_dim_after
+            factors = target.to_model(self.decomposition(layer, step_size, self.truncation, width).truncate(width))
+            root_scaling = math.sqrt(problem.scaling_after)
+            return factors.left / root_scaling, factors.right / root_scaling
+
+
+class GrowthProblem(StepWeights):
+    """The solved statistics of a model: Q/K weights for any step size (`StepWeights`), and what they are expected
+    to gain.
 
     Each layer is solved once at construction (`solve_layer`): after that no step touches a (heads, d, d)
     tensor, and the statistics' M may be freed layer by layer (``release``).
@@ -140,56 +201,6 @@ class GrowthProblem(StepScaling):
             raise RuntimeError("gain rates are computed with the solve: build the problem with with_rates=True")
         unit = self.layer_lam_units[layer] * self.head_factors[layer]  # each head's, before any search per layer
         return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit[:, None])
-
-    def decomposition(
-        self, layer: int, step_size: float, truncation: str, columns: int | None = None
-    ) -> linalg.Decomposition:
-        """The decomposition of the core of layer's ``Z - lam P`` (whitened or not), in core coordinates: its
-        truncations (up to rank ``columns``, None: any) map to Q/K factors by the target's bases
-        (`compact.CompactTarget.to_model`)."""
-        method = "svd" if self.solver == "svd" else "eigh"
-        return self.layers[layer].targets[truncation].decompose(self.head_lams(step_size, layer), method, columns)
-
-    def unit_update(self, layer: int) -> linalg.Factorization:
-        """The "append" update at lam = 1: the truncation of -P to the layer's added dimensions; under
-        grouped-query attention, the joint truncation of each group's heads with one key."""
-        problem = self.layers[layer]
-        added = problem.qk_dim_after - problem.query.shape[-1]
-        unit = problem.update.unit
-        return linalg.Factorization(unit.left[..., :added], unit.right[..., :added], unit.singular_values)
-
-    def weights(self, step_size: float) -> QKWeights:
-        """Augmented Q/K weights of the grown width for every layer (see `layer_weights`)."""
-        return {layer: self.layer_weights(layer, step_size) for layer in range(len(self.layers))}
-
-    def layer_weights(self, layer: int, step_size: float) -> tuple[Tensor, Tensor]:
-        """Augmented Q/K weights of ``layer`` at its own lam for ``step_size``. Step size 0 is exactly the old
-        function: the old weights, zero-padded, with the change of scale folded into the queries (so in a
-        bfloat16 or float16 model, up to the rounding of those queries). In "append" mode the old weights are
-        kept at every step (layers without added dimensions do not change)."""
-        problem = self.layers[layer]
-        lam = self.lam(step_size, layer)
-        with torch.no_grad():
-            if self.mode == "append" and problem.qk_dim_after > problem.query.shape[-1]:
-                update = linalg.rescaled_to_step(self.unit_update(layer), self.head_lams(step_size, layer))
-                if problem.groups < problem.query.shape[0]:  # one key per group (repeated in the update)
-                    per_group = problem.query.shape[0] // problem.groups
-                    update = linalg.Factorization(update.left, update.right[::per_group], update.singular_values)
-                return linalg.appended_weights(
-                    problem.query, problem.key, problem.scaling_before, problem.scaling_after, update
-                )
-            if lam == 0 or self.mode == "append":
-                padding = problem.qk_dim_after - problem.query.shape[-1]
-                fold = problem.scaling_before / problem.scaling_after
-                return (
-                    torch.nn.functional.pad(problem.query * fold, (0, padding)),
-                    torch.nn.functional.pad(problem.key, (0, padding)),
-                )
-            target = problem.targets[self.truncation]
-            width = problem.qk_dim_after
-            factors = target.to_model(self.decomposition(layer, step_size, self.truncation, width).truncate(width))
-            root_scaling = math.sqrt(problem.scaling_after)
-            return factors.left / root_scaling, factors.right / root_scaling
 
 
 def write_weights(adapter: ArchitectureAdapter, model: PreTrainedModel, weights: QKWeights) -> None:
