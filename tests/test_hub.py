@@ -40,6 +40,7 @@ GROWN_FILES = {
     "model.safetensors",
     "configuration_grown_gpt2.py",
     "modeling_grown_gpt2.py",
+    "paged_grown_gpt2.py",  # continuous batching, imported by the modeling file
     "growth_report.json",
     "README.md",
 }
