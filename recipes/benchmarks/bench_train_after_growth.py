@@ -39,19 +39,10 @@ from transformers.utils import logging as transformers_logging
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from sentence_pairs import contrastive_loss, docstring_code_pairs, mean_pooled, pair_batches, stdlib_files  # noqa: E402
+from sentence_pairs import contrastive_loss, mean_pooled, pair_batches  # noqa: E402
 
 import hf_grow  # noqa: E402
-
-
-def split_pairs(counts: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
-    """Pairs from disjoint thirds of the standard library's files, shuffled with a fixed seed."""
-    files, splits = stdlib_files(), {}
-    for offset, (name, count) in enumerate(counts.items()):
-        pairs = docstring_code_pairs(files[offset::3])
-        random.Random(0).shuffle(pairs)
-        splits[name] = pairs[:count]
-    return splits
+from bench_st_retrieval import split_pairs  # noqa: E402
 
 
 @torch.no_grad()
@@ -82,10 +73,9 @@ def ranking_scores(scores: torch.Tensor, cutoff: int = 10) -> tuple[float, float
     return mrr, ndcg
 
 
-@torch.no_grad()
 def mean_loss(model, batches: list[dict]) -> float:
-    model.eval()
-    return sum(contrastive_loss(model, batch).item() for batch in batches) / len(batches)
+    """The contrastive loss over ``batches`` (all of 16 pairs, so each weighs the same), in eval mode."""
+    return hf_grow.evaluate_loss(model, batches, loss_fn=contrastive_loss)[0]
 
 
 def fine_tune(model, train: list[dict], evaluate, steps: int, at: list[int], lr: float, seed: int) -> dict:
