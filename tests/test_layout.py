@@ -2,6 +2,7 @@
 grown model files that import only what a `trust_remote_code` user has."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,27 @@ def test_grown_model_files_import_only_torch_transformers_and_their_siblings():
         allowed = ("torch", "transformers", "huggingface_hub", "__future__", "math", "shutil", "pathlib", "typing",
                    "collections", "dataclasses", "functools")
         assert all(name.split(".")[0] in allowed for name in foreign), (path.name, foreign)
+
+
+#: Code each grown model folder holds a copy of (a `trust_remote_code` folder cannot import a shared module):
+#: GPT-2's file, Llama's file, and the lines where they may differ (the model's name, its value width).
+TWINS = [
+    ("grown_gpt2/paged_grown_gpt2.py", "grown_llama/paged_grown_llama.py", {2, 25}),
+    ("grown_gpt2/configuration_grown_gpt2.py", "grown_llama/configuration_grown_llama.py", {2, 10}),
+]
+
+
+def shared_lines(path: Path) -> list[str]:
+    """The lines of ``path`` that its twin repeats: a configuration file's up to its config class (the cache
+    layer types of wider keys), any other file's whole."""
+    lines = path.read_text().splitlines()
+    config_class = [number for number, line in enumerate(lines) if re.match(r"class Grown\w+Config\(", line)]
+    return lines[: config_class[0]] if config_class else lines
+
+
+@pytest.mark.parametrize("gpt2, llama, differing", TWINS, ids=["paged", "cache_layers"])
+def test_copies_in_the_grown_model_folders_stay_the_same(gpt2, llama, differing):
+    """A fix in one folder's copy must reach the other's: the twins agree line by line but where they may differ."""
+    first, second = (shared_lines(PACKAGE / "models" / name) for name in (gpt2, llama))
+    assert len(first) == len(second)
+    assert [number for number, (a, b) in enumerate(zip(first, second), 1) if a != b and number not in differing] == []
