@@ -104,6 +104,30 @@ def solve_direction_in_basis(gradient: Tensor, metric: Metric) -> Tensor:
     return metric.to_basis(gradient) * inverse[..., :, None] * inverse[..., None, :]
 
 
+def cross_fitted_gradient(first: Tensor, second: Tensor, metric: Metric, rank: int, method: str = "eigh") -> Tensor:
+    """M kept to what two independent halves of the data agree on, from each half's mean M (heads, d, d).
+
+    In the metric of C, each half's top-``rank`` singular directions (u_k, v_k) are kept with the value the
+    other half gives them, ``max(u_k^T M_other v_k, 0)``, not their own: their own singular values are biased
+    up by the noise they were fitted to, the other half's are not (split-sample shrinkage). The two halves'
+    results are averaged. Directions the halves do not confirm get zero, so that P = C^+ M C^+ holds what is
+    common to the data rather than what fits the batches the statistics came from.
+    """
+    inverse_root = metric.pinv_diag.sqrt()
+    scale = inverse_root[..., :, None] * inverse_root[..., None, :]
+    halves = [metric.to_basis(half) * scale for half in (first, second)]
+    confirmed = []
+    for own, other in (halves, halves[::-1]):
+        parts = decompose_whitened(own, None, method, rank=rank, columns=rank)
+        left = parts.left_vectors[..., :rank]
+        sigma = parts.singular_values[..., : left.shape[-1]]
+        right = parts.projected[..., : left.shape[-1]] / torch.where(sigma > 0, sigma, 1.0)[..., None, :]
+        honest = torch.einsum("...dk,...de,...ek->...k", left, other, right).clamp_min(0)
+        confirmed.append((left * honest[..., None, :]) @ right.mT)
+    root = metric.root_diag
+    return metric.from_basis((confirmed[0] + confirmed[1]) / 2 * root[..., :, None] * root[..., None, :])
+
+
 def whitened_norm_sq(matrix: Tensor, metric: Metric) -> Tensor:
     """||C^{1/2} A C^{1/2}||_F^2 (with the floored root), over the last two dimensions."""
     root = metric.root_diag

