@@ -86,3 +86,32 @@ def test_bench_train_after_growth_scores_rankings_and_reads_arms():
     assert parse_arm("zero") == ("zero", {"step_size": 0.0})
     assert parse_arm("original") == ("original", None)
     assert parse_arm('rtol=1e-2={"rtol": 0.01}') == ("rtol=1e-2", {"rtol": 0.01})
+
+
+def test_bench_train_after_growth_lm_splits_texts_and_trains_every_arm_on_the_same_batches():
+    """The held-out documents are re-cut without overlap, windows hold each token once, and zero widening (the
+    same function) continues training like the original, on a tiny GPT-2 and random tokens."""
+    from bench_growth import make_model
+    from bench_train_after_growth_lm import run_model, split_documents, tables, windows
+
+    documents = {"train": ["t"], "stats": [f"s{i}" for i in range(20)], "held_out": [f"h{i}" for i in range(30)]}
+    split = split_documents(documents)
+    assert split["train"] == ["t"]
+    assert sorted(sum((split[name] for name in ("statistics", "other", "search", "test")), [])) == sorted(
+        documents["stats"] + documents["held_out"])
+    stream = torch.arange(200)  # 12 whole windows of 16 tokens
+    assert torch.cat([batch["input_ids"].flatten() for batch in windows(stream, 5, 3, 16)]).equal(stream[:192])
+    assert len(windows(stream, 9, 5, 16)) == 2  # the partial batch is left out
+    assert windows(stream, 2, 4, 16)[1]["labels"][0, 0] == 64 and len(windows(stream, 2, 4, 16)) == 2
+    torch.manual_seed(0)
+    texts = {name: torch.randint(0, 256, (4 * 16 * 3,)) for name in ("statistics", "other", "search", "test")}
+    batches = {name: windows(text, 3, 4, 16) for name, text in texts.items()}
+    model = make_model(32, 1, 2, 16, seed=0)
+    results, diagnostics = run_model(model, batches, texts["statistics"], ["original", "zero", "default"], p=2,
+                                     at=[0, 2, 3], lr=1e-3, seeds=2)
+    assert set(diagnostics) == {"zero", "default"} and diagnostics["zero"]["step"] == 0
+    for seed in range(2):
+        assert results["zero"][seed][0] == pytest.approx(results["original"][seed][0], abs=1e-5)
+        assert results["zero"][seed][3] == pytest.approx(results["original"][seed][3], abs=1e-3)
+    assert results["original"][0][3] != results["original"][1][3]  # the seed draws the batches
+    assert "| zero | 0.0000 ± 0.0000 |" in tables(results, diagnostics, [0, 2, 3])

@@ -80,9 +80,12 @@ def english_documents() -> dict[str, list[str]]:
     return {name: documents[cuts[i] : cuts[i + 1]] for i, name in enumerate(("train", "stats", "held_out"))}
 
 
-def english_streams(vocabulary: str) -> tuple[dict[str, torch.Tensor], int]:
-    """Token streams of the English splits, as bytes or by a BPE of 2,048 tokens trained on the training split."""
-    documents = english_documents()
+def english_streams(
+    vocabulary: str, documents: dict[str, list[str]] | None = None
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Token streams of the English splits (``documents``, by default `english_documents`), as bytes or by a BPE of
+    2,048 tokens trained on the ``"train"`` split (the same BPE whenever that split is the same)."""
+    documents = documents or english_documents()
     if vocabulary == "bytes":
         encode = lambda texts: [token for text in texts for token in (text + "\n\n").encode()]  # noqa: E731
         size = 256
@@ -98,29 +101,35 @@ def english_streams(vocabulary: str) -> tuple[dict[str, torch.Tensor], int]:
     return {name: torch.tensor(encode(texts), dtype=torch.long) for name, texts in documents.items()}, size
 
 
+def english_model(
+    name: str, stream: torch.Tensor, size: int, steps: int, cache: str | None
+) -> GPT2LMHeadModel | LlamaForCausalLM:
+    """The GPT-2 (``bytes-en``, ``bpe-en``) or Llama (``llama-en``) trained ``steps`` steps on ``stream``; read from
+    ``cache``/``name``-``steps`` when there, saved there after training otherwise."""
+    folder = os.path.join(cache, f"{name}-{steps}") if cache else None
+    model_class = LlamaForCausalLM if name == "llama-en" else GPT2LMHeadModel
+    if folder and os.path.isdir(folder):
+        print(f"# {name}: trained model from {folder}", flush=True)
+        return model_class.from_pretrained(folder).eval()
+    print(f"# training {name} ({len(stream):,} training tokens, vocabulary {size}) for {steps} steps", flush=True)
+    if name == "llama-en":
+        torch.manual_seed(3)
+        model = LlamaForCausalLM(LlamaConfig(**llama_config(128, 4, 8, 4, 16, SEQ_LEN)))
+    else:
+        model = make_model(128, 4, 8, SEQ_LEN, seed=4 if name == "bpe-en" else 5)
+        model.resize_token_embeddings(size)
+    train(model, stream, steps, BATCH_SIZE, SEQ_LEN, seed=0, log_every=steps)
+    if folder:
+        model.save_pretrained(folder)
+    return model
+
+
 def english_setups(names: list[str], quick: bool, cache: str | None, steps: int):
     """(name, model, statistics batches, held-out pool, loss_fn) for the models trained on English text."""
     steps = 40 if quick else steps
     for name in names:
-        vocabulary = "bpe" if name == "bpe-en" else "bytes"
-        streams, size = english_streams(vocabulary)
-        folder = os.path.join(cache, f"{name}-{steps}") if cache else None
-        model_class = LlamaForCausalLM if name == "llama-en" else GPT2LMHeadModel
-        if folder and os.path.isdir(folder):
-            print(f"# {name}: trained model from {folder}", flush=True)
-            model = model_class.from_pretrained(folder).eval()
-        else:
-            print(f"# training {name} ({len(streams['train']):,} training tokens, vocabulary {size}) for {steps} steps",
-                  flush=True)
-            if name == "llama-en":
-                torch.manual_seed(3)
-                model = LlamaForCausalLM(LlamaConfig(**llama_config(128, 4, 8, 4, 16, SEQ_LEN)))
-            else:
-                model = make_model(128, 4, 8, SEQ_LEN, seed=4 if vocabulary == "bpe" else 5)
-                model.resize_token_embeddings(size)
-            train(model, streams["train"], steps, BATCH_SIZE, SEQ_LEN, seed=0, log_every=steps)
-            if folder:
-                model.save_pretrained(folder)
+        streams, size = english_streams("bpe" if name == "bpe-en" else "bytes")
+        model = english_model(name, streams["train"], size, steps, cache)
         stats = lm_batches(streams["stats"], 4 if quick else 12, BATCH_SIZE, SEQ_LEN, 1)
         pool = lm_batches(streams["held_out"], 6 if quick else 30, BATCH_SIZE, SEQ_LEN, 2)
         yield name, model, stats, pool, None

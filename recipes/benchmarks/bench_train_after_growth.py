@@ -36,9 +36,10 @@ import random
 import statistics as pystats
 import sys
 import time
+from collections.abc import Callable
 
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -148,7 +149,23 @@ def cross_fitted_statistics(model, batches: list[dict], p: int) -> GrowthStatist
                             first.weights, first.method, weight)
 
 
+def grow(
+    original: PreTrainedModel, options: dict, batches: list[dict], held_out: list[dict],
+    statistics: hf_grow.GrowthStatistics, p: int, loss_fn: Callable | None = None,
+) -> PreTrainedModel:
+    """``original`` grown by ``p`` from ``statistics`` (collected on ``batches``) with the growth ``options``, the
+    step line-searched on ``held_out``: by `grow_model`, or with a ``"mode"`` (e.g. ``"append"``: old Q/K kept,
+    rank-p new dims) by `grow_in_training` on a grown-type copy."""
+    common = dict(eval_dataloader=held_out, loss_fn=loss_fn, statistics=statistics)
+    if "mode" in options:
+        grown = hf_grow.to_grown_model(copy.deepcopy(original))
+        hf_grow.grow_in_training(grown, None, batches, p, eval_fraction=0.1, **common, **options)
+        return grown
+    return hf_grow.grow_model(original, batches, p, measure_realized_gains=False, **common, **options)
+
+
 def parse_arm(text: str) -> tuple[str, dict | None]:
+    """An ``--arms`` entry as (name, growth options): ``None`` for the original, step 0 for ``zero``."""
     if text in ("original", "zero", "default"):
         return text, {"original": None, "zero": {"step_size": 0.0}, "default": {}}[text]
     name, brace, options = text.partition("={")
@@ -207,17 +224,11 @@ def main() -> None:
         if options is None:
             start = original
         else:
-            if options.pop("cross_fit", False):
-                cross_fitted = cross_fitted or cross_fitted_statistics(original, train, args.p)
-                chosen = cross_fitted
-            else:
-                chosen = statistics
-            common = dict(eval_dataloader=held_out, loss_fn=contrastive_loss, statistics=chosen)
-            if "mode" in options:  # the modes of growth during training, e.g. "append" (rank-p new dims only)
-                start = hf_grow.to_grown_model(copy.deepcopy(original))
-                hf_grow.grow_in_training(start, None, train, args.p, eval_fraction=0.1, **common, **options)
-            else:
-                start = hf_grow.grow_model(original, train, args.p, measure_realized_gains=False, **common, **options)
+            cross_fit = options.pop("cross_fit", False)
+            if cross_fit and cross_fitted is None:
+                cross_fitted = cross_fitted_statistics(original, train, args.p)
+            start = grow(original, options, train, held_out, cross_fitted if cross_fit else statistics, args.p,
+                         contrastive_loss)
             report = start.growth_report
             diagnostics[name] = dict(
                 step=report.step_size, held_out=(report.eval_loss_before, report.eval_loss_after),
