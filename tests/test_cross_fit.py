@@ -6,7 +6,10 @@ import torch
 from conftest import lm_batches, tiny_gpt2_config
 from transformers import GPT2LMHeadModel
 
-from hf_grow import GrowthConfig, GrowthStatistics, collect_statistics, evaluate_loss, get_adapter, grow_model, linalg
+from hf_grow import (
+    GrowthCallback, GrowthConfig, GrowthStatistics, collect_statistics, evaluate_loss, get_adapter, grow_in_training,
+    grow_model, linalg, model_card, to_grown_model,
+)
 from hf_grow.cli import build_parser
 from hf_grow.growth.memory_plan import plan_memory
 from hf_grow.statistics import layer_groups, statistics_bytes
@@ -145,12 +148,15 @@ def test_cross_fitted_growth_is_exact_at_step_zero_and_steps_elsewhere(trained_g
     assert "M the mean over all statistics batches" in plain.growth_report.summary()
 
 
-def test_cross_fitted_growth_decreases_the_held_out_loss(trained_gpt2, data, statistics_of):
-    """The line search's loss and the loss on text neither the statistics nor the line search saw both decrease."""
+def test_cross_fitted_growth_decreases_the_held_out_loss(trained_gpt2, data, statistics_of, tmp_path):
+    """The line search's loss and the loss on text neither the statistics nor the line search saw both decrease;
+    the model card says M was cross-fitted."""
     grown = grow_model(trained_gpt2, None, p=8, statistics=statistics_of, eval_dataloader=data["eval"],
                        cross_fit=True, measure_realized_gains=False)
     report = grown.growth_report
     assert report.cross_fit and report.config["cross_fit"] is True
+    grown.save_pretrained(tmp_path)
+    assert "- Gradient M: cross-fitted (`cross_fit`)" in model_card(tmp_path, base_model=None).text
     assert report.eval_loss_after < report.eval_loss_before - 1e-3
     assert evaluate_loss(grown, data["test"])[0] < evaluate_loss(trained_gpt2, data["test"])[0]
 
@@ -174,3 +180,12 @@ def test_the_memory_plan_counts_m_twice():
 def test_the_command_takes_cross_fit():
     assert build_parser().parse_args(["gpt2", "--cross-fit"]).cross_fit is True
     assert build_parser().parse_args(["gpt2"]).cross_fit is False
+
+
+def test_growth_in_training_and_the_callback_take_cross_fit(stdlib_bytes):
+    torch.manual_seed(0)
+    model = to_grown_model(GPT2LMHeadModel(tiny_gpt2_config()))
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=32, seed=66)
+    report = grow_in_training(model, None, batches, 8, mode="refactor", step_size=0.5, cross_fit=True)
+    assert report.cross_fit and report.config["cross_fit"] is True
+    assert GrowthCallback(grow_at={10: 8}, config=GrowthConfig(cross_fit=True)).config.cross_fit
