@@ -119,7 +119,8 @@ def collect_statistics(
 
     ``on_group(statistics, layers)`` is called after each pass, as soon as the M of its ``layers`` is complete
     (C and the counts are complete after the first): the solve turns them into its compact form there and may
-    set ``statistics.gradients[layer]`` to None, so that no more than one group's M is held at a time.
+    free each layer's M and its half (`GrowthStatistics.release`), so that no more than one group's M is held at a
+    time.
 
     ``cross_fit``: also sum M over the odd-numbered batches with a loss (on each process), in the same pass, into
     ``statistics.half_gradients`` with their loss terms in ``half_loss_weight``: the two halves of the data
