@@ -84,6 +84,10 @@ class GrowthConfig:
       ``offload_dir``, ``max_batches``: how the statistics are collected; see `hf_grow.collect_statistics`. The
       folder of ``offload_dir`` is checked where the statistics are collected (a config may be read on another
       machine).
+    - ``cross_fit``: M from a few batches is mostly noise, and the step solved from it fits those batches (issue
+      #35). With it, the statistics also sum M over the odd-numbered batches, and the solve keeps each half's
+      top directions at the value the other half gives them (`GrowthStatistics.cross_fitted_gradient`).
+      Precomputed statistics must be collected with ``cross_fit=True``.
     """
 
     #: The section of `hf-grow --help` that lists these options (`transformers.HfArgumentParser`).
@@ -176,6 +180,13 @@ class GrowthConfig:
                   "needs disk for M of a pass's layers), for M that does not fit even one layer at a time"},
     )
 
+    cross_fit: bool = field(
+        default=False,
+        metadata={"help": "solve from M kept to what two halves of the statistics batches agree on (odd and even "
+                  "batches, summed in the same pass; twice M's memory): a step less fitted to the statistics' own "
+                  "batches"},
+    )
+
     def __post_init__(self) -> None:
         names = {dtype: name for name, dtype in COMPUTE_DTYPES.items()}
         for option in ("compute_dtype", "accumulate_dtype"):
@@ -225,6 +236,8 @@ class GrowthConfig:
         _choose("accumulate_dtype", self.accumulate_dtype, tuple(COMPUTE_DTYPES))
         if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
             raise ValueError(f"offload_dir must be a folder's path, got {self.offload_dir!r}")
+        if not isinstance(self.cross_fit, bool):
+            raise ValueError(f"cross_fit must be True or False, got {self.cross_fit!r}")
         if self.query_block is not None and self.query_block <= 0:
             raise ValueError(f"query_block must be positive, got {self.query_block}")
         if self.statistics_method == "triton" and self.compute_dtype != "float32":

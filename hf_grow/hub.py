@@ -20,7 +20,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .report import REPORT_FILENAME, GrowthReport, load_growth_report
+from .report import CROSS_FIT_NOTES, REPORT_FILENAME, GrowthReport, load_growth_report
 
 
 logger = logging.getLogger("hf_grow")
@@ -164,6 +164,7 @@ old one was and takes one step downhill. At step 0 it computes exactly the old f
 
 - Parameters: {report.parameters_before:,} -> {report.parameters_after:,} ({report.parameters_added:,} added).
 - Statistics: {report.statistics_tokens:,} tokens in {report.statistics_batches} batches{f" of {data}" if data else ""}.
+- Gradient M: {CROSS_FIT_NOTES[report.cross_fit]}.
 - Held-out loss: {loss(report.eval_loss_before)} -> {loss(report.eval_loss_after)} (perplexity {perplexity}).
 - Step: {step}; truncation `{report.truncation}`.{budget}{_selection(report)}
 

@@ -182,7 +182,7 @@ def inspect_growth(
 
     The statistics and solve options are those of a `GrowthConfig` (``config``, default ``GrowthConfig()``,
     e.g. the one you grow with): its ``rtol``, ``step_mode``, ``max_batches``, ``compute_dtype``,
-    ``statistics_method``, ``query_block`` and ``memory_budget``; the keywords of the same names, when not
+    ``statistics_method``, ``query_block``, ``memory_budget`` and ``cross_fit``; the keywords of the same names, when not
     None, replace them. The gains are in the metric of C whatever the ``truncation`` (as a budget allocates
     them); the other options do not apply here.
     """
@@ -201,10 +201,10 @@ def inspect_growth(
             raise ValueError("inspect_growth needs a dataloader, or statistics collected before.")
         statistics = collect_configured_statistics(model, dataloader, adapter, loss_fn, config, progress=progress)
     else:
-        check_statistics(statistics, model, adapter)
+        check_statistics(statistics, model, adapter, config.cross_fit)
     problem = GrowthProblem(
         model, adapter, statistics, qk_dims, "whitened", config.rtol, "eigh", step_mode=config.candidates[0][1],
-        mode=adapter.growth_modes[0], with_rates=True,
+        mode=adapter.growth_modes[0], with_rates=True, cross_fit=config.cross_fit,
     )
     layers = []
     for layer, qk_dim in enumerate(qk_dims):

@@ -77,6 +77,13 @@ class CandidateReport:
     confirm_loss: float | None
 
 
+#: How the step's M was formed, by `GrowthReport.cross_fit`: one line of the summary and of the model card.
+CROSS_FIT_NOTES = {
+    False: "the mean over all statistics batches",
+    True: "cross-fitted (`cross_fit`): kept to what the odd and the even statistics batches agree on",
+}
+
+
 @dataclass
 class GrowthReport:
     model_class: str
@@ -130,6 +137,8 @@ class GrowthReport:
     #: The simplest candidate's confirmation loss minus the chosen one's (> 0: the choice gains on batches its
     #: search never saw; 0 when the simplest is kept).
     selection_margin: float | None = None
+    #: Whether the step was solved from the cross-fitted M (`GrowthConfig.cross_fit`; False in older reports).
+    cross_fit: bool = False
 
     @property
     def candidate_name(self) -> str:
@@ -187,6 +196,7 @@ class GrowthReport:
         ]
         if self.selection is not None:
             lines.append(self.selection_summary())
+        lines.append(f"M {CROSS_FIT_NOTES[self.cross_fit]}")
         if self.budget is not None:
             lines.append(f"budget of {self.budget} added dims per head allocated to layers by expected gain")
         if self.unconstrained_eval_loss is not None:

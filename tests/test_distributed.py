@@ -36,6 +36,8 @@ def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batch
     grown = grow_model(wrapped, shard, p=8, eval_dataloader=eval_shard, accelerator=accelerator, **ONE_CANDIDATE)
     # Without an accelerator, nothing is summed: the statistics of this process's shard alone.
     local = collect_statistics(model, shard, get_adapter(model))
+    # Cross-fitting: each process's odd-numbered batches are its share of the half, summed over the processes.
+    halves = collect_statistics(model, shard, get_adapter(model), accelerator=accelerator, cross_fit=True)
     # A process that fails takes the others with it instead of leaving them waiting.
     def nan_on_rank_one(m, batch):
         return m(**batch).loss * (float("nan") if rank == 1 else 1.0)
@@ -52,6 +54,7 @@ def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batch
         "state_dict": grown.state_dict(),
         "report": grown.growth_report.to_dict(),
         "local_batches": local.num_batches,
+        "halves": (halves.half_gradients, halves.half_loss_weight),
         "failure": failure,
     }
     torch.save(result, f"{folder}/rank{rank}.pt")
@@ -101,6 +104,12 @@ def test_two_processes_equal_one(trained_gpt2, stdlib_bytes, tmp_path):
         with torch.no_grad():
             for batch in eval_batches:
                 torch.testing.assert_close(same_architecture(**batch).logits, alone(**batch).logits, rtol=1e-4, atol=1e-4)
+    odd = collect_statistics(trained_gpt2, [batches[2], batches[3]], get_adapter(trained_gpt2))  # shards' second
+    for result in results:
+        half_gradients, half_loss_weight = result["halves"]
+        assert half_loss_weight == odd.loss_weight
+        for half, expected_half in zip(half_gradients, odd.gradients):
+            torch.testing.assert_close(half, expected_half, rtol=1e-12, atol=1e-12 * float(expected_half.abs().max()))
     # Every process returns the same model, bit for bit.
     for name, tensor in results[0]["state_dict"].items():
         assert torch.equal(tensor, results[1]["state_dict"][name]), name

@@ -80,7 +80,7 @@ def test_push_a_model_commits_everything_once(grown, model_folder, tmp_path):
     report = model.growth_report
     for fact in (f"{report.parameters_added:,} added", f"λ = {report.lam:.4g}", f"{report.eval_loss_after:.4f}",
                  "trust_remote_code=True", 'from_pretrained("me/grown-gpt2")', "allocated to the layers",
-                 f"`step_mode` {report.step_mode}"):
+                 f"`step_mode` {report.step_mode}", "- Gradient M: the mean over all statistics batches."):
         assert fact in card.text, fact
     for layer in report.layers:
         assert f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} |" in card.text

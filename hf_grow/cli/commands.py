@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import hub
 from ..adapters import get_adapter
+from ..config import GrowthConfig
 from ..distributed import OtherProcessFailed, Processes
 from ..growth import grow_model
 from ..inspection import PLOT_EXTRA, inspect_growth
@@ -51,6 +52,8 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     statistics = _load_statistics(args.stats) if args.stats else None
     if statistics is not None and accelerator is not None:
         raise CommandError("--stats holds the statistics of all the data: run it in one process")
+    if statistics is not None and args.config.cross_fit and statistics.half_gradients is None:
+        raise CommandError("--cross-fit needs statistics saved by `hf-grow inspect --cross-fit --save-stats`")
     tokenizer = _load_tokenizer(args)
     statistics_batches, held_out_batches = _batches(args, tokenizer, objective, is_main)  # data before the model
     statistics_batches = _shard(statistics_batches, accelerator, "statistics")
@@ -139,10 +142,13 @@ def run_inspect(args: argparse.Namespace) -> None:
     statistics_batches, _ = _batches(args, tokenizer, objective)  # the same split as the main command
     model = _load_model(args, objective)
     try:
-        statistics = collect_statistics(model, statistics_batches, get_adapter(model), progress=show_progress)
+        statistics = collect_statistics(
+            model, statistics_batches, get_adapter(model), progress=show_progress, cross_fit=args.cross_fit
+        )
         if args.save_stats:
             statistics.save(args.save_stats)
-        inspection = inspect_growth(model, statistics=statistics, max_dims=args.max_dims)
+        config = GrowthConfig(cross_fit=args.cross_fit)
+        inspection = inspect_growth(model, statistics=statistics, max_dims=args.max_dims, config=config)
     except ValueError as error:
         raise CommandError(str(error)) from None
     print(inspection.table(heads=not args.layers_only))

@@ -147,5 +147,7 @@ def build_inspect_parser() -> argparse.ArgumentParser:
     output.add_argument("--plot", metavar="PNG", help="write the spectra per layer to this PNG (needs matplotlib)")
     output.add_argument("--json", metavar="FILE", help="write the full inspection as JSON")
     output.add_argument("--save-stats", metavar="FILE", help="save the statistics (safetensors) for `hf-grow --stats`")
+    output.add_argument("--cross-fit", action="store_true", help="also sum M over half the batches, and report the "
+                        "gains of the cross-fitted M (statistics for `hf-grow --stats FILE --cross-fit`)")
     _add_run_arguments(parser)
     return parser

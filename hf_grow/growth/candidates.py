@@ -119,7 +119,7 @@ def _choose(
         else:
             problem = GrowthProblem(
                 prepared.model, adapter, prepared.statistics, prepared.qk_after, truncation, prepared.config.rtol,
-                prepared.config.solver, problem.mode, step_mode,
+                prepared.config.solver, problem.mode, step_mode, cross_fit=prepared.config.cross_fit,
             )
         problem.set_step_mode(step_mode)
         write_weights(adapter, target, at_zero)

@@ -78,6 +78,15 @@ class LayerProblem:
         return self.key.repeat_interleave(self.query.shape[0] // self.groups, dim=0)
 
 
+def decomposition_method(solver: str, mode: str, size: int, added: int, per_group: int) -> str:
+    """How `solve_layer` decomposes the directions of a layer of input ``size`` growing by ``added`` dims, with
+    ``per_group`` query heads per key: the ``solver``, resolving "auto" (`COMPACT_AUTO_METHOD` for "refactor",
+    by size for "append"); "append" growth under grouped-query attention decomposes the groups with eigh."""
+    if mode == "refactor":
+        return solver if solver != "auto" else COMPACT_AUTO_METHOD
+    return "eigh" if per_group > 1 else (solver if solver != "auto" else linalg.choose_method(size, added))
+
+
 def solve_layer(
     problem: LayerProblem,
     gradient_of: Callable[[slice], Tensor],
@@ -99,7 +108,7 @@ def solve_layer(
     size = problem.query.shape[-2]
     added = max(1, max_width - width)
     parts: list[dict] = []
-    methods: set[str] = set()
+    method = decomposition_method(solver, mode, size, added, per_group)
     for start in range(0, heads, chunk):
         selected = slice(start, min(start + chunk, heads))
         gradient = gradient_of(selected)
@@ -122,16 +131,12 @@ def solve_layer(
         coordinates = {"whitened": (whitened_base, whitened_step), "frobenius": (plain, direction)}
         if mode == "refactor":
             rank = compact.compact_rank(size, max_width)
-            method = solver if solver != "auto" else COMPACT_AUTO_METHOD
-            methods.add(method)
             for truncation in truncations:
                 base, step = coordinates[truncation]
                 part[truncation, "target"] = compact.compact_target(
                     *base, step, gradient, rank, problem.metric, truncation == "whitened", method, max_width
                 )
         else:
-            method = "eigh" if per_group > 1 else (solver if solver != "auto" else linalg.choose_method(size, added))
-            methods.add(method)
             part["update"] = _append_update(coordinates, truncations[0], gradient, problem, added, per_group, method)
         if with_rates:
             part["rates"] = _rates(problem, selected, direction, whitened_step, mode, per_group)
@@ -145,7 +150,7 @@ def solve_layer(
     if with_rates:
         problem.rates = linalg.GainRates(*(torch.cat([getattr(p["rates"], name) for p in parts]) for name in
                                            ("without_growth", "marginal")))
-    return methods
+    return {method}
 
 
 def _whiten_factor(factor: Tensor, metric: linalg.Metric) -> Tensor:

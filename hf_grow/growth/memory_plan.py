@@ -22,7 +22,7 @@ from ..adapters import ArchitectureAdapter
 from ..compact import compact_rank, rank_ceiling
 from ..config import COMPUTE_DTYPES, GrowthConfig
 from ..progress import format_bytes
-from ..statistics import CPU_REFERENCE_MAX_LENGTH, layer_groups, statistics_bytes
+from ..statistics import CPU_REFERENCE_MAX_LENGTH, layer_groups, m_copies, statistics_bytes
 from .layer_solve import HEAD_CHUNK
 from .layer_steps import CACHE_BYTES
 
@@ -41,6 +41,10 @@ LOADING_OVERHEAD = 0.5
 #: (heads, d, d) float64 tensors alive at once while a chunk of heads is solved: M, the direction, its whitened
 #: form, and the decomposition's input, vectors and workspace.
 SOLVE_SQUARES_PER_HEAD = 6
+#: The same with ``cross_fit``, while a chunk's cross-fitted M is formed (`linalg.cross_fitted_gradient`): the
+#: halves' means and their whitened forms, a decomposition's input and vectors for each half, the confirmed parts
+#: (counted from its code, not measured).
+CROSS_FIT_SQUARES_PER_HEAD = 9
 #: The ``offload_dir`` a refusal names where only M on disk fits (the user picks the folder).
 OFFLOAD_PLACEHOLDER = "DIR"
 
@@ -71,6 +75,8 @@ class MemoryPlan:
     #: at once (not counted in any stage's host memory: the operating system pages them out as memory runs short).
     offload_dir: str | None = None
     disk: int = 0
+    #: Planned with ``cross_fit``: M's accumulators are held twice (M and its sum over half the batches).
+    cross_fit: bool = False
 
     @property
     def peak_host(self) -> int:
@@ -83,7 +89,8 @@ class MemoryPlan:
     def budget_for(self, layers_per_pass: int, m_itemsize: int) -> str:
         """The smallest ``memory_budget`` that collects M for ``layers_per_pass`` layers per pass
         (`statistics.layer_groups`): in GB rounded up to 10 MB, or in bytes below 1 GB."""
-        size = statistics_bytes(self.num_layers, self.num_heads, self.width - 1, layers_per_pass + 1, m_itemsize)
+        layers_of_m = m_copies(self.cross_fit) * layers_per_pass + 1
+        size = statistics_bytes(self.num_layers, self.num_heads, self.width - 1, layers_of_m, m_itemsize)
         return f"{math.ceil(size / 10**7) / 100:g}GB" if size >= 10**9 else str(size)
 
     def table(self) -> str:
@@ -99,6 +106,8 @@ class MemoryPlan:
         rows.append(f"peak {format_bytes(self.peak_host)} host" + (
             f", {format_bytes(self.peak_device)} device" if self.on_device else "") +
             f"; statistics in {passes} pass{'es' if passes > 1 else ''} over the data")
+        if self.cross_fit:
+            rows.append("M counted twice: cross_fit sums it over all batches and over the odd-numbered ones")
         if self.offload_dir is not None:
             disk = format_bytes(self.disk)
             rows.append(f"M on disk: {disk} in {self.offload_dir} (memory-mapped, not in the host peak)")
@@ -131,11 +140,12 @@ def plan_memory(
     qk_dims = adapter.qk_head_dims(model_config)
     accumulate = config.torch_accumulate_dtype.itemsize
     compute = config.torch_compute_dtype.itemsize
-    groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate)
+    groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate, config.cross_fit)
     mode = adapter.check_mode(model, None)
     # each group's M is freed once it is solved, unless a second solve needs every layer's
     widest = layers if config.keeps_every_m(mode) else max(len(group) for group in groups)
     square = heads * width * width  # entries of one layer's M
+    held_squares = widest * m_copies(config.cross_fit) * square  # M's accumulators (and their halves) held at once
     weights = _model_bytes(model)
     second_moments = layers * width * width * 8
 
@@ -145,7 +155,7 @@ def plan_memory(
         activations = activation_bytes(model, batch_size, seq_len, statistics_attention(seq_len, device))
     scores = batch_size * heads * seq_len * (seq_len + width) * 4 if reference else 2 * 2**21 * 4
     offload = config.offload_dir is not None and not on_device  # on a GPU the run refuses it (`check_offload_dir`)
-    held_m = {} if offload else {"M": widest * square * accumulate}
+    held_m = {} if offload else {"M": held_squares * accumulate}
     statistics = {
         "model": weights, "activations": int(ACTIVATION_OVERHEAD * activations), "C": second_moments,
         **held_m, "M of a batch": square * (compute + accumulate),
@@ -154,9 +164,10 @@ def plan_memory(
 
     solved = _solved_bytes(mode, config, layers, heads, width, max(qk_dims))
     chunk = min(heads, HEAD_CHUNK)
+    squares_per_head = CROSS_FIT_SQUARES_PER_HEAD if config.cross_fit else SOLVE_SQUARES_PER_HEAD
     solve = {
         "model": weights, "C": second_moments, "metric": layers * width * width * 8,
-        **held_m, "solve of 8 heads": SOLVE_SQUARES_PER_HEAD * chunk * width * width * 8,
+        **held_m, "solve of 8 heads": squares_per_head * chunk * width * width * 8,
         "compact solve": solved,
     }
     # no logits without a language-model head (the transformers model inside a SentenceTransformer)
@@ -177,9 +188,10 @@ def plan_memory(
         _stage("line search", held_out, on_device),
         _stage("write", write, on_device),
     )
-    disk = widest * square * accumulate if offload else 0
+    disk = held_squares * accumulate if offload else 0
     return MemoryPlan(
-        stages, groups, on_device, layers, heads, width, batch_size, config.offload_dir if offload else None, disk
+        stages, groups, on_device, layers, heads, width, batch_size, config.offload_dir if offload else None, disk,
+        config.cross_fit,
     )
 
 

@@ -57,9 +57,17 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
     return copy.deepcopy(model).merge_and_unload()
 
 
-def check_statistics(statistics: GrowthStatistics, model: PreTrainedModel, adapter: ArchitectureAdapter) -> None:
-    """Refuse statistics whose layers, heads or input width do not match ``model``, or that are not finite."""
+def check_statistics(
+    statistics: GrowthStatistics, model: PreTrainedModel, adapter: ArchitectureAdapter, cross_fit: bool = False
+) -> None:
+    """Refuse statistics whose layers, heads or input width do not match ``model``, that are not finite, or that
+    lack the halves ``cross_fit`` solves from."""
     config = model.config
+    if cross_fit and statistics.half_gradients is None:
+        raise ValueError(
+            "cross_fit needs statistics with two halves of M, which these do not hold: collect them with "
+            "cross_fit=True (collect_statistics, or hf-grow inspect --cross-fit --save-stats)."
+        )
     if statistics.model_type is not None and statistics.model_type not in adapter.model_types:
         raise ValueError(
             f"the statistics were collected on a {statistics.model_type!r} model, not {config.model_type!r}: "
@@ -123,8 +131,8 @@ def collect_configured_statistics(
     on_group: Callable[[GrowthStatistics, list[int]], None] | None = None,
 ) -> GrowthStatistics:
     """`collect_statistics` with the statistics options of ``config`` (``max_batches``, ``compute_dtype``, ``accumulate_dtype``,
-    ``statistics_method``, ``query_block``, ``memory_budget``, ``offload_dir``): one place for `prepare_growth`
-    and `inspect_growth`."""
+    ``statistics_method``, ``query_block``, ``memory_budget``, ``offload_dir``, ``cross_fit``): one place for
+    `prepare_growth` and `inspect_growth`."""
     return collect_statistics(
         model,
         dataloader,
@@ -138,6 +146,7 @@ def collect_configured_statistics(
         query_block=config.query_block,
         memory_budget=config.memory_budget,
         offload_dir=config.offload_dir,
+        cross_fit=config.cross_fit,
         accelerator=accelerator,
         on_group=on_group,
     )
@@ -212,7 +221,7 @@ def prepare_growth(
             config.max_batches, config.memory_budget, config.torch_accumulate_dtype, config.offload_dir,
         )
     else:
-        check_statistics(statistics, model, adapter)
+        check_statistics(statistics, model, adapter, config.cross_fit)
         if eval_dataloader is None and config.step_size is None:
             raise ValueError(
                 "with precomputed statistics, pass an eval_dataloader for the line search (or a step_size)."
@@ -241,7 +250,7 @@ def prepare_growth(
         return GrowthProblem(
             model, adapter, statistics, qk_before if growth is None else qk_after, solved_for, config.rtol,
             config.solver, mode, step_mode, max_dims_after=widest, with_rates=growth is None,
-            layers=layers, release=release and not config.keeps_every_m(mode),
+            layers=layers, release=release and not config.keeps_every_m(mode), cross_fit=config.cross_fit,
         )
 
     problem: GrowthProblem | None = None

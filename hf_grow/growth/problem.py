@@ -8,17 +8,17 @@ truncation of Z - lam P (on small matrices) factored into wider W_Q, W_K.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from .. import linalg
+from .. import compact, linalg
 from ..adapters import ArchitectureAdapter
 from ..config import DEFAULT_STEP_MODE, STEP_MODES
 from ..statistics import GrowthStatistics
-from .layer_solve import LayerProblem, solve_layer
+from .layer_solve import LayerProblem, decomposition_method, solve_layer
 from .step_scaling import StepScaling
 
 
@@ -93,7 +93,8 @@ class GrowthProblem(StepWeights):
     to gain.
 
     Each layer is solved once at construction (`solve_layer`): after that no step touches a (heads, d, d)
-    tensor, and the statistics' M may be freed layer by layer (``release``).
+    tensor, and the statistics' M may be freed layer by layer (``release``). ``cross_fit``: solve from the
+    cross-fitted M (`GrowthStatistics.cross_fitted_gradient`; the statistics must hold its halves).
     """
 
     def __init__(
@@ -112,6 +113,7 @@ class GrowthProblem(StepWeights):
         with_rates: bool = False,
         layers: Iterable[int] | None = None,
         release: bool = False,
+        cross_fit: bool = False,
     ):
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
@@ -123,6 +125,7 @@ class GrowthProblem(StepWeights):
         #: The decomposition methods the solver ran (``"auto"`` resolves per size).
         self.methods_used: set[str] = set()
         self._model, self._adapter, self._rtol, self._with_rates, self._release = model, adapter, rtol, with_rates, release
+        self.cross_fit = cross_fit
         self._max_dims = list(max_dims_after or qk_dims_after)
         self._qk_dims_after = list(qk_dims_after)
         self._attentions = adapter.attention_modules(model)
@@ -155,9 +158,7 @@ class GrowthProblem(StepWeights):
                 )
                 self.methods_used |= solve_layer(
                     part,
-                    lambda heads, layer=layer, inputs=inputs: self.statistics.mean_gradient(layer, heads)[
-                        :, :inputs, :inputs
-                    ],
+                    self._gradient_of(layer, part),
                     self.mode,
                     truncations,
                     self._max_dims[layer],
@@ -166,9 +167,22 @@ class GrowthProblem(StepWeights):
                 )
                 self.layers[layer] = part
                 if self._release:
-                    self.statistics.gradients[layer] = None
+                    self.statistics.release(layer)
         if all(part is not None for part in self.layers):
             self.set_step_mode(self.step_mode)
+
+    def _gradient_of(self, layer: int, part: LayerProblem) -> Callable[[slice], Tensor]:
+        """M of the heads of ``layer`` over its inputs, as `solve_layer` asks for it: the mean over all batches, or
+        with ``cross_fit`` the cross-fitted mean, keeping the top directions a truncation could use (the compact
+        rank) found by the solve's own decomposition method."""
+        inputs = part.query.shape[-2]
+        if not self.cross_fit:
+            return lambda heads: self.statistics.mean_gradient(layer, heads)[:, :inputs, :inputs]
+        widest = self._max_dims[layer]
+        added = max(1, widest - part.query.shape[-1])
+        method = decomposition_method(self.solver, self.mode, inputs, added, part.query.shape[0] // part.groups)
+        rank = compact.compact_rank(inputs, widest)
+        return lambda heads: self.statistics.cross_fitted_gradient(layer, part.metric, rank, method, heads)
 
     def holds(self, truncation: str) -> bool:
         """Whether the solve kept ``truncation``'s targets: a "refactor" problem solved for Frobenius truncation

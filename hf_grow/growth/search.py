@@ -262,6 +262,7 @@ def write_report(
         candidates=candidates or [],
         selection=selection,
         selection_margin=selection_margin,
+        cross_fit=problem.cross_fit,
     )
     logger.info("grew %s: %s", type(model).__name__, report.summary())
     return report

@@ -36,7 +36,7 @@ from .kernels import (
     statistics_attention,
     triton_available,
 )
-from .memory import layer_groups, parse_bytes, return_free_memory, statistics_bytes
+from .memory import layer_groups, m_copies, parse_bytes, return_free_memory, statistics_bytes
 from .offload import OFFLOAD_PREFIX, check_offload_dir
 
 
@@ -58,6 +58,7 @@ __all__ = [
     "default_query_block",
     "iterate_batches",
     "layer_groups",
+    "m_copies",
     "map_tensors",
     "module_modes",
     "parse_bytes",

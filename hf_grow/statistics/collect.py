@@ -87,6 +87,7 @@ def collect_statistics(
     on_group: Callable[[GrowthStatistics, list[int]], None] | None = None,
     accumulate_dtype: torch.dtype = torch.float64,
     offload_dir: str | os.PathLike | None = None,
+    cross_fit: bool = False,
 ) -> GrowthStatistics:
     """Accumulate C and M over ``dataloader`` (at most ``max_batches``), leaving the model as it was.
 
@@ -118,7 +119,13 @@ def collect_statistics(
 
     ``on_group(statistics, layers)`` is called after each pass, as soon as the M of its ``layers`` is complete
     (C and the counts are complete after the first): the solve turns them into its compact form there and may
-    set ``statistics.gradients[layer]`` to None, so that no more than one group's M is held at a time.
+    free each layer's M and its half (`GrowthStatistics.release`), so that no more than one group's M is held at a
+    time.
+
+    ``cross_fit``: also sum M over the odd-numbered batches with a loss (on each process), in the same pass, into
+    ``statistics.half_gradients`` with their loss terms in ``half_loss_weight``: the two halves of the data
+    `GrowthStatistics.cross_fitted_gradient` keeps M to the agreement of. Twice M's memory (or disk, in the same
+    offload file); a ValueError unless each half gets a batch with a loss.
     """
     model = unwrap_model(model, accelerator)
     processes = Processes(accelerator)
@@ -130,7 +137,8 @@ def collect_statistics(
     eager_model = config._attn_implementation == "eager"
     num_layers = len(adapter.attention_modules(model))
     groups = layer_groups(
-        num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget, accumulate_dtype.itemsize
+        num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget, accumulate_dtype.itemsize,
+        cross_fit,
     )
     if len(groups) > 1 and iter(dataloader) is dataloader:
         raise ValueError(
@@ -149,7 +157,7 @@ def collect_statistics(
             with processes.failing_together():
                 collector = Collector(
                     model, adapter, compute_dtype, method, query_block, group, index == 0, eager_model,
-                    accumulate_dtype, offload_file,
+                    accumulate_dtype, offload_file, cross_fit,
                 )
                 description = f"statistics {index + 1}/{len(groups)}" if len(groups) > 1 else "statistics"
                 show = progress and processes.is_main
@@ -168,11 +176,14 @@ def collect_statistics(
             if statistics is None:
                 second_moments = [processes.sum_(moment) for moment in sums.second_moments]
                 second_moments = [moment.cpu() for moment in second_moments] if to_cpu else second_moments
-                statistics = _checked_statistics(processes, first_pass, second_moments, num_layers, parameter.device)
+                statistics = _checked_statistics(
+                    processes, first_pass, second_moments, num_layers, parameter.device, sums.half_loss_weight
+                )
                 statistics.model_type, statistics.weights = config.model_type, weight_sample(model)
             for layer in group:  # no name outlives the loop: the solve may free each M (on_group)
-                statistics.gradients[layer] = processes.sum_(sums.gradients.pop(layer))
-                statistics.gradients[layer] = statistics.gradients[layer].cpu() if to_cpu else statistics.gradients[layer]
+                statistics.gradients[layer] = _summed(processes, sums.gradients.pop(layer), to_cpu)
+                if sums.half_gradients is not None:
+                    statistics.half_gradients[layer] = _summed(processes, sums.half_gradients.pop(layer), to_cpu)
             del sums, collector
             return_free_memory()  # the pass's activations: otherwise resident for the rest of the run
             statistics.method = "+".join(sorted(methods_used))
@@ -183,13 +194,22 @@ def collect_statistics(
     return statistics
 
 
+def _summed(processes: Processes, sums: Tensor, to_cpu: bool) -> Tensor:
+    """One layer's sums (M or its half) over the processes, moved to the CPU with ``to_cpu``."""
+    total = processes.sum_(sums)
+    return total.cpu() if to_cpu else total
+
+
 def _checked_statistics(
-    processes: Processes, counts: tuple, second_moments: list[Tensor], num_layers: int, device: torch.device
+    processes: Processes, counts: tuple, second_moments: list[Tensor], num_layers: int, device: torch.device,
+    half_loss_weight: int | None,
 ) -> GrowthStatistics:
     """The statistics of the first pass (C and the counts summed over the processes, no M yet), refused when
-    the data held nothing to learn from: found after one pass, before any later pass or solve."""
-    totals = processes.sum_(torch.tensor(counts[:4], dtype=torch.float64, device=device))
-    num_tokens, num_batches, skipped, loss_weight = (int(total) for total in totals)
+    the data held nothing to learn from, or (``half_loss_weight`` not None: cross-fitting) too little to split in
+    two halves: found after one pass, before any later pass or solve."""
+    half = half_loss_weight or 0
+    totals = processes.sum_(torch.tensor([*counts[:4], half], dtype=torch.float64, device=device))
+    num_tokens, num_batches, skipped, loss_weight, half = (int(total) for total in totals)
     if skipped:
         logger.warning(
             "skipped %d batch(es) without loss terms (every label -100, e.g. all padding, or one-token sequences "
@@ -205,7 +225,18 @@ def _checked_statistics(
         raise ValueError("the dataloader yielded no batches: statistics need at least one batch of data.")
     if num_tokens == 0:
         raise ValueError("every token of the data is padding (attention_mask is all zero): nothing to learn from.")
-    return GrowthStatistics(second_moments, [None] * num_layers, num_tokens, num_batches, loss_weight=loss_weight)
+    if half_loss_weight is not None and not 0 < half < loss_weight:
+        raise ValueError(
+            f"cross_fit splits the batches with a loss into two halves (odd- and even-numbered, on each process), "
+            f"and each needs one: got {num_batches} batch(es) with a loss"
+            f"{f' over {processes.world_size} processes' if processes.world_size > 1 else ''}. Pass at least 2 batches "
+            "(on every process), or leave cross_fit off."
+        )
+    return GrowthStatistics(
+        second_moments, [None] * num_layers, num_tokens, num_batches, loss_weight=loss_weight,
+        half_gradients=None if half_loss_weight is None else [None] * num_layers,
+        half_loss_weight=None if half_loss_weight is None else half,
+    )
 
 
 def _collect_pass(

@@ -95,12 +95,17 @@ def augmented_input(hidden: Tensor, token_mask: Tensor | None, dtype: torch.dtyp
 class Sums:
     """The sums of one pass: C for every layer (``with_second_moments``, float64), M for the layers of ``group``
     (in ``accumulate_dtype``; in memory, or mapped from the safetensors file ``offload_file``: `offload`), and the
-    counts of tokens, batches, loss terms and losses they were summed over."""
+    counts of tokens, batches, loss terms and losses they were summed over.
+
+    ``cross_fit``: also M's sum over the odd-numbered batches (``half_gradients``, beside M in memory or in the
+    same file) and their loss terms (``half_loss_weight``): the halves `GrowthStatistics.cross_fitted_gradient`
+    splits the data into, from the same pass.
+    """
 
     def __init__(
         self, num_layers: int, num_heads: int, width: int, group: Sequence[int], with_second_moments: bool,
         device: torch.device, float16: bool, accumulate_dtype: torch.dtype = torch.float64,
-        offload_file: Path | None = None,
+        offload_file: Path | None = None, cross_fit: bool = False,
     ):
         self.second_moments = (
             [torch.zeros(width, width, dtype=torch.float64, device=device) for _ in range(num_layers)]
@@ -108,16 +113,29 @@ class Sums:
             else None
         )
         shape = (num_heads, width, width)
+        names = ("gradients", "half_gradients") if cross_fit else ("gradients",)
         if offload_file is None:
-            self.gradients = {layer: torch.zeros(shape, dtype=accumulate_dtype, device=device) for layer in group}
+            sums = {name: {layer: torch.zeros(shape, dtype=accumulate_dtype, device=device) for layer in group}
+                    for name in names}
         else:
-            mapped = mapped_zeros(offload_file, {f"gradients.{layer}": shape for layer in group}, accumulate_dtype)
-            self.gradients = {layer: mapped[f"gradients.{layer}"] for layer in group}
+            mapped = mapped_zeros(
+                offload_file, {f"{name}.{layer}": shape for name in names for layer in group}, accumulate_dtype
+            )
+            sums = {name: {layer: mapped[f"{name}.{layer}"] for layer in group} for name in names}
+        self.gradients: dict[int, Tensor] = sums["gradients"]
+        #: With ``cross_fit``: M summed over the odd-numbered batches only, and their loss terms (else None).
+        self.half_gradients: dict[int, Tensor] | None = sums.get("half_gradients")
+        self.half_loss_weight: int | None = 0 if cross_fit else None
         self.float16 = float16
         self.num_tokens = 0
         self.batch_index = 0
         self.loss_weight = 0
         self.loss_sum = 0.0
+
+    @property
+    def in_half(self) -> bool:
+        """Whether the batch being added is in the cross-fitting half (odd ``batch_index``), with ``cross_fit``."""
+        return self.half_gradients is not None and self.batch_index % 2 == 1
 
     def add_second_moment(self, layer: int, augmented: Tensor) -> None:
         """C of ``layer`` += X'^T X' over the batch's tokens (``augmented``: X' with padding rows zeroed)."""
@@ -140,9 +158,13 @@ class Sums:
                 "check the loss and the data of that batch."
             )
         self.gradients[layer] += contribution
+        if self.in_half:
+            self.half_gradients[layer] += contribution
 
     def add_batch(self, tokens: int, loss_weight: int, loss: float) -> None:
         """Count a batch whose products were added: its non-padding tokens, loss terms and loss."""
+        if self.in_half:
+            self.half_loss_weight += loss_weight
         self.num_tokens += tokens
         self.batch_index += 1
         self.loss_weight += loss_weight
@@ -252,7 +274,7 @@ class Collector:
     first layer runs.
 
     ``eager_model``: the model normally runs eager attention, whose fully masked rows the statistics keep.
-    ``offload_file``: where M's accumulators are mapped from (`offload`), None for memory.
+    ``offload_file``: where M's accumulators are mapped from (`offload`), None for memory. ``cross_fit``: `Sums`'.
     """
 
     def __init__(
@@ -266,7 +288,7 @@ class Collector:
         with_second_moments: bool,
         eager_model: bool,
         accumulate_dtype: torch.dtype = torch.float64,
-        offload_file: Path | None = None,
+        offload_file: Path | None = None, cross_fit: bool = False,
     ):
         self.attentions = adapter.attention_modules(model)
         self.compute_dtype = compute_dtype
@@ -276,7 +298,7 @@ class Collector:
         self.sums = Sums(
             len(self.attentions), adapter.num_heads(model.config), adapter.hidden_size(model.config) + 1, group,
             with_second_moments, parameter.device, float16=parameter.dtype == torch.float16,
-            accumulate_dtype=accumulate_dtype, offload_file=offload_file,
+            accumulate_dtype=accumulate_dtype, offload_file=offload_file, cross_fit=cross_fit,
         )
         self.products = GradientProducts(self.sums, compute_dtype, method, query_block, eager_model, parameter.device)
         self.hooked_layers = sorted({0, *(range(len(self.attentions)) if with_second_moments else group)})

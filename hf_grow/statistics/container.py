@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from .. import linalg
+
 
 STATISTICS_FORMAT = "hf_grow.statistics.v1"
 
@@ -30,6 +32,9 @@ class GrowthStatistics:
     as if they were concatenated), and its M is the sum over passes of X'^T G X' with each pass's own X' and
     G = dLoss/dS, which is dLoss/dZ of the whole loss. Its loss weight is that of the batch (with a
     ``loss_fn``, its number of examples), counted once however many passes it makes.
+
+    Collected with ``cross_fit``, ``half_gradients[l]`` sums M over the odd-numbered batches only, whose loss
+    terms ``half_loss_weight`` counts: the rest is the other half (`cross_fitted_gradient`).
     """
 
     second_moments: list[Tensor]
@@ -44,6 +49,10 @@ class GrowthStatistics:
     method: str | None = None
     #: The loss terms M sums over (None in files of hf_grow 0.x before it: M summed unweighted batch means).
     loss_weight: int | None = None
+    #: With cross-fitting: M over the odd-numbered batches, per layer (None where released after its solve).
+    half_gradients: list[Tensor | None] | None = None
+    #: The loss terms of those batches.
+    half_loss_weight: int | None = None
 
     def mean_second_moment(self, layer: int) -> Tensor:
         """E[x' x'^T] over tokens, in float64 (whatever dtype the sums were stored in)."""
@@ -57,11 +66,39 @@ class GrowthStatistics:
         weight = self.num_batches if self.loss_weight is None else self.loss_weight
         return self.gradients[layer][heads].to(torch.float64) / weight
 
+    def cross_fitted_gradient(
+        self, layer: int, metric: linalg.Metric, rank: int, method: str = "eigh", heads: slice = slice(None)
+    ) -> Tensor:
+        """The mean gradient of ``heads`` kept to what the two halves of the batches agree on, in float64, over the
+        first inputs of M that ``metric`` (of C) spans: `linalg.cross_fitted_gradient` of the halves' means,
+        ``half_gradients / half_loss_weight`` and the rest of M over the rest of the loss terms.
+
+        Statistics with one noisy M fit the batches they came from; each half's top-``rank`` directions valued
+        by the other half keep what is common to the data.
+        """
+        if self.half_gradients is None or self.half_loss_weight is None:
+            raise ValueError("these statistics hold no halves to cross-fit: collect them with cross_fit=True")
+        if self.gradients[layer] is None or self.half_gradients[layer] is None:
+            raise RuntimeError(f"M of layer {layer} was released after its solve: collect the statistics again")
+        inputs = metric.eigenvectors.shape[-1]
+        total = self.gradients[layer][heads, :inputs, :inputs].to(torch.float64)
+        half = self.half_gradients[layer][heads, :inputs, :inputs].to(torch.float64)
+        first = half / self.half_loss_weight
+        second = (total - half) / (self.loss_weight - self.half_loss_weight)
+        return linalg.cross_fitted_gradient(first, second, metric, rank, method)
+
+    def release(self, layer: int) -> None:
+        """Free the M of ``layer`` (and its half sum) once it is solved."""
+        self.gradients[layer] = None
+        if self.half_gradients is not None:
+            self.half_gradients[layer] = None
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the statistics to a safetensors file (no pickle), atomically."""
+        named = [("second_moments", self.second_moments), ("gradients", self.gradients)]
+        named += [("half_gradients", self.half_gradients)] if self.half_gradients is not None else []
         tensors = {
-            f"{name}.{layer}": tensor.detach().cpu().contiguous()
-            for name, sums in (("second_moments", self.second_moments), ("gradients", self.gradients))
+            f"{name}.{layer}": tensor.detach().cpu().contiguous() for name, sums in named
             for layer, tensor in enumerate(sums)
         }
         if self.weights is not None:
@@ -73,6 +110,7 @@ class GrowthStatistics:
             "model_type": self.model_type or "",
             "method": self.method or "",
             "loss_weight": "" if self.loss_weight is None else str(self.loss_weight),
+            "half_loss_weight": "" if self.half_loss_weight is None else str(self.half_loss_weight),
         }
         temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
         safetensors.torch.save_file(tensors, temporary, metadata=metadata)
@@ -90,6 +128,7 @@ class GrowthStatistics:
         if metadata.get("format") != STATISTICS_FORMAT:
             raise ValueError(f"{path} is not an hf_grow statistics file (format {metadata.get('format')!r})")
         layers = sum(name.startswith("second_moments.") for name in tensors)
+        halves = "half_gradients.0" in tensors  # files of cross-fitted statistics (and none before them)
         return cls(
             second_moments=[tensors[f"second_moments.{layer}"] for layer in range(layers)],
             gradients=[tensors[f"gradients.{layer}"] for layer in range(layers)],
@@ -99,6 +138,8 @@ class GrowthStatistics:
             weights=tensors.get("weights"),
             method=metadata.get("method") or None,
             loss_weight=int(metadata["loss_weight"]) if metadata.get("loss_weight") else None,
+            half_gradients=[tensors[f"half_gradients.{layer}"] for layer in range(layers)] if halves else None,
+            half_loss_weight=int(metadata["half_loss_weight"]) if metadata.get("half_loss_weight") else None,
         )
 
 

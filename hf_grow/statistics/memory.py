@@ -42,24 +42,35 @@ def statistics_bytes(
     return width * width * (8 * num_layers + m_itemsize * layers_of_m * num_heads)
 
 
+def m_copies(cross_fit: bool) -> int:
+    """Accumulators per layer of M: two with ``cross_fit`` (M and its sum over half the batches), else one."""
+    return 2 if cross_fit else 1
+
+
 def layer_groups(
-    num_layers: int, num_heads: int, hidden_size: int, memory_budget: int | str | None, m_itemsize: int = 8
+    num_layers: int, num_heads: int, hidden_size: int, memory_budget: int | str | None, m_itemsize: int = 8,
+    cross_fit: bool = False,
 ) -> list[list[int]]:
     """Layers whose M is collected together, one group per pass over the data, within ``memory_budget``.
 
-    The budget covers C for all layers, M for the layers of a pass, and one more layer's M for the product
-    of the batch being added (the model's own memory comes on top).
+    The budget covers C for all layers, M for the layers of a pass (twice with ``cross_fit``: its half sums), and
+    one more layer's M for the product of the batch being added (the model's own memory comes on top).
     """
     if memory_budget is None:
         return [list(range(num_layers))]
     budget = parse_bytes(memory_budget)
-    per_layer = statistics_bytes(1, num_heads, hidden_size, 1, m_itemsize) - statistics_bytes(1, num_heads, hidden_size, 0)
+    copies = m_copies(cross_fit)
+    per_layer = statistics_bytes(1, num_heads, hidden_size, copies, m_itemsize) - statistics_bytes(
+        1, num_heads, hidden_size, 0
+    )
     fitting = (budget - statistics_bytes(num_layers, num_heads, hidden_size, 1, m_itemsize)) // per_layer
     if fitting < 1:
-        needed = statistics_bytes(num_layers, num_heads, hidden_size, 2, m_itemsize)
+        needed = statistics_bytes(num_layers, num_heads, hidden_size, copies + 1, m_itemsize)
+        halves = " (M and its half sum for cross_fit, and a batch's product)" if cross_fit else ""
         raise ValueError(
             f"memory_budget {budget:,} bytes is below the {needed:,} bytes the statistics need for one layer at a "
-            f"time (C of {num_layers} layers and M of 2 layers of {num_heads} heads): raise the budget."
+            f"time (C of {num_layers} layers and M of {copies + 1} layers of {num_heads} heads{halves}): raise the "
+            "budget."
         )
     passes = math.ceil(num_layers / fitting)
     size = math.ceil(num_layers / passes)  # as even as possible: the same number of passes, less memory
