@@ -181,7 +181,8 @@ def unconstrained_weights(problem: GrowthProblem, step_size: float, scalings: li
         for layer, part in enumerate(problem.layers):
             target = part.targets[problem.truncation]
             core = target.core(problem.head_lams(step_size, layer))
-            weights[layer] = (target.left_basis @ core / scalings[layer], target.right_basis.clone())
+            left, right = target.bases(core.dtype)
+            weights[layer] = (left @ core / scalings[layer], right.clone())
     return weights
 
 
