@@ -286,3 +286,13 @@ def test_grouped_truncation_is_the_truncated_svd_of_the_stacked_targets():
     metric = linalg.metric_from_second_moment(moments @ moments.T / size)
     single = linalg.grouped_truncation(linalg.whiten(targets, metric), metric, rank, heads)
     assert torch.allclose(single.product, linalg.truncate(targets, rank, metric).product, atol=1e-9)
+
+
+@pytest.mark.parametrize("shape", [(7, 30, 30), (2, 3, 20, 20), (1, 12, 12), (12, 12)])
+def test_batched_eigh_split_across_threads_equals_torchs_bit_for_bit(shape):
+    generator = torch.Generator().manual_seed(0)
+    matrix = torch.randn(*shape, generator=generator, dtype=torch.float64)
+    symmetric = matrix @ matrix.mT
+    expected = torch.linalg.eigh(symmetric)
+    eigenvalues, eigenvectors = linalg.batched_eigh(symmetric)
+    assert torch.equal(eigenvalues, expected.eigenvalues) and torch.equal(eigenvectors, expected.eigenvectors)
