@@ -15,7 +15,10 @@ T^ within ``2 eps sum_{i<=r} sigma_i(T^) + r eps^2`` of the optimal squared erro
 the whole width the subspaces are everything and the compact solve is the exact one.
 
 The bases are kept in model coordinates (un-whitened), so a truncation's factors are ``basis @ core factors``;
-the loss gradient M and the metric of C are kept as k x k projections for the expected gains.
+the loss gradient M and the metric of C are kept as k x k projections for the expected gains. The bases are the
+largest part of the solve (d x k per head, against k x k cores), so they are stored in float32 (`BASIS_DTYPE`)
+once everything built from them is computed, and cast back to float64 where they are used: every product stays
+in float64, and the grown weights differ only by the bases' rounding (about 1e-7 relative, as in float32 weights).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ CERTIFICATE_TOLERANCE = 0.2
 #: The kept rank's ceiling, in grown widths: where spectra are flat (random weights) s stops there, and the solve
 #: stays compact (fewer columns than the width) rather than growing to the exact one.
 MAX_RANK_PER_WIDTH = 5
+#: The dtype the compact bases are stored in: half of float64's memory (1.3 GB at GPT-2 medium's rank ceiling);
+#: they are cast to float64 before every product (`CompactTarget.to_model`).
+BASIS_DTYPE = torch.float32
 
 
 def rank_ceiling(size: int, width: int, base: int) -> int:
@@ -67,12 +73,22 @@ def certified_rank(singular_values: Tensor, width: int, rank: int, base: int) ->
     return rank + int(hits[0]) if len(hits) else ceiling
 
 
+def stored_bytes(heads: int, size: int, columns: int, whitened: bool) -> int:
+    """The bytes a `CompactTarget` of ``heads`` compact heads holds: two (size, columns) bases in `BASIS_DTYPE`,
+    and in float64 three (columns, columns) cores, two more Gram matrices where the truncation is not
+    ``whitened``, and two numbers per head (the memory plan's "compact solve"). Where the columns cover the
+    whole ``size`` (the exact solve) the bases stay in float64."""
+    cores = 3 if whitened else 5
+    itemsize = 8 if columns >= size else BASIS_DTYPE.itemsize
+    return heads * (2 * size * columns * itemsize + (cores * columns * columns + 2) * 8)
+
+
 @dataclass(frozen=True)
 class CompactTarget:
     """``Z - lam P`` of a layer's heads on fixed subspaces, for any per-head step lam (see the module doc).
 
     ``left_basis``/``right_basis`` (heads, d, k): the subspaces in model coordinates (orthonormal in the
-    truncation's norm). ``base_core``/``step_core`` (heads, k, k): W and Q there. ``gradient_core``: M there,
+    truncation's norm), in `BASIS_DTYPE` (in float64 where the subspaces are everything: the exact solve). ``base_core``/``step_core`` (heads, k, k): W and Q there. ``gradient_core``: M there,
     so that ``<M, basis_l X basis_r^T> = <gradient_core, X>``. ``left_gram``/``right_gram``: the bases' Gram
     matrices in the metric of C (None where that is the identity: whitened truncation). ``step_sq``: ||Q||^2;
     ``tail``: sigma_{s+1}(Q), zero where the subspaces are everything.
@@ -122,9 +138,12 @@ class CompactTarget:
 
     def to_model(self, factors: linalg.Factorization) -> linalg.Factorization:
         """Core-coordinate factors mapped to model coordinates (the un-whitened Q/K form)."""
-        return linalg.Factorization(
-            self.left_basis @ factors.left, self.right_basis @ factors.right, factors.singular_values
-        )
+        left, right = self.bases(factors.left.dtype)
+        return linalg.Factorization(left @ factors.left, right @ factors.right, factors.singular_values)
+
+    def bases(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The left and right bases in ``dtype`` (float64 for products: they are stored in `BASIS_DTYPE`)."""
+        return self.left_basis.to(dtype), self.right_basis.to(dtype)
 
     def gradient_inner(self, core_delta: Tensor) -> Tensor:
         """``<M, Delta>`` per head for the change ``Delta = L core_delta R^T``."""
@@ -171,7 +190,8 @@ def compact_target(
     asks for it (`certified_rank`).
     """
     size = step.shape[-1]
-    if base_left.shape[-1] + rank >= size:  # the subspaces are everything: exact
+    exact = base_left.shape[-1] + rank >= size
+    if exact:  # the subspaces are everything
         identity = torch.eye(size, dtype=step.dtype, device=step.device).expand_as(step)
         left, right, tail = identity, identity, step.new_zeros(step.shape[0])
     else:
@@ -195,4 +215,6 @@ def compact_target(
         left_root, right_root = root * (metric.eigenvectors.mT @ left), root * (metric.eigenvectors.mT @ right)
         left_gram, right_gram = left_root.mT @ left_root, right_root.mT @ right_root
     gradient_core = left.mT @ gradient @ right
+    if not exact:  # stored narrower; exact solves (narrow models, square bases) keep theirs as they are
+        left, right = left.to(BASIS_DTYPE), right.to(BASIS_DTYPE)
     return CompactTarget(left, right, base_core, step_core, gradient_core, left_gram, right_gram, step_sq, tail)

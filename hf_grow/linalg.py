@@ -18,6 +18,7 @@ All functions expect float64.
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -86,6 +87,19 @@ def metric_from_second_moment(second_moment: Tensor, rtol: float = 1e-6) -> Metr
     pinv_diag = torch.where(kept, 1 / eigenvalues.clamp_min(floor), torch.zeros_like(eigenvalues))
     root_diag = eigenvalues.clamp_min(floor).sqrt()
     return Metric(eigenvectors, eigenvalues, pinv_diag, root_diag, int(kept.sum(dim=-1).min()))
+
+
+def batched_eigh(symmetric: Tensor) -> tuple[Tensor, Tensor]:
+    """`torch.linalg.eigh` of a batch; on a CPU, the batch split across `torch.get_num_threads` threads. Each
+    matrix is decomposed alone either way (the same result, bit for bit), but a batched eigh runs LAPACK's
+    multithreaded reduction, whose barriers stall while another process holds a core: on the 2-core CPU shared
+    with other jobs, 144 eighs of 424^2 took 5-139 s batched and 5-7.5 s split (BENCHMARKS.md)."""
+    workers = min(torch.get_num_threads(), symmetric.shape[0] if symmetric.dim() > 2 else 1)
+    if symmetric.device.type != "cpu" or workers < 2:
+        return torch.linalg.eigh(symmetric)
+    with ThreadPoolExecutor(workers) as pool:
+        parts = list(pool.map(torch.linalg.eigh, symmetric.flatten(0, -3).tensor_split(workers)))
+    return tuple(torch.cat(part).unflatten(0, symmetric.shape[:-2]) for part in zip(*parts))
 
 
 def bilinear_form(query_weight: Tensor, key_weight: Tensor, scaling: float) -> Tensor:
@@ -248,7 +262,7 @@ def decompose_whitened(
         projected = right_vectors_h[..., kept, :].mT * singular_values[..., None, kept]
         return Decomposition(left_vectors[..., kept], projected, singular_values, metric)
     if method == "eigh":
-        eigenvalues, eigenvectors = torch.linalg.eigh(whitened @ whitened.mT)
+        eigenvalues, eigenvectors = batched_eigh(whitened @ whitened.mT)
         left_vectors = eigenvectors.flip(-1)[..., kept]
         singular_values = eigenvalues.flip(-1).clamp_min(0).sqrt()
         return Decomposition(left_vectors, whitened.mT @ left_vectors, singular_values, metric)
@@ -343,7 +357,7 @@ def _orthonormal(block: Tensor) -> Tensor:
 
 def _rayleigh_ritz(basis: Tensor, projected: Tensor, metric: Metric | None) -> Decomposition:
     """The best decomposition of A inside span(basis), from ``projected = basis^T A``: SVD of that small block."""
-    eigenvalues, eigenvectors = torch.linalg.eigh(projected @ projected.mT)
+    eigenvalues, eigenvectors = batched_eigh(projected @ projected.mT)
     rotation = eigenvectors.flip(-1)
     singular_values = eigenvalues.flip(-1).clamp_min(0).sqrt()
     return Decomposition(basis @ rotation, projected.mT @ rotation, singular_values, metric, basis)
@@ -422,7 +436,7 @@ def grouped_truncation(whitened: Tensor, metric: Metric | None, rank: int, group
         raise FloatingPointError("the target to decompose holds NaN or Inf: check the step size and the statistics.")
     per_group = heads // groups
     stacked = whitened.reshape(groups, per_group * size, size)
-    eigenvalues, eigenvectors = torch.linalg.eigh(stacked.mT @ stacked)
+    eigenvalues, eigenvectors = batched_eigh(stacked.mT @ stacked)
     right_vectors = eigenvectors.flip(-1)[..., :rank]
     sigma = eigenvalues.flip(-1).clamp_min(0).sqrt()
     # Fix each singular pair's sign (largest entry of the right vector positive), as `Decomposition` does.

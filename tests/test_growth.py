@@ -422,3 +422,20 @@ def test_realized_gains_replaying_unchanged_blocks_equal_full_passes(gpt2_copy, 
         full_pass = before - evaluate_loss(grown, held_out)[0]
         assert report.layers[layer].realized_gain == pytest.approx(full_pass, rel=1e-9, abs=1e-12)
     assert any(layer.realized_gain != 0 for layer in report.layers)
+
+
+def test_realized_gains_replay_the_blocks_the_step_zero_loss_recorded(gpt2_copy, stdlib_bytes, monkeypatch):
+    """The line search's pass at step 0 records every block: the realized gains run no recording pass of their own."""
+    from hf_grow.growth.layer_steps import HeldOutPasses
+
+    recording = HeldOutPasses.record
+
+    def record(self, layer):
+        assert not (self.blocks and layer == len(self.recorded) < self.num_layers - 1), f"block {layer} recorded"
+        recording(self, layer)
+
+    monkeypatch.setattr(HeldOutPasses, "record", record)
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05).growth_report
+    assert all(layer.realized_gain is not None for layer in report.layers)

@@ -312,3 +312,13 @@ def test_cross_fitted_gradient_keeps_what_both_halves_agree_on():
 
     opposite = linalg.cross_fitted_gradient(signal, -signal, metric, 4)
     assert opposite.abs().max() < 1e-9 * signal.abs().max()
+
+
+@pytest.mark.parametrize("shape", [(7, 30, 30), (2, 3, 20, 20), (1, 12, 12), (12, 12)])
+def test_batched_eigh_split_across_threads_equals_torchs_bit_for_bit(shape):
+    generator = torch.Generator().manual_seed(0)
+    matrix = torch.randn(*shape, generator=generator, dtype=torch.float64)
+    symmetric = matrix @ matrix.mT
+    expected = torch.linalg.eigh(symmetric)
+    eigenvalues, eigenvectors = linalg.batched_eigh(symmetric)
+    assert torch.equal(eigenvalues, expected.eigenvalues) and torch.equal(eigenvectors, expected.eigenvectors)

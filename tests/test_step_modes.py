@@ -154,6 +154,33 @@ def test_held_out_passes_replay_the_unchanged_blocks_exactly(trained_gpt2, held_
     assert passes.loss(first_changed=0) != pytest.approx(full, abs=1e-4)
 
 
+def test_one_full_pass_records_every_block_as_recording_each_in_turn_does(trained_gpt2, held_out, monkeypatch):
+    from hf_grow.growth import layer_steps
+    from hf_grow.growth.layer_steps import HeldOutPasses
+
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=3))
+    model.load_state_dict({**model.state_dict(), **trained_gpt2.state_dict()}, strict=False)
+    model.eval()
+    adapter = get_adapter(model)
+    in_turn = HeldOutPasses(model, adapter, held_out, None, None)
+    full = in_turn.loss()
+    in_turn.record(0)
+    in_turn.record(1)
+    at_once = HeldOutPasses(model, adapter, held_out, None, None)
+    assert at_once.loss_recording() == evaluate_loss(model, held_out)
+    assert at_once.passes == 1 and at_once.recorded_bytes == in_turn.recorded_bytes > 0
+    for once, turn in zip(at_once.recorded, in_turn.recorded, strict=True):
+        for a, b in zip(once, turn, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    at_once.record(2)  # the last block is not recorded (nothing replays it), nor one already recorded
+    at_once.record(1)
+    assert len(at_once.recorded) == 2 and at_once.loss(first_changed=2) == pytest.approx(full, abs=1e-6)
+    monkeypatch.setattr(layer_steps, "CACHE_BYTES", in_turn.recorded_bytes - 1)  # too many bytes: full passes
+    too_large = HeldOutPasses(model, adapter, held_out, None, None)
+    assert too_large.loss_recording()[0] == pytest.approx(full, abs=1e-6)
+    assert too_large.recorded == [] and too_large.blocks is None
+
+
 def test_held_out_passes_replay_a_bert_encoder_with_a_loss_of_its_own(stdlib_bytes):
     from transformers import BertConfig, BertModel
 

@@ -16,6 +16,7 @@ the head). Costs are counted in evaluations and in full passes over the held-out
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,34 @@ class HeldOutPasses:
         self.evaluations += 1
         self.passes += (self.num_layers - replayed) / self.num_layers
         return loss
+
+    def loss_recording(self) -> tuple[float, int]:
+        """The held-out loss and its weight (`evaluate_loss`) in one full pass that records every block's outputs
+        on the way (but the last's, as `record` of each layer in turn would), for the cost of the pass alone. Needs
+        nothing recorded yet; records past `CACHE_BYTES` are dropped, as `record` drops them."""
+        outputs: list[list[Any]] = [[] for _ in range(self.num_layers - 1)] if self.blocks and not self.recorded else []
+        held = [0]
+
+        def keep(module: nn.Module, args: Any, output: Any, kept: list[Any]) -> None:
+            held[0] += _bytes(output)
+            if held[0] <= CACHE_BYTES:
+                kept.append(output)
+
+        handles = [block.register_forward_hook(functools.partial(keep, kept=kept))
+                   for block, kept in zip(self.blocks or [], outputs)]
+        try:
+            loss, weight = evaluate_loss(self.model, self.batches, self.adapter, self.loss_fn, self.accelerator)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.evaluations += 1
+        self.passes += 1
+        if held[0] > CACHE_BYTES:
+            logger.info("held-out hidden states exceed %d bytes: every evaluation is a full pass", CACHE_BYTES)
+            self.blocks, self.recorded = None, []
+        elif outputs:
+            self.recorded, self.recorded_bytes = outputs, held[0]
+        return loss, weight
 
     def record(self, layer: int) -> None:
         """Record block ``layer``'s outputs on every held-out batch (blocks before it replayed; the pass stops

@@ -19,7 +19,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..adapters import ArchitectureAdapter
-from ..compact import compact_rank, rank_ceiling
+from ..compact import compact_rank, rank_ceiling, stored_bytes
 from ..config import COMPUTE_DTYPES, GrowthConfig
 from ..progress import format_bytes
 from ..statistics import CPU_REFERENCE_MAX_LENGTH, layer_groups, m_copies, statistics_bytes
@@ -196,8 +196,8 @@ def plan_memory(
 
 
 def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int) -> int:
-    """What the solve keeps for the steps (`layer_solve.LayerProblem`): per head, the compact bases (d x k) and
-    five k x k cores per truncation ("refactor"), or the unit update of the added dims ("append")."""
+    """What the solve keeps for the steps (`layer_solve.LayerProblem`): per head, the compact targets
+    (`compact.stored_bytes`) of each truncation ("refactor"), or the unit update of the added dims ("append")."""
     added = config.budget if config.budget is not None else _largest_p(config.p)
     grown = min(width, qk_dim + added)
     if mode == "append":
@@ -207,8 +207,8 @@ def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, widt
         rank = max(rank, rank_ceiling(width, grown, qk_dim))
     kept = min(width, qk_dim + rank)
     # The whitened targets always (the step norms); the Frobenius ones too where a candidate truncates so.
-    truncations = 1 if config.candidate_truncations == ("whitened",) else 2
-    return layers * heads * truncations * (2 * width * kept + 5 * kept * kept) * 8
+    truncations = [True] + ([] if config.candidate_truncations == ("whitened",) else [False])
+    return sum(layers * stored_bytes(heads, width, kept, whitened) for whitened in truncations)
 
 
 def _largest_p(p: int | dict[int, int] | None) -> int:

@@ -45,6 +45,9 @@ class SearchOutcome:
     points: list[LineSearchPoint] = field(default_factory=list)
     #: Full passes over the searched held-out batches (None without them).
     passes: float | None = None
+    #: The held-out passes of the old function (step 0), every block's outputs recorded in the pass that measured
+    #: ``loss_before``: the realized gains replay them (None without held-out batches).
+    step_zero: HeldOutPasses | None = None
 
 
 def search_and_report(
@@ -104,9 +107,10 @@ def line_search(
     points: list[LineSearchPoint] = []
     unconstrained_loss = None
     eval_weight = 0
-    loss_before = loss_after = None
+    loss_before = loss_after = step_zero = None
     if eval_batches is not None:
-        loss_before, eval_weight = evaluate_loss(target, eval_batches, adapter, loss_fn, accelerator)
+        step_zero = HeldOutPasses(target, adapter, eval_batches, loss_fn, accelerator)
+        loss_before, eval_weight = step_zero.loss_recording()
     if step_size is None and not math.isfinite(loss_before):
         raise FloatingPointError(
             f"the held-out loss is {loss_before} before any step: the line search needs a finite loss. Check the "
@@ -168,7 +172,7 @@ def line_search(
         loss_after = evaluate(target)
     return SearchOutcome(
         step_size, chosen, loss_before, loss_after, eval_weight, unconstrained_loss, points,
-        None if passes is None else passes.passes,
+        None if passes is None else passes.passes, step_zero,
     )
 
 
@@ -181,7 +185,8 @@ def unconstrained_weights(problem: GrowthProblem, step_size: float, scalings: li
         for layer, part in enumerate(problem.layers):
             target = part.targets[problem.truncation]
             core = target.core(problem.head_lams(step_size, layer))
-            weights[layer] = (target.left_basis @ core / scalings[layer], target.right_basis.clone())
+            left, right = target.bases(core.dtype)
+            weights[layer] = (left @ core / scalings[layer], right.clone())
     return weights
 
 
@@ -208,9 +213,11 @@ def write_report(
     if measure_realized_gains and eval_batches is not None and step_size > 0:
         unchanged, stepped = problem.weights(0.0), outcome.weights
         write_weights(adapter, target, unchanged)
-        # Layer l's step alone leaves blocks 0..l-1 at step 0: their recorded outputs are replayed, so the
-        # passes cost about half of one full held-out pass per layer.
-        passes = HeldOutPasses(target, adapter, eval_batches, prepared.loss_fn, prepared.accelerator)
+        # Layer l's step alone leaves blocks 0..l-1 at step 0: their outputs, recorded when the line search measured
+        # the loss at step 0, are replayed, so the passes cost about half of one full held-out pass per layer.
+        passes = outcome.step_zero
+        if passes is None or passes.batches is not eval_batches:
+            passes = HeldOutPasses(target, adapter, eval_batches, prepared.loss_fn, prepared.accelerator)
         for layer in progress_bar(range(len(qk_after)), desc="realized gains", unit="layer", enabled=progress):
             write_weights(adapter, target, {layer: stepped[layer]})
             realized[layer] = loss_before - passes.loss(first_changed=layer)
