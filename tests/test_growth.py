@@ -439,3 +439,23 @@ def test_realized_gains_replay_the_blocks_the_step_zero_loss_recorded(gpt2_copy,
     held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
     report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05).growth_report
     assert all(layer.realized_gain is not None for layer in report.layers)
+
+
+def test_no_step_zero_records_without_realized_gains(gpt2_copy, stdlib_bytes, monkeypatch):
+    """The step-0 records (up to CACHE_BYTES) are kept only for the realized gains: without them, no pass records."""
+    from hf_grow.growth.layer_steps import HeldOutPasses
+
+    calls = []
+    recording = HeldOutPasses.loss_recording
+
+    def loss_recording(self):
+        calls.append(self)
+        return recording(self)
+
+    monkeypatch.setattr(HeldOutPasses, "loss_recording", loss_recording)
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, measure_realized_gains=False).growth_report
+    assert not calls and all(layer.realized_gain is None for layer in report.layers)
+    grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05)
+    assert len(calls) == 1

@@ -71,7 +71,8 @@ def search_and_report(
     # is noisier (BENCHMARKS: MiniLM).
     write_weights(prepared.adapter, target, problem.weights(0.0))
     outcome = search.line_search(
-        prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size
+        prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size,
+        record_step_zero=measure_realized_gains,
     )
     outcome.passes += passes
     prepared.seconds["line_search"] = time.perf_counter() - tick

@@ -46,7 +46,7 @@ class SearchOutcome:
     #: Full passes over the searched held-out batches (None without them).
     passes: float | None = None
     #: The held-out passes of the old function (step 0), every block's outputs recorded in the pass that measured
-    #: ``loss_before``: the realized gains replay them (None without held-out batches).
+    #: ``loss_before``: the realized gains replay them (None without held-out batches or ``record_step_zero``).
     step_zero: HeldOutPasses | None = None
 
 
@@ -61,7 +61,10 @@ def search_and_report(
     """Line-search the prepared problem's step on ``target`` (a model of the grown widths), leave the chosen
     weights in it, report. ``target`` computes the old function on entry (the step-0 weights)."""
     tick = time.perf_counter()
-    outcome = line_search(prepared, prepared.problem, target, prepared.eval_batches, progress=progress)
+    outcome = line_search(
+        prepared, prepared.problem, target, prepared.eval_batches, progress=progress,
+        record_step_zero=measure_realized_gains,
+    )
     prepared.seconds["line_search"] = time.perf_counter() - tick
     return write_report(
         prepared, prepared.problem, target, outcome, prepared.eval_batches,
@@ -77,10 +80,13 @@ def line_search(
     *,
     progress: bool,
     near: float | None = None,
+    record_step_zero: bool = False,
 ) -> SearchOutcome:
     """Search ``problem``'s step on ``eval_batches`` (or take the config's ``step_size``) in ``target``, which
     computes the old function on entry; on exit it holds the chosen step's weights. ``near``: a step already
-    searched on some of the batches, from which a shorter search starts (factor 2, two refinements)."""
+    searched on some of the batches, from which a shorter search starts (factor 2, two refinements).
+    ``record_step_zero``: keep every block's outputs from the step-0 pass (``SearchOutcome.step_zero``) for the
+    realized gains to replay; only where they will be measured, since the records hold up to `CACHE_BYTES`."""
     model, adapter = prepared.model, prepared.adapter
     accelerator = prepared.accelerator
     config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
@@ -108,9 +114,11 @@ def line_search(
     unconstrained_loss = None
     eval_weight = 0
     loss_before = loss_after = step_zero = None
-    if eval_batches is not None:
+    if eval_batches is not None and record_step_zero:
         step_zero = HeldOutPasses(target, adapter, eval_batches, loss_fn, accelerator)
         loss_before, eval_weight = step_zero.loss_recording()
+    elif eval_batches is not None:
+        loss_before, eval_weight = evaluate_loss(target, eval_batches, adapter, loss_fn, accelerator)
     if step_size is None and not math.isfinite(loss_before):
         raise FloatingPointError(
             f"the held-out loss is {loss_before} before any step: the line search needs a finite loss. Check the "
