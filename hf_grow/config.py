@@ -49,7 +49,7 @@ DEFAULT_STEP_MODE = "per_head"
 #: What ``"auto"`` lets the held-out loss choose from, per option, simplest first: the candidates are the
 #: product over the options set to "auto", each line-searched; the simplest (the first of each) is kept when
 #: the held-out batches the search did not use disagree with the search (`hf_grow.growth.candidates`). Not the
-#: default for its cost (3-4.4x the line search's time; "append" growth keeps every layer's M), though
+#: default for its cost (3-4.4x the line search's time), though
 #: measured better (bench_candidates.py: never below the notes' formula, 1.03x the default in the mean over 18
 #: splits of six models, 0.98-1.25x per split).
 AUTO_CHOICES = {"truncation": (DEFAULT_TRUNCATION, "frobenius"), "step_mode": (DEFAULT_STEP_MODE, "per_layer")}
@@ -264,12 +264,6 @@ class GrowthConfig:
     def candidate_truncations(self) -> tuple[str, ...]:
         """The truncations among `candidates`, the simplest first."""
         return AUTO_CHOICES["truncation"] if self.truncation == "auto" else (self.truncation,)
-
-    def keeps_every_m(self, mode: str) -> bool:
-        """Whether growth in ``mode`` keeps every layer's M to the end instead of freeing it group by group:
-        "append" growth with both truncations among the candidates solves the Frobenius one again from it
-        ("refactor" growth solves both at once, `hf_grow.growth.candidates`)."""
-        return mode == "append" and len(self.candidate_truncations) > 1
 
     def replace(self, **overrides: Any) -> GrowthConfig:
         """A copy with ``overrides`` applied and checked; an unknown option is a TypeError naming the known ones."""

@@ -32,6 +32,7 @@ from transformers import (
 
 from hf_grow import (
     GrowthCallback,
+    GrowthConfig,
     GrownLlamaConfig,
     GrownLlamaForCausalLM,
     GrownLlamaForQuestionAnswering,
@@ -161,6 +162,53 @@ def test_growth_lowers_the_held_out_loss(llama, stdlib_bytes):
     attention, old = grown.model.layers[0].self_attn, llama.model.layers[0].self_attn
     keys = attention.k_proj.weight.view(llama.config.num_key_value_heads, 24, 64)[:, :16]
     assert torch.equal(keys, old.k_proj.weight.view(-1, 16, 64))
+
+
+def test_auto_solves_append_growth_once_and_frees_m_group_by_group(llama, stdlib_bytes):
+    """With both truncations among the candidates, one "append" solve holds both truncations' unit updates (rank-p
+    factors), solved from each group's M while it is alive: M is freed group by group as for one candidate, each
+    truncation's weights and head reports are bitwise those of a solve for it alone, and each candidate's search
+    finds the step it finds alone."""
+    from hf_grow.growth.head_reports import head_reports
+    from hf_grow.growth.prepare import prepare_growth
+    from hf_grow.statistics import statistics_bytes
+
+    batches = lm_batches(stdlib_bytes["stats"], 3, seed=47)
+    budget = statistics_bytes(2, 4, 64, 2)  # one layer per pass
+    auto_options = dict(truncation="auto", step_mode="auto")
+    prepared = {
+        settings["truncation"]: prepare_growth(
+            llama, batches, GrowthConfig(p=8, memory_budget=budget, **settings), mode=None, eval_dataloader=None,
+            loss_fn=None, statistics=None, accelerator=None, progress=False,
+        )
+        for settings in (auto_options, dict(truncation="whitened"), dict(truncation="frobenius"))
+    }
+    auto = prepared["auto"].problem
+    assert all(gradient is None for gradient in prepared["auto"].statistics.gradients)  # freed after each solve
+    assert auto.truncation == "whitened" and auto.holds("frobenius") and not prepared["whitened"].problem.holds(
+        "frobenius"
+    )
+    for truncation in ("whitened", "frobenius"):
+        auto.set_truncation(truncation)
+        alone = prepared[truncation].problem
+        for step in (0.0, 0.05, 30.0):
+            for ours, theirs in zip(auto.weights(step).values(), alone.weights(step).values()):
+                assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+            for layer in range(2):
+                assert head_reports(auto, layer, step) == head_reports(alone, layer, step)
+
+    statistics = collect_statistics(llama, batches, get_adapter(llama))
+    evaluation = lm_batches(stdlib_bytes["eval"], 3, seed=11)  # two to search on, one to confirm
+
+    def grown(eval_batches, **settings):
+        return grow_model(llama, None, p=8, statistics=statistics, eval_dataloader=eval_batches,
+                          measure_realized_gains=False, **settings).growth_report
+
+    report = grown(evaluation, **auto_options)
+    assert report.mode == "append" and len(report.candidates) == 4
+    for candidate in report.candidates:
+        by_itself = grown(evaluation[:2], truncation=candidate.truncation, step_mode=candidate.step_mode)
+        assert candidate.step_size == by_itself.step_size and candidate.search_loss == by_itself.eval_loss_after
 
 
 def test_grouped_heads_share_their_new_key_dims(llama_gqa, stdlib_bytes):

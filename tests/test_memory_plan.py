@@ -154,25 +154,29 @@ def test_max_memory_caps_the_plan_and_a_run_nothing_fits_says_so(model_folder, t
     assert not (tmp_path / "grown").exists()
 
 
-def test_auto_truncation_keeps_every_layers_m_only_in_append_growth():
-    """Both truncations among the candidates: "refactor" growth (GPT-2) is solved once for both and frees M group
-    by group; "append" growth (Llama) solves again from the M it keeps, so the plan counts every layer's."""
+def test_auto_truncation_frees_m_group_by_group_and_counts_both_truncations_solves():
+    """Both truncations among the candidates: one solve holds both ("refactor" targets, "append" unit updates), from
+    each group's M while it is alive, so the plan counts one group's M as for one truncation, and both solves."""
     budget_layers = 1
-    for model, keeps in ((GPT2LMHeadModel(tiny_gpt2_config(n_layer=4)), False),
-                         (LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                                       num_hidden_layers=4, num_attention_heads=4,
-                                                       num_key_value_heads=2, head_dim=16)), True)):
+    for model in (GPT2LMHeadModel(tiny_gpt2_config(n_layer=4)),
+                  LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=16))):
         adapter, config = get_adapter(model), model.config
         layers, heads, hidden = 4, adapter.num_heads(config), adapter.hidden_size(config)
         budget = statistics_bytes(layers, heads, hidden, budget_layers + 1)
 
-        def m_term(**settings):
+        def solve_terms(**settings):
             plan = plan_memory(model, adapter, GrowthConfig(p=8, memory_budget=budget, **settings), batch_size=2,
                                seq_len=16, eval_tokens=64)
-            return next(stage for stage in plan.stages if stage.name == "solve").terms["M"]
+            return next(stage for stage in plan.stages if stage.name == "solve").terms
 
-        one_group = m_term()
-        assert m_term(truncation="auto") == (layers * one_group if keeps else one_group), type(model).__name__
+        whitened, auto, frobenius = solve_terms(), solve_terms(truncation="auto"), solve_terms(truncation="frobenius")
+        name = type(model).__name__
+        assert auto["M"] == whitened["M"] == frobenius["M"], name
+        assert auto["compact solve"] == frobenius["compact solve"] > whitened["compact solve"], name
+    # "append": two rank-p unit updates per head, left and right factors in float64
+    assert auto["compact solve"] == 2 * layers * heads * 2 * (hidden + 1) * 8 * 8
 
 
 def test_m_on_disk_leaves_the_host_memory_and_the_plan_says_where_it_is(tmp_path):

@@ -9,10 +9,9 @@ The kept candidate's step is then searched again on all the held-out batches, fr
 them: a step searched on fewer batches is noisier.
 
 Cost: one line search per candidate on the search batches, one pass over the confirmation batches per
-candidate, and a shorter line search on all the batches. The statistics are shared. "refactor" growth is solved
-once for both truncations (`GrowthProblem.holds`), so M is freed group by group as for one candidate; "append"
-growth is solved again for Frobenius truncation from the M kept (at most two problems alive: the simplest's and
-the best so far). Step modes are switched without solving again.
+candidate, and a shorter line search on all the batches. The statistics and the solve are shared: one solve holds
+both truncations' targets ("refactor") or unit updates ("append") (`GrowthProblem.holds`), so M is freed group by
+group as for one candidate, and truncations and step modes are switched without solving again.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from ..report import CandidateReport, GrowthReport
 from . import search
 from .line_search import evaluate_loss, held_out_count
 from .prepare import PreparedGrowth
-from .problem import GrowthProblem, write_weights
+from .problem import write_weights
 
 
 logger = logging.getLogger("hf_grow")
@@ -61,9 +60,10 @@ def search_and_report(
         report.candidates = [CandidateReport(report.truncation, report.step_mode, report.step_size, None, None)]
         return report
     tick = time.perf_counter()
-    (problem, truncation, step_mode, searched, passes), reports, selection, margin = _choose(
+    (truncation, step_mode, searched, passes), reports, selection, margin = _choose(
         prepared, target, *parts, progress=progress
     )
+    problem = prepared.problem
     problem.set_truncation(truncation)  # a problem shared by the candidates holds the last one's settings
     problem.set_step_mode(step_mode)  # the report's steps per layer and head are the chosen mode's
     # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
@@ -93,7 +93,7 @@ def confirmation_split(
     return batches[:-count], batches[-count:]
 
 
-Kept = tuple[GrowthProblem, str, str, search.SearchOutcome, float]
+Kept = tuple[str, str, search.SearchOutcome, float]
 
 
 def _choose(
@@ -101,7 +101,7 @@ def _choose(
     *, progress: bool,
 ) -> tuple[Kept, list[CandidateReport], str, float]:
     """Line-search every candidate on ``search_batches``, confirm on ``confirm_batches``: the candidate kept (its
-    problem, truncation, step mode, outcome on the search batches, and what choosing cost in full passes over all
+    truncation, step mode, outcome on the search batches, and what choosing cost in full passes over all
     the held-out batches), every candidate's report, how it was chosen ("search" or "fallback") and its
     confirmation margin over the simplest."""
     adapter, loss_fn, accelerator = prepared.adapter, prepared.loss_fn, prepared.accelerator
@@ -110,18 +110,12 @@ def _choose(
     def confirm() -> tuple[float, int]:
         return evaluate_loss(target, confirm_batches, adapter, loss_fn, accelerator)
 
-    problem = prepared.problem  # the simplest candidate's truncation and step mode
+    problem = prepared.problem  # solved once for every candidate
     reports: list[CandidateReport] = []
     simplest = best = None
     searched_passes, confirm_passes = 0.0, 0
     for truncation, step_mode in prepared.config.candidates:
-        if problem.holds(truncation):  # one solve for both truncations ("refactor" growth)
-            problem.set_truncation(truncation)
-        else:
-            problem = GrowthProblem(
-                prepared.model, adapter, prepared.statistics, prepared.qk_after, truncation, prepared.config.rtol,
-                prepared.config.solver, problem.mode, step_mode, cross_fit=prepared.config.cross_fit,
-            )
+        problem.set_truncation(truncation)  # one solve holds both truncations (`prepare_growth`)
         problem.set_step_mode(step_mode)
         write_weights(adapter, target, at_zero)
         outcome = search.line_search(prepared, problem, target, search_batches, progress=progress)
@@ -132,15 +126,15 @@ def _choose(
         reports.append(report)
         logger.info("candidate %s, %s: step %.4g, search loss %.5f, confirmation loss %.5f", truncation, step_mode,
                     report.step_size, report.search_loss, report.confirm_loss)
-        kept = (problem, step_mode, outcome, report)
+        kept = (step_mode, outcome, report)
         simplest = simplest or kept
-        if best is None or report.search_loss < best[3].search_loss:
-            best = kept  # the earlier (simpler) candidate wins a tie; the loser's problem is freed with it
-    confirmed = best[3].confirm_loss < simplest[3].confirm_loss
+        if best is None or report.search_loss < best[2].search_loss:
+            best = kept  # the earlier (simpler) candidate wins a tie
+    confirmed = best[2].confirm_loss < simplest[2].confirm_loss
     selection = "fallback" if best is not simplest and not confirmed else "search"
-    problem, step_mode, outcome, report = best if confirmed else simplest
+    step_mode, outcome, report = best if confirmed else simplest
     search_weight = outcome.eval_weight
     # in full passes over all the held-out batches: the searches' over their part, the confirmations' over theirs
     passes = (searched_passes * search_weight + confirm_passes * confirm_weight) / (search_weight + confirm_weight)
-    chosen = (problem, report.truncation, step_mode, outcome, passes)
-    return chosen, reports, selection, simplest[3].confirm_loss - report.confirm_loss
+    chosen = (report.truncation, step_mode, outcome, passes)
+    return chosen, reports, selection, simplest[2].confirm_loss - report.confirm_loss

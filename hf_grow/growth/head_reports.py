@@ -24,7 +24,7 @@ def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[He
     with torch.no_grad():
         if solved.mode == "append":
             # The old form stays: the step is the rank-p update alone, and without growth there is none.
-            update = problem.update
+            update = problem.updates[solved.truncation]
             zeros = torch.zeros_like(lam)
             inner = lam * update.gradient_trace[:, added - 1] if added else zeros
             metric_sq = lam.square() * update.metric_sq[:, added - 1] if added else zeros

@@ -46,7 +46,8 @@ class LayerProblem:
     """Everything the steps of one layer need, in float64, without any (heads, d, d) tensor.
 
     ``norms[name]``: each head's (||Z||^2, ||P||^2) in the ``"whitened"`` and ``"frobenius"`` norms.
-    ``targets[truncation]``: the compact targets of "refactor" growth; ``update``: that of "append" growth.
+    ``targets[truncation]``: the compact targets of "refactor" growth; ``updates[truncation]``: the unit updates
+    of "append" growth (rank-p factors: both truncations' are kept while M is alive, so that either can step).
     ``rates``: first-order gains per unit lam (`linalg.growth_gain_rates`), where a budget or an inspection
     asked for them.
     """
@@ -59,7 +60,7 @@ class LayerProblem:
     metric: linalg.Metric
     norms: dict[str, tuple[Tensor, Tensor]]
     targets: dict[str, compact.CompactTarget] = field(default_factory=dict)
-    update: AppendUpdate | None = None
+    updates: dict[str, AppendUpdate] = field(default_factory=dict)
     rates: linalg.GainRates | None = None
 
     @property
@@ -137,7 +138,14 @@ def solve_layer(
                     *base, step, gradient, rank, problem.metric, truncation == "whitened", method, max_width
                 )
         else:
-            part["update"] = _append_update(coordinates, truncations[0], gradient, problem, added, per_group, method)
+            updates: dict[str, AppendUpdate] = {}
+            for truncation in sorted(truncations, key=lambda name: name != "whitened"):
+                # the whitened update's spectrum is the one every truncation's update reports: decomposed once
+                spectrum = updates["whitened"].spectrum if "whitened" in updates else None
+                updates[truncation] = _append_update(
+                    coordinates, truncation, gradient, problem, added, per_group, method, spectrum
+                )
+            part["updates"] = updates
         if with_rates:
             part["rates"] = _rates(problem, selected, direction, whitened_step, mode, per_group)
         parts.append(part)
@@ -146,7 +154,7 @@ def solve_layer(
     if mode == "refactor":
         problem.targets = {t: _cat_targets([p[t, "target"] for p in parts]) for t in truncations}
     else:
-        problem.update = _cat_updates([p["update"] for p in parts])
+        problem.updates = {t: _cat_updates([p["updates"][t] for p in parts]) for t in truncations}
     if with_rates:
         problem.rates = linalg.GainRates(*(torch.cat([getattr(p["rates"], name) for p in parts]) for name in
                                            ("without_growth", "marginal")))
@@ -166,23 +174,26 @@ def _sq(factors: tuple[Tensor, Tensor]) -> Tensor:
 
 def _append_update(
     coordinates: dict, truncation: str, gradient: Tensor, problem: LayerProblem, capacity: int, per_group: int,
-    method: str,
+    method: str, spectrum: Tensor | None = None,
 ) -> AppendUpdate:
-    """The unit update of a chunk of heads, its whitened spectrum, and its cumulative gradient and metric terms."""
+    """The unit update of a chunk of heads, its whitened spectrum (decomposed here unless given: that of the
+    whitened update), and its cumulative gradient and metric terms."""
     _, step = coordinates[truncation]
     whitened_step = coordinates["whitened"][1]
     metric = problem.metric if truncation == "whitened" else None
     groups = step.shape[0] // per_group
     if per_group > 1:  # grouped-query attention: keys shared within a group
         unit = linalg.grouped_truncation(-step, metric, capacity, groups)
-        spectrum = unit.singular_values if truncation == "whitened" else (
-            linalg.grouped_truncation(-whitened_step, None, capacity, groups).singular_values
-        )
+        if spectrum is None:
+            spectrum = unit.singular_values if truncation == "whitened" else (
+                linalg.grouped_truncation(-whitened_step, None, capacity, groups).singular_values
+            )
     else:
         unit = linalg.decompose_whitened(-step, metric, method, rank=capacity).truncate(capacity)
-        spectrum = unit.singular_values if truncation == "whitened" else (
-            linalg.decompose_whitened(-whitened_step, None, method, rank=capacity).singular_values
-        )
+        if spectrum is None:
+            spectrum = unit.singular_values if truncation == "whitened" else (
+                linalg.decompose_whitened(-whitened_step, None, method, rank=capacity).singular_values
+            )
     left, right = unit.left, unit.right
     gradient_trace = torch.einsum("hdj,hde,hej->hj", left, gradient, right).cumsum(dim=-1)
     root = problem.metric.root_diag[..., :, None]

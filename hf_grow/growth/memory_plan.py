@@ -142,8 +142,7 @@ def plan_memory(
     compute = config.torch_compute_dtype.itemsize
     groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate, config.cross_fit)
     mode = adapter.check_mode(model, None)
-    # each group's M is freed once it is solved, unless a second solve needs every layer's
-    widest = layers if config.keeps_every_m(mode) else max(len(group) for group in groups)
+    widest = max(len(group) for group in groups)  # each group's M is freed once it is solved
     square = heads * width * width  # entries of one layer's M
     held_squares = widest * m_copies(config.cross_fit) * square  # M's accumulators (and their halves) held at once
     weights = _model_bytes(model)
@@ -200,14 +199,15 @@ def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, widt
     (`compact.stored_bytes`) of each truncation ("refactor"), or the unit update of the added dims ("append")."""
     added = config.budget if config.budget is not None else _largest_p(config.p)
     grown = min(width, qk_dim + added)
+    # The whitened targets or update always (the step norms, the spectrum); Frobenius ones too where a candidate
+    # truncates so.
+    truncations = [True] + ([] if config.candidate_truncations == ("whitened",) else [False])
     if mode == "append":
-        return layers * heads * 2 * width * max(1, grown - qk_dim) * 8
+        return len(truncations) * layers * heads * 2 * width * max(1, grown - qk_dim) * 8
     rank = compact_rank(width, grown)
     if qk_dim + rank < width:  # compact: the certified rank may keep up to its ceiling (`compact.certified_rank`)
         rank = max(rank, rank_ceiling(width, grown, qk_dim))
     kept = min(width, qk_dim + rank)
-    # The whitened targets always (the step norms); the Frobenius ones too where a candidate truncates so.
-    truncations = [True] + ([] if config.candidate_truncations == ("whitened",) else [False])
     return sum(layers * stored_bytes(heads, width, kept, whitened) for whitened in truncations)
 
 

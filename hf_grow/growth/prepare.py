@@ -241,16 +241,15 @@ def prepare_growth(
     widest = qk_after if growth is not None else [min(max_rank, dim + config.budget) for dim in qk_before]
 
     truncation, step_mode = config.candidates[0]  # of "auto" options the simplest (`growth.candidates`)
-    # M is freed group by group where one solve serves every truncation among the candidates: one truncation, or
-    # "refactor" growth solved for Frobenius truncation, which holds the whitened targets too
-    # (`GrowthProblem.holds`). "append" growth with both is solved again from the same M later, which is kept.
-    solved_for = "frobenius" if "frobenius" in config.candidate_truncations and mode == "refactor" else truncation
+    # One solve serves every truncation among the candidates, so M is freed group by group: one solved for
+    # Frobenius truncation holds the whitened targets or update too (`GrowthProblem.holds`).
+    solved_for = "frobenius" if "frobenius" in config.candidate_truncations else truncation
 
     def solve(statistics: GrowthStatistics, layers: Iterable[int], release: bool) -> GrowthProblem:
         return GrowthProblem(
             model, adapter, statistics, qk_before if growth is None else qk_after, solved_for, config.rtol,
             config.solver, mode, step_mode, max_dims_after=widest, with_rates=growth is None,
-            layers=layers, release=release and not config.keeps_every_m(mode), cross_fit=config.cross_fit,
+            layers=layers, release=release, cross_fit=config.cross_fit,
         )
 
     problem: GrowthProblem | None = None

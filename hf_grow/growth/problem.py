@@ -51,7 +51,7 @@ class StepWeights(StepScaling):
         grouped-query attention, the joint truncation of each group's heads with one key."""
         problem = self.layers[layer]
         added = problem.qk_dim_after - problem.query.shape[-1]
-        unit = problem.update.unit
+        unit = problem.updates[self.truncation].unit
         return linalg.Factorization(unit.left[..., :added], unit.right[..., :added], unit.singular_values)
 
     def weights(self, step_size: float) -> QKWeights:
@@ -185,11 +185,9 @@ class GrowthProblem(StepWeights):
         return lambda heads: self.statistics.cross_fitted_gradient(layer, part.metric, rank, method, heads)
 
     def holds(self, truncation: str) -> bool:
-        """Whether the solve kept ``truncation``'s targets: a "refactor" problem solved for Frobenius truncation
-        holds the whitened ones too (its steps are normalized with them); "append" holds its own truncation's."""
-        if self.mode == "append":
-            return truncation == self.truncation
-        return all(truncation in part.targets for part in self.layers)
+        """Whether the solve kept ``truncation``'s targets ("refactor") or unit update ("append"): a problem solved
+        for Frobenius truncation holds the whitened ones too."""
+        return all(truncation in part.targets or truncation in part.updates for part in self.layers)
 
     def set_truncation(self, truncation: str) -> None:
         """Truncate the ``truncation`` way from now on, without solving again (it must be `held`)."""
