@@ -124,7 +124,8 @@ class GrowthReport:
     #: How each layer's lam follows the step size (`hf_grow.config.STEP_MODES`); `LayerReport.lam` gives them.
     step_mode: str = "global"
     #: What the line search cost, in full passes over the held-out batches (an evaluation that replays the
-    #: unchanged leading blocks counts by the share of blocks it runs; None without held-out batches).
+    #: unchanged leading blocks counts by the share of blocks it runs; None without held-out batches), beyond
+    #: the pass at step 0 (the loss before) that every growth makes.
     line_search_passes: float | None = None
     #: The `hf_grow.GrowthConfig` that produced the model, as a dict (None in reports written before it).
     config: dict | None = None

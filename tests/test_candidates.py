@@ -159,3 +159,25 @@ def test_auto_solves_refactor_growth_once_and_frees_m_group_by_group(trained_gpt
     assert auto.problem.truncation == "frobenius"
     with pytest.raises(ValueError, match="not solved for 'frobenius'"):
         alone.problem.set_truncation("frobenius")
+
+
+def test_the_old_function_is_evaluated_once_on_each_held_out_batch(trained_gpt2, statistics, stdlib_bytes):
+    """Every candidate's search starts from the old function's loss on the same search batches, a candidate at
+    step 0 is confirmed by its loss on the confirmation batches, and the final search's loss at step 0 is theirs
+    together: one pass at step 0 in all. The report counts every other pass."""
+    def qk_sums(model):
+        return torch.stack([block.attn.c_attn.weight.sum() for block in model.transformer.h])
+
+    at_zero = qk_sums(grow_model(trained_gpt2, None, p=8, statistics=statistics, step_size=0.0))
+    calls = {True: 0, False: 0}
+
+    def counted_loss(model, batch):
+        calls[torch.equal(qk_sums(model), at_zero)] += 1
+        return signed_loss(model, batch)
+
+    batches = lm_batches(stdlib_bytes["eval"], 3, seed=43)  # two to search on, one to confirm
+    report = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=batches, loss_fn=counted_loss,
+                        measure_realized_gains=False, **AUTO).growth_report
+    assert len(report.candidates) == 4 and report.step_size > 0
+    assert calls[True] == len(batches)
+    assert calls[True] + calls[False] == pytest.approx(len(batches) * (1 + report.line_search_passes))

@@ -9,7 +9,9 @@ The kept candidate's step is then searched again on all the held-out batches, fr
 them: a step searched on fewer batches is noisier.
 
 Cost: one line search per candidate on the search batches, one pass over the confirmation batches per
-candidate, and a shorter line search on all the batches. The statistics and the solve are shared: one solve holds
+candidate, and a shorter line search on all the batches. The old function (step 0) is the same for every
+candidate: its loss on each held-out batch is evaluated once (`OldFunction`), unless the realized gains need the
+final search's step-0 pass to record the blocks' outputs. The statistics and the solve are shared: one solve holds
 both truncations' targets ("refactor") or unit updates ("append") (`GrowthProblem.holds`), so M is freed group by
 group as for one candidate, and truncations and step modes are switched without solving again.
 """
@@ -60,21 +62,24 @@ def search_and_report(
         report.candidates = [CandidateReport(report.truncation, report.step_mode, report.step_size, None, None)]
         return report
     tick = time.perf_counter()
+    old = OldFunction(prepared, target, *parts)
     (truncation, step_mode, searched, passes), reports, selection, margin = _choose(
-        prepared, target, *parts, progress=progress
+        prepared, target, old, progress=progress
     )
     problem = prepared.problem
     problem.set_truncation(truncation)  # a problem shared by the candidates holds the last one's settings
     problem.set_step_mode(step_mode)  # the report's steps per layer and head are the chosen mode's
     # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
     # step its search found (from the start where that was 0): with few batches, a step searched on part of them
-    # is noisier (BENCHMARKS: MiniLM).
-    write_weights(prepared.adapter, target, problem.weights(0.0))
+    # is noisier (BENCHMARKS: MiniLM). Its loss at step 0 is the old function's on both parts, unless the pass
+    # must record the blocks' outputs for the realized gains.
+    write_weights(prepared.adapter, target, old.weights)
     outcome = search.line_search(
         prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size,
-        record_step_zero=measure_realized_gains,
+        record_step_zero=measure_realized_gains, before=None if measure_realized_gains else old.on_all(),
     )
-    outcome.passes += passes
+    # every pass but the one at step 0 over all the held-out batches that any growth makes
+    outcome.passes += passes + old.passes + measure_realized_gains - 1
     prepared.seconds["line_search"] = time.perf_counter() - tick
     return search.write_report(
         prepared, problem, target, outcome, prepared.eval_batches, **reporting,
@@ -93,21 +98,61 @@ def confirmation_split(
     return batches[:-count], batches[-count:]
 
 
+class OldFunction:
+    """The held-out loss of the old function (step 0: the same for every candidate) on the search and on the
+    confirmation batches, each evaluated once, when first needed."""
+
+    def __init__(
+        self, prepared: PreparedGrowth, target: PreTrainedModel, search_batches: Batches, confirm_batches: Batches
+    ):
+        self.prepared, self.target = prepared, target
+        self.batches = {"search": search_batches, "confirm": confirm_batches}
+        self.weights = prepared.problem.weights(0.0)  # the old function at the grown widths, whatever the candidate
+        self.losses: dict[str, tuple[float, int]] = {}
+        #: The passes made, in full passes over all the held-out batches.
+        self.passes = 0.0
+
+    def loss(self, part: str) -> tuple[float, int]:
+        """The old function's loss and weight (`evaluate_loss`) on the ``"search"`` or ``"confirm"`` batches; writes
+        the old weights into the target when it evaluates."""
+        if part not in self.losses:
+            prepared = self.prepared
+            write_weights(prepared.adapter, self.target, self.weights)
+            self.losses[part] = evaluate_loss(
+                self.target, self.batches[part], prepared.adapter, prepared.loss_fn, prepared.accelerator
+            )
+            self.passes += self.share(part)
+        return self.losses[part]
+
+    def share(self, part: str) -> float:
+        """The ``part``'s share of the held-out batches: what a pass over it costs in passes over all of them."""
+        return len(self.batches[part]) / sum(len(batches) for batches in self.batches.values())
+
+    def on_all(self) -> tuple[float, int]:
+        """The loss and weight on all the held-out batches, from those of both parts."""
+        (search_loss, search_weight), (confirm_loss, confirm_weight) = self.loss("search"), self.loss("confirm")
+        weight = search_weight + confirm_weight
+        return (search_loss * search_weight + confirm_loss * confirm_weight) / weight, weight
+
+
 Kept = tuple[str, str, search.SearchOutcome, float]
 
 
 def _choose(
-    prepared: PreparedGrowth, target: PreTrainedModel, search_batches: Batches, confirm_batches: Batches,
-    *, progress: bool,
+    prepared: PreparedGrowth, target: PreTrainedModel, old: OldFunction, *, progress: bool
 ) -> tuple[Kept, list[CandidateReport], str, float]:
-    """Line-search every candidate on ``search_batches``, confirm on ``confirm_batches``: the candidate kept (its
-    truncation, step mode, outcome on the search batches, and what choosing cost in full passes over all
-    the held-out batches), every candidate's report, how it was chosen ("search" or "fallback") and its
-    confirmation margin over the simplest."""
+    """Line-search every candidate on the search batches, confirm on the confirmation batches (`OldFunction`
+    holds both and the loss at step 0 on them): the candidate kept (its truncation, step mode, outcome on the
+    search batches, and what its searches and confirmations cost in full passes over all the held-out batches),
+    every candidate's report, how it was chosen ("search" or "fallback") and its confirmation margin over the
+    simplest."""
     adapter, loss_fn, accelerator = prepared.adapter, prepared.loss_fn, prepared.accelerator
-    at_zero = prepared.problem.weights(0.0)  # the old function at the grown widths, whatever the candidate
+    search_batches, confirm_batches = old.batches["search"], old.batches["confirm"]
 
-    def confirm() -> tuple[float, int]:
+    def confirm(outcome: search.SearchOutcome) -> tuple[float, int]:
+        """The confirmation loss of the weights ``outcome`` left in the target: the old function's at step 0."""
+        if outcome.step_size == 0:
+            return old.loss("confirm")
         return evaluate_loss(target, confirm_batches, adapter, loss_fn, accelerator)
 
     problem = prepared.problem  # solved once for every candidate
@@ -117,11 +162,12 @@ def _choose(
     for truncation, step_mode in prepared.config.candidates:
         problem.set_truncation(truncation)  # one solve holds both truncations (`prepare_growth`)
         problem.set_step_mode(step_mode)
-        write_weights(adapter, target, at_zero)
-        outcome = search.line_search(prepared, problem, target, search_batches, progress=progress)
+        before = old.loss("search")
+        write_weights(adapter, target, old.weights)
+        outcome = search.line_search(prepared, problem, target, search_batches, progress=progress, before=before)
         searched_passes += outcome.passes
-        confirm_passes += 1
-        confirm_loss, confirm_weight = confirm()
+        confirm_loss, _ = confirm(outcome)
+        confirm_passes += outcome.step_size > 0
         report = CandidateReport(truncation, step_mode, outcome.step_size, outcome.loss_after, confirm_loss)
         reports.append(report)
         logger.info("candidate %s, %s: step %.4g, search loss %.5f, confirmation loss %.5f", truncation, step_mode,
@@ -133,8 +179,7 @@ def _choose(
     confirmed = best[2].confirm_loss < simplest[2].confirm_loss
     selection = "fallback" if best is not simplest and not confirmed else "search"
     step_mode, outcome, report = best if confirmed else simplest
-    search_weight = outcome.eval_weight
     # in full passes over all the held-out batches: the searches' over their part, the confirmations' over theirs
-    passes = (searched_passes * search_weight + confirm_passes * confirm_weight) / (search_weight + confirm_weight)
+    passes = searched_passes * old.share("search") + confirm_passes * old.share("confirm")
     chosen = (report.truncation, step_mode, outcome, passes)
     return chosen, reports, selection, simplest[2].confirm_loss - report.confirm_loss

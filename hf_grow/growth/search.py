@@ -81,12 +81,15 @@ def line_search(
     progress: bool,
     near: float | None = None,
     record_step_zero: bool = False,
+    before: tuple[float, int] | None = None,
 ) -> SearchOutcome:
     """Search ``problem``'s step on ``eval_batches`` (or take the config's ``step_size``) in ``target``, which
     computes the old function on entry; on exit it holds the chosen step's weights. ``near``: a step already
     searched on some of the batches, from which a shorter search starts (factor 2, two refinements).
     ``record_step_zero``: keep every block's outputs from the step-0 pass (``SearchOutcome.step_zero``) for the
-    realized gains to replay; only where they will be measured, since the records hold up to `CACHE_BYTES`."""
+    realized gains to replay; only where they will be measured, since the records hold up to `CACHE_BYTES`.
+    ``before``: the held-out loss and weight (`evaluate_loss`) of the old function on ``eval_batches``, known
+    already (the candidates of "auto" options share it), so that it is not evaluated again."""
     model, adapter = prepared.model, prepared.adapter
     accelerator = prepared.accelerator
     config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
@@ -117,6 +120,8 @@ def line_search(
     if eval_batches is not None and record_step_zero:
         step_zero = HeldOutPasses(target, adapter, eval_batches, loss_fn, accelerator)
         loss_before, eval_weight = step_zero.loss_recording()
+    elif eval_batches is not None and before is not None:
+        loss_before, eval_weight = before
     elif eval_batches is not None:
         loss_before, eval_weight = evaluate_loss(target, eval_batches, adapter, loss_fn, accelerator)
     if step_size is None and not math.isfinite(loss_before):
