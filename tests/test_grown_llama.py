@@ -168,7 +168,7 @@ def test_auto_solves_append_growth_once_and_frees_m_group_by_group(llama, stdlib
     """With both truncations among the candidates, one "append" solve holds both truncations' unit updates (rank-p
     factors), solved from each group's M while it is alive: M is freed group by group as for one candidate, each
     truncation's weights and head reports are bitwise those of a solve for it alone, and each candidate's search
-    finds the step it finds alone."""
+    finds about the loss it finds alone."""
     from hf_grow.growth.head_reports import head_reports
     from hf_grow.growth.prepare import prepare_growth
     from hf_grow.statistics import statistics_bytes
@@ -200,15 +200,19 @@ def test_auto_solves_append_growth_once_and_frees_m_group_by_group(llama, stdlib
     statistics = collect_statistics(llama, batches, get_adapter(llama))
     evaluation = lm_batches(stdlib_bytes["eval"], 3, seed=11)  # two to search on, one to confirm
 
-    def grown(eval_batches, **settings):
+    def grown(eval_batches, measure_realized_gains=False, **settings):
         return grow_model(llama, None, p=8, statistics=statistics, eval_dataloader=eval_batches,
-                          measure_realized_gains=False, **settings).growth_report
+                          measure_realized_gains=measure_realized_gains, **settings).growth_report
 
-    report = grown(evaluation, **auto_options)
+    report = grown(evaluation, measure_realized_gains=True, **auto_options)
     assert report.mode == "append" and len(report.candidates) == 4
-    for candidate in report.candidates:
+    assert report.eval_loss_before == pytest.approx(evaluate_loss(llama, evaluation)[0], abs=1e-6)
+    assert all(math.isfinite(layer.realized_gain) for layer in report.layers)
+    for candidate in report.candidates:  # the others' shorter searches start from the simplest's step (same lam)
         by_itself = grown(evaluation[:2], truncation=candidate.truncation, step_mode=candidate.step_mode)
-        assert candidate.step_size == by_itself.step_size and candidate.search_loss == by_itself.eval_loss_after
+        if candidate is report.candidates[0]:
+            assert (candidate.step_size, candidate.search_loss) == (by_itself.step_size, by_itself.eval_loss_after)
+        assert candidate.search_loss <= min(by_itself.eval_loss_after + 2e-4, by_itself.eval_loss_before)
 
 
 def test_grouped_heads_share_their_new_key_dims(llama_gqa, stdlib_bytes):

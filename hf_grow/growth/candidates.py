@@ -30,7 +30,7 @@ from ..report import CandidateReport, GrowthReport
 from . import search
 from .line_search import evaluate_loss, held_out_count
 from .prepare import PreparedGrowth
-from .problem import write_weights
+from .problem import GrowthProblem, write_weights
 
 
 logger = logging.getLogger("hf_grow")
@@ -71,12 +71,14 @@ def search_and_report(
     problem.set_step_mode(step_mode)  # the report's steps per layer and head are the chosen mode's
     # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
     # step its search found (from the start where that was 0): with few batches, a step searched on part of them
-    # is noisier (BENCHMARKS: MiniLM). Its loss at step 0 is the old function's on both parts, unless the pass
-    # must record the blocks' outputs for the realized gains.
+    # is noisier (BENCHMARKS: MiniLM). Its losses at step 0 and at that step are known on both parts (at step 0
+    # the old function's, unless the pass must record the blocks' outputs for the realized gains).
     write_weights(prepared.adapter, target, old.weights)
+    kept = next(report for report in reports if (report.truncation, report.step_mode) == (truncation, step_mode))
     outcome = search.line_search(
         prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size,
         record_step_zero=measure_realized_gains, before=None if measure_realized_gains else old.on_all(),
+        near_loss=old.combined(kept.search_loss, kept.confirm_loss),
     )
     # every pass but the one at step 0 over all the held-out batches that any growth makes
     outcome.passes += passes + old.passes + measure_realized_gains - 1
@@ -109,6 +111,8 @@ class OldFunction:
         self.batches = {"search": search_batches, "confirm": confirm_batches}
         self.weights = prepared.problem.weights(0.0)  # the old function at the grown widths, whatever the candidate
         self.losses: dict[str, tuple[float, int]] = {}
+        #: Each part's loss weight (`evaluate_loss`), whatever the function: the same at every step.
+        self.part_weights: dict[str, int] = {}
         #: The passes made, in full passes over all the held-out batches.
         self.passes = 0.0
 
@@ -122,6 +126,7 @@ class OldFunction:
                 self.target, self.batches[part], prepared.adapter, prepared.loss_fn, prepared.accelerator
             )
             self.passes += self.share(part)
+            self.part_weights[part] = self.losses[part][1]
         return self.losses[part]
 
     def share(self, part: str) -> float:
@@ -129,10 +134,15 @@ class OldFunction:
         return len(self.batches[part]) / sum(len(batches) for batches in self.batches.values())
 
     def on_all(self) -> tuple[float, int]:
-        """The loss and weight on all the held-out batches, from those of both parts."""
-        (search_loss, search_weight), (confirm_loss, confirm_weight) = self.loss("search"), self.loss("confirm")
-        weight = search_weight + confirm_weight
-        return (search_loss * search_weight + confirm_loss * confirm_weight) / weight, weight
+        """The old function's loss and weight on all the held-out batches, from those of both parts."""
+        search_loss, confirm_loss = self.loss("search")[0], self.loss("confirm")[0]
+        return self.combined(search_loss, confirm_loss), sum(self.part_weights.values())
+
+    def combined(self, search_loss: float, confirm_loss: float) -> float:
+        """A loss on all the held-out batches from its losses on the search and the confirmation batches (once
+        each part's weight is known)."""
+        search_weight, confirm_weight = self.part_weights["search"], self.part_weights["confirm"]
+        return (search_loss * search_weight + confirm_loss * confirm_weight) / (search_weight + confirm_weight)
 
 
 Kept = tuple[str, str, search.SearchOutcome, float]
@@ -149,24 +159,30 @@ def _choose(
     adapter, loss_fn, accelerator = prepared.adapter, prepared.loss_fn, prepared.accelerator
     search_batches, confirm_batches = old.batches["search"], old.batches["confirm"]
 
-    def confirm(outcome: search.SearchOutcome) -> tuple[float, int]:
+    def confirm(outcome: search.SearchOutcome) -> float:
         """The confirmation loss of the weights ``outcome`` left in the target: the old function's at step 0."""
         if outcome.step_size == 0:
-            return old.loss("confirm")
-        return evaluate_loss(target, confirm_batches, adapter, loss_fn, accelerator)
+            return old.loss("confirm")[0]
+        loss, old.part_weights["confirm"] = evaluate_loss(target, confirm_batches, adapter, loss_fn, accelerator)
+        return loss
 
     problem = prepared.problem  # solved once for every candidate
     reports: list[CandidateReport] = []
     simplest = best = None
+    simplest_unit = 0.0
     searched_passes, confirm_passes = 0.0, 0
     for truncation, step_mode in prepared.config.candidates:
         problem.set_truncation(truncation)  # one solve holds both truncations (`prepare_growth`)
         problem.set_step_mode(step_mode)
+        near = None if simplest is None else _near_simplest(simplest[1].step_size, simplest_unit, problem)
+        simplest_unit = simplest_unit or problem.lam_unit
         before = old.loss("search")
         write_weights(adapter, target, old.weights)
-        outcome = search.line_search(prepared, problem, target, search_batches, progress=progress, before=before)
+        outcome = search.line_search(
+            prepared, problem, target, search_batches, progress=progress, near=near, before=before
+        )
         searched_passes += outcome.passes
-        confirm_loss, _ = confirm(outcome)
+        confirm_loss = confirm(outcome)
         confirm_passes += outcome.step_size > 0
         report = CandidateReport(truncation, step_mode, outcome.step_size, outcome.loss_after, confirm_loss)
         reports.append(report)
@@ -183,3 +199,13 @@ def _choose(
     passes = searched_passes * old.share("search") + confirm_passes * old.share("confirm")
     chosen = (report.truncation, step_mode, outcome, passes)
     return chosen, reports, selection, simplest[2].confirm_loss - report.confirm_loss
+
+
+def _near_simplest(step_size: float, unit: float, problem: GrowthProblem) -> float | None:
+    """Where a candidate's shorter search starts: the simplest candidate's step (``step_size`` at lam ``unit`` per
+    unit step) at the same model-wide lam (`StepScaling.lam`): the untruncated step -lam P is the same in both
+    truncations, and per head or per layer the lam units are the same. None (a full search) where the simplest
+    found step 0, or for searches per layer, which start from the layers alone."""
+    if step_size == 0 or problem.lam_unit == 0 or problem.step_mode == "layer_search":
+        return None
+    return step_size * unit / problem.lam_unit

@@ -82,6 +82,7 @@ def line_search(
     near: float | None = None,
     record_step_zero: bool = False,
     before: tuple[float, int] | None = None,
+    near_loss: float | None = None,
 ) -> SearchOutcome:
     """Search ``problem``'s step on ``eval_batches`` (or take the config's ``step_size``) in ``target``, which
     computes the old function on entry; on exit it holds the chosen step's weights. ``near``: a step already
@@ -89,7 +90,8 @@ def line_search(
     ``record_step_zero``: keep every block's outputs from the step-0 pass (``SearchOutcome.step_zero``) for the
     realized gains to replay; only where they will be measured, since the records hold up to `CACHE_BYTES`.
     ``before``: the held-out loss and weight (`evaluate_loss`) of the old function on ``eval_batches``, known
-    already (the candidates of "auto" options share it), so that it is not evaluated again."""
+    already (the candidates of "auto" options share it), so that it is not evaluated again; ``near_loss``:
+    likewise the loss at ``near``."""
     model, adapter = prepared.model, prepared.adapter
     accelerator = prepared.accelerator
     config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
@@ -148,7 +150,9 @@ def line_search(
 
             start = config.initial_step_size
             if near:
-                losses = search_step_size(tracked("rank", evaluate_step), near, factor=2.0, refinements=2)
+                known = {} if near_loss is None else {near: near_loss}
+                points += [LineSearchPoint(step, loss, "rank") for step, loss in known.items()]
+                losses = search_step_size(tracked("rank", evaluate_step), near, factor=2.0, refinements=2, known=known)
             elif problem.step_mode == "layer_search":
                 gains = search_layers_alone(problem, passes, adapter, target, start, loss_before, tracked)
                 # each layer at its own best step alone, then one multiplier t of all of them

@@ -146,7 +146,7 @@ def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int) ->
         cut = len(pool) // 3
         eval_batches, test_batches = [pool[i] for i in order[:cut]], [pool[i] for i in order[cut:]]
         test_before = hf_grow.evaluate_loss(model, test_batches, loss_fn=loss_fn)[0]
-        row = dict(model=name, split=split, decrease={}, seconds={})
+        row = dict(model=name, split=split, decrease={}, seconds={}, passes={})
         for variant, settings in VARIANTS.items():
             tick = time.perf_counter()
             grown = hf_grow.grow_model(
@@ -155,6 +155,7 @@ def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int) ->
             )
             row["seconds"][variant] = time.perf_counter() - tick
             row["decrease"][variant] = test_before - hf_grow.evaluate_loss(grown, test_batches, loss_fn=loss_fn)[0]
+            row["passes"][variant] = grown.growth_report.line_search_passes
             if variant == "auto":
                 report = grown.growth_report
                 row["chosen"] = f"{report.truncation}/{report.step_mode}"
@@ -182,6 +183,9 @@ def summarize(rows: list[dict]) -> None:
     print("\nmean test decrease: " + ", ".join(f"{name} {value:.5f}" for name, value in means.items()))
     print(f"auto below the notes' formula on {below}/{len(rows)} rows; auto / best single variant ({best_single}) "
           f"on average: {means['auto'] / means[best_single]:.3f}; auto / each row's best: {means['auto'] / oracle:.3f}")
+    passes = {name: sum(row["passes"][name] for row in rows) / len(rows) for name in VARIANTS}
+    print("mean held-out passes beyond the one at step 0 (line_search_passes): "
+          + ", ".join(f"{name} {value:.1f}" for name, value in passes.items()))
 
 
 def main() -> None:
