@@ -8,10 +8,12 @@ batches, the search's best can fit their noise (BENCHMARKS: the per-layer search
 The kept candidate's step is then searched again on all the held-out batches, from the step found on part of
 them: a step searched on fewer batches is noisier.
 
-Cost: one line search per candidate on the search batches, one pass over the confirmation batches per
-candidate, and a shorter line search on all the batches. The old function (step 0) is the same for every
-candidate: its loss on each held-out batch is evaluated once (`OldFunction`), unless the realized gains need the
-final search's step-0 pass to record the blocks' outputs. The statistics and the solve are shared: one solve holds
+Cost: one line search per truncation on the search batches, a shorter one for each other candidate (from the
+step its truncation's first candidate found: per head or per layer, the step sizes are alike), one pass over the
+confirmation batches per candidate, and a shorter line search on all the batches (from the kept step, whose loss
+there is known from its search and confirmation). The old function (step 0) is the same for every candidate: its
+loss on each held-out batch is evaluated once (`OldFunction`), unless the realized gains need the final search's
+step-0 pass to record the blocks' outputs. The statistics and the solve are shared: one solve holds
 both truncations' targets ("refactor") or unit updates ("append") (`GrowthProblem.holds`), so M is freed group by
 group as for one candidate, and truncations and step modes are switched without solving again.
 """
@@ -169,19 +171,19 @@ def _choose(
     problem = prepared.problem  # solved once for every candidate
     reports: list[CandidateReport] = []
     simplest = best = None
-    simplest_unit = 0.0
+    first_of_truncation: dict[str, tuple[float, float]] = {}  # the step and lam unit its first search found
     searched_passes, confirm_passes = 0.0, 0
     for truncation, step_mode in prepared.config.candidates:
         problem.set_truncation(truncation)  # one solve holds both truncations (`prepare_growth`)
         problem.set_step_mode(step_mode)
-        near = None if simplest is None else _near_simplest(simplest[1].step_size, simplest_unit, problem)
-        simplest_unit = simplest_unit or problem.lam_unit
+        near = _near(first_of_truncation.get(truncation), problem)
         before = old.loss("search")
         write_weights(adapter, target, old.weights)
         outcome = search.line_search(
             prepared, problem, target, search_batches, progress=progress, near=near, before=before
         )
         searched_passes += outcome.passes
+        first_of_truncation.setdefault(truncation, (outcome.step_size, problem.lam_unit))
         confirm_loss = confirm(outcome)
         confirm_passes += outcome.step_size > 0
         report = CandidateReport(truncation, step_mode, outcome.step_size, outcome.loss_after, confirm_loss)
@@ -201,11 +203,13 @@ def _choose(
     return chosen, reports, selection, simplest[2].confirm_loss - report.confirm_loss
 
 
-def _near_simplest(step_size: float, unit: float, problem: GrowthProblem) -> float | None:
-    """Where a candidate's shorter search starts: the simplest candidate's step (``step_size`` at lam ``unit`` per
-    unit step) at the same model-wide lam (`StepScaling.lam`): the untruncated step -lam P is the same in both
-    truncations, and per head or per layer the lam units are the same. None (a full search) where the simplest
-    found step 0, or for searches per layer, which start from the layers alone."""
-    if step_size == 0 or problem.lam_unit == 0 or problem.step_mode == "layer_search":
+def _near(searched: tuple[float, float] | None, problem: GrowthProblem) -> float | None:
+    """Where a candidate's shorter search starts: the step its truncation's first candidate found (``searched``:
+    that step and its lam per unit step), at the same model-wide lam (`StepScaling.lam`; per head or per layer
+    the lam units are the same). None, a full search, for a truncation's first candidate (the other truncation's
+    step can be far off: 64x on the BPE GPT-2 of bench_candidates), where that one found step 0, and for searches
+    per layer, which start from the layers alone."""
+    if searched is None or 0 in searched or problem.lam_unit == 0 or problem.step_mode == "layer_search":
         return None
+    step_size, unit = searched
     return step_size * unit / problem.lam_unit
