@@ -65,18 +65,15 @@ def search_and_report(
         return report
     tick = time.perf_counter()
     old = OldFunction(prepared, target, *parts)
-    (truncation, step_mode, searched, passes), reports, selection, margin = _choose(
-        prepared, target, old, progress=progress
-    )
+    (kept, searched, passes), reports, selection, margin = _choose(prepared, target, old, progress=progress)
     problem = prepared.problem
-    problem.set_truncation(truncation)  # a problem shared by the candidates holds the last one's settings
-    problem.set_step_mode(step_mode)  # the report's steps per layer and head are the chosen mode's
+    problem.set_truncation(kept.truncation)  # a problem shared by the candidates holds the last one's settings
+    problem.set_step_mode(kept.step_mode)  # the report's steps per layer and head are the chosen mode's
     # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
     # step its search found (from the start where that was 0): with few batches, a step searched on part of them
     # is noisier (BENCHMARKS: MiniLM). Its losses at step 0 and at that step are known on both parts (at step 0
     # the old function's, unless the pass must record the blocks' outputs for the realized gains).
     write_weights(prepared.adapter, target, old.weights)
-    kept = next(report for report in reports if (report.truncation, report.step_mode) == (truncation, step_mode))
     outcome = search.line_search(
         prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size,
         record_step_zero=measure_realized_gains, before=None if measure_realized_gains else old.on_all(),
@@ -147,15 +144,15 @@ class OldFunction:
         return (search_loss * search_weight + confirm_loss * confirm_weight) / (search_weight + confirm_weight)
 
 
-Kept = tuple[str, str, search.SearchOutcome, float]
+Kept = tuple[CandidateReport, search.SearchOutcome, float]
 
 
 def _choose(
     prepared: PreparedGrowth, target: PreTrainedModel, old: OldFunction, *, progress: bool
 ) -> tuple[Kept, list[CandidateReport], str, float]:
     """Line-search every candidate on the search batches, confirm on the confirmation batches (`OldFunction`
-    holds both and the loss at step 0 on them): the candidate kept (its truncation, step mode, outcome on the
-    search batches, and what its searches and confirmations cost in full passes over all the held-out batches),
+    holds both and the loss at step 0 on them): the candidate kept (its report, its outcome on the search
+    batches, and what the searches and confirmations cost in full passes over all the held-out batches),
     every candidate's report, how it was chosen ("search" or "fallback") and its confirmation margin over the
     simplest."""
     adapter, loss_fn, accelerator = prepared.adapter, prepared.loss_fn, prepared.accelerator
@@ -165,7 +162,8 @@ def _choose(
         """The confirmation loss of the weights ``outcome`` left in the target: the old function's at step 0."""
         if outcome.step_size == 0:
             return old.loss("confirm")[0]
-        loss, old.part_weights["confirm"] = evaluate_loss(target, confirm_batches, adapter, loss_fn, accelerator)
+        loss, weight = evaluate_loss(target, confirm_batches, adapter, loss_fn, accelerator)
+        old.part_weights["confirm"] = weight
         return loss
 
     problem = prepared.problem  # solved once for every candidate
@@ -190,17 +188,16 @@ def _choose(
         reports.append(report)
         logger.info("candidate %s, %s: step %.4g, search loss %.5f, confirmation loss %.5f", truncation, step_mode,
                     report.step_size, report.search_loss, report.confirm_loss)
-        kept = (step_mode, outcome, report)
+        kept = (report, outcome)
         simplest = simplest or kept
-        if best is None or report.search_loss < best[2].search_loss:
+        if best is None or report.search_loss < best[0].search_loss:
             best = kept  # the earlier (simpler) candidate wins a tie
-    confirmed = best[2].confirm_loss < simplest[2].confirm_loss
+    confirmed = best[0].confirm_loss < simplest[0].confirm_loss
     selection = "fallback" if best is not simplest and not confirmed else "search"
-    step_mode, outcome, report = best if confirmed else simplest
+    report, outcome = best if confirmed else simplest
     # in full passes over all the held-out batches: the searches' over their part, the confirmations' over theirs
     passes = searched_passes * old.share("search") + confirm_passes * old.share("confirm")
-    chosen = (report.truncation, step_mode, outcome, passes)
-    return chosen, reports, selection, simplest[2].confirm_loss - report.confirm_loss
+    return (report, outcome, passes), reports, selection, simplest[0].confirm_loss - report.confirm_loss
 
 
 def _near(searched: tuple[float, float] | None, problem: GrowthProblem) -> float | None:
