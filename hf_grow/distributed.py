@@ -74,6 +74,21 @@ class Processes:
             tensor.copy_(self.accelerator.reduce(tensor, reduction="sum"))
         return tensor
 
+    def reduce_to_(self, tensor: Tensor, owner: int) -> Tensor | None:
+        """The sum of ``tensor`` over the processes, in place on process ``owner``, which gets it back; the other
+        processes get None (their ``tensor`` holds a partial sum then, to be dropped)."""
+        if self.world_size == 1:
+            return tensor
+        dist.reduce(tensor, dst=owner, op=dist.ReduceOp.SUM)
+        return tensor if self.rank == owner else None
+
+    def broadcast_object_(self, objects: list, owner: int) -> list:
+        """Replace the items of ``objects`` (picklable, of the same length everywhere) by process ``owner``'s, in
+        place, and return it."""
+        if self.world_size > 1:
+            dist.broadcast_object_list(objects, src=owner)
+        return objects
+
     @contextlib.contextmanager
     def failing_together(self) -> Iterator[None]:
         """Every process leaves the block by the same door: if one raises, the others raise too.

@@ -121,6 +121,7 @@ def _choose(
             problem = GrowthProblem(
                 prepared.model, adapter, prepared.statistics, prepared.qk_after, truncation, prepared.config.rtol,
                 prepared.config.solver, problem.mode, step_mode, cross_fit=prepared.config.cross_fit,
+                sharding=problem.sharding,
             )
         problem.set_step_mode(step_mode)
         write_weights(adapter, target, at_zero)

@@ -1,0 +1,87 @@
+"""Layers shared out among processes: each layer's M is reduced to one owner, which alone solves the layer.
+
+With several processes, M is the largest thing growth holds (heads x d^2 per layer) and the solve its longest
+step (a d^3 decomposition per head). Each layer gets one owner (`plan_owners`, balanced by that cost): its M is
+reduced to the owner only (`collect_statistics`'s ``owners``), the owner solves it into the compact form of
+`hf_grow.compact`, and the solved layer, a few (heads, d, s) tensors with s about twice the grown width, is then
+broadcast to every process (`Sharding.share`). From there every process holds the same compact problem, so the
+line search, the report and the grown weights are the same on every process, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..distributed import Processes
+
+
+def plan_owners(costs: Sequence[float], world_size: int) -> list[int]:
+    """The process that owns each layer: ``owners[layer]`` in ``range(world_size)``, balancing the summed costs.
+
+    Greedy longest-first: layers by decreasing cost (the lower index first among equal costs) each go to the
+    process with the least cost so far (the lowest rank among equal ones). Deterministic, so every process
+    computes the same plan; equal costs go round-robin (5 layers on 2 processes: 0, 1, 0, 1, 0), and no process
+    owns more than one layer above another's share.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if any(not cost >= 0 for cost in costs):
+        raise ValueError(f"layer costs must be non-negative numbers, got {list(costs)}")
+    owners = [0] * len(costs)
+    loads = [0.0] * world_size
+    for layer in sorted(range(len(costs)), key=lambda layer: (-costs[layer], layer)):
+        owner = min(range(world_size), key=lambda rank: (loads[rank], rank))
+        owners[layer] = owner
+        loads[owner] += costs[layer]
+    return owners
+
+
+def solve_cost(num_heads: int, input_width: int) -> float:
+    """The solve's cost of a layer, up to a constant: a d^3 decomposition per head, d the width of its inputs."""
+    return float(num_heads) * float(input_width) ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """Which process owns each layer (``owners``), and the ``processes`` that share them."""
+
+    processes: Processes
+    owners: tuple[int, ...]
+
+    @classmethod
+    def planned(cls, processes: Processes, costs: Sequence[float]) -> Sharding:
+        """The owners `plan_owners` chooses for layers of these ``costs``."""
+        return cls(processes, tuple(plan_owners(costs, processes.world_size)))
+
+    def owns(self, layer: int) -> bool:
+        """Whether this process owns ``layer``."""
+        return self.owners[layer] == self.processes.rank
+
+    def share(self, layer: int, solved: Any, device: torch.device) -> Any:
+        """The owner's ``solved`` layer (any picklable structure of tensors, dataclasses, tuples and dicts) on
+        every process, its tensors on ``device``: the owner passes it, the others None. Every process must call
+        it, for the same layers in the same order. Sent through the CPU (a pickled CUDA tensor would land on the
+        owner's device index), so its bits are unchanged."""
+        objects = [moved(solved, torch.device("cpu")) if self.owns(layer) else None]
+        self.processes.broadcast_object_(objects, self.owners[layer])
+        return solved if self.owns(layer) else moved(objects[0], device)
+
+
+def moved(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it on ``device`` (dataclasses, named tuples, tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {field.name: moved(getattr(value, field.name), device) for field in dataclasses.fields(value)}
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(moved(item, device) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(moved(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: moved(item, device) for key, item in value.items()}
+    return value

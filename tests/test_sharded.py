@@ -1,0 +1,222 @@
+"""Layers shared out among 2 and 3 CPU processes (gloo): each layer's M is reduced to its owner, which alone solves
+it; every process ends with the same grown model as one process reading all the data, holding a share of M."""
+
+import gc
+import math
+import os
+
+import pytest
+import torch
+from torch import distributed as dist
+from transformers import GPT2LMHeadModel
+
+from hf_grow import collect_statistics, get_adapter, grow_model
+from hf_grow.distributed import OtherProcessFailed, Processes
+from hf_grow.growth.sharding import Sharding, moved, plan_owners, solve_cost
+from hf_grow.statistics import statistics_bytes
+
+from conftest import lm_batches, tiny_gpt2_config, trained_on_text
+from test_distributed import run_processes
+from test_training_distributed import one_thread
+
+
+ONE_CANDIDATE = dict(truncation="whitened", step_mode="per_head")
+#: The grown model: 5 layers, shared unevenly among 2 or 3 processes, grown in passes of 2 layers.
+GROW = dict(n_layer=5, n_embd=32, n_head=4)
+#: The model whose held M is counted: 12 layers of 2 heads, one per pass, kept (no solve frees them), with its
+#: cross-fitting halves, in offloaded files.
+COUNT = dict(n_layer=12, n_embd=16, n_head=2)
+
+
+@pytest.mark.parametrize(("layers", "world_size"), [(5, 2), (5, 3), (12, 2), (12, 3), (2, 3), (1, 1), (7, 4)])
+def test_the_plan_gives_each_layer_one_owner_and_balances_the_processes(layers, world_size):
+    owners = plan_owners([1.0] * layers, world_size)
+    assert len(owners) == layers and all(0 <= owner < world_size for owner in owners)
+    counts = [owners.count(rank) for rank in range(world_size)]
+    assert max(counts) - min(counts) <= 1  # equal costs: as even as the count allows
+    assert owners == plan_owners([1.0] * layers, world_size)  # the same plan on every process
+    if layers == 5 and world_size == 2:
+        assert owners == [0, 1, 0, 1, 0]
+
+
+def test_the_plan_balances_unequal_costs_and_refuses_bad_input():
+    costs = [solve_cost(heads, 65) for heads in (8, 1, 1, 1, 1, 1, 1, 1, 1)]  # one layer as costly as the others
+    owners = plan_owners(costs, 2)
+    assert owners[0] == 0 and owners[1:] == [1] * 8
+    assert plan_owners([], 3) == []
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        plan_owners([1.0], 0)
+    with pytest.raises(ValueError, match="non-negative"):
+        plan_owners([1.0, float("nan")], 2)
+
+
+def test_one_process_owns_and_shares_everything():
+    """World size 1: every layer owned here, shared as it is (the same object, no copy)."""
+    sharding = Sharding.planned(Processes(), [1.0, 2.0])
+    solved = {"norms": (torch.ones(2), torch.zeros(2))}
+    assert sharding.owners == (0, 0) and sharding.owns(1)
+    assert sharding.share(1, solved, torch.device("cpu")) is solved
+    assert moved(solved, torch.device("cpu"))["norms"][0] is solved["norms"][0]
+
+
+def held_m_bytes(heads: int, width: int) -> int:
+    """Bytes of the live tensors shaped like one layer's M, (heads, d, d), each storage counted once."""
+    storages = {}
+    for obj in gc.get_objects():
+        if type(obj) is torch.Tensor and tuple(obj.shape) == (heads, width, width):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def peak_held_m(model, batches, folder, accelerator=None, owners=None) -> tuple[int, object]:
+    """The most M bytes held at any batch of a collection in passes of one layer, with halves, offloaded to
+    ``folder`` and kept (not solved), and the statistics."""
+    heads, width = model.config.n_head, model.config.n_embd + 1
+    peaks = []
+
+    def counting_loss(m, batch):
+        peaks.append(held_m_bytes(heads, width))
+        return m(**batch).loss
+
+    budget = statistics_bytes(model.config.n_layer, heads, model.config.n_embd, 3)  # C, M of one layer, its half
+    statistics = collect_statistics(
+        model, batches, get_adapter(model), loss_fn=counting_loss, memory_budget=budget, accelerator=accelerator,
+        owners=owners, cross_fit=True, offload_dir=folder,
+    )
+    return max(*peaks, held_m_bytes(heads, width)), statistics
+
+
+def sharded_worker(rank: int, world_size: int, grow_state: dict, count_state: dict, data: dict, folder: str) -> None:
+    """One process: a sharded growth of its shard, its held M while collecting, a failure mid-pass."""
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    shard, eval_shard = data["batches"][rank::world_size], data["eval"][rank::world_size]
+    model = GPT2LMHeadModel(tiny_gpt2_config(**GROW))
+    model.load_state_dict(grow_state)
+    grown = grow_model(accelerator.prepare(model), shard, p=8, eval_dataloader=eval_shard, accelerator=accelerator,
+                       memory_budget=data["budget"], **ONE_CANDIDATE)
+
+    counted = GPT2LMHeadModel(tiny_gpt2_config(**COUNT))
+    counted.load_state_dict(count_state)
+    owners = plan_owners([1.0] * COUNT["n_layer"], world_size)
+    os.makedirs(f"{folder}/offload{rank}")
+    peak, statistics = peak_held_m(counted, shard, f"{folder}/offload{rank}", accelerator, owners)
+    held = [layer for layer, gradient in enumerate(statistics.gradients) if gradient is not None]
+
+    calls = []
+
+    def failing_in_second_pass(m, batch):  # on the last process only, after its first pass over its shard
+        calls.append(None)
+        if rank == world_size - 1 and len(calls) > len(shard):
+            raise RuntimeError("a bad batch")
+        return m(**batch).loss
+
+    try:
+        grow_model(model, shard, p=8, eval_dataloader=eval_shard, accelerator=accelerator, loss_fn=failing_in_second_pass,
+                   memory_budget=data["budget"], **ONE_CANDIDATE)
+        failure = None
+    except (RuntimeError, OtherProcessFailed) as error:
+        failure = f"{type(error).__name__}: {error}"
+    accelerator.wait_for_everyone()
+    torch.save({"state_dict": grown.state_dict(), "report": grown.growth_report.to_dict(), "peak": peak,
+                "held": held, "failure": failure, "summed": statistics.gradients,
+                "halves": (statistics.half_gradients, statistics.half_loss_weight)}, f"{folder}/rank{rank}.pt")
+    accelerator.end_training()
+
+
+@pytest.fixture(scope="module")
+def sharded_setup(stdlib_bytes, tmp_path_factory):
+    torch.manual_seed(0)
+    grow_state = trained_on_text(GPT2LMHeadModel(tiny_gpt2_config(**GROW)), stdlib_bytes).state_dict()
+    count_state = GPT2LMHeadModel(tiny_gpt2_config(**COUNT)).state_dict()
+    data = {
+        "batches": lm_batches(stdlib_bytes["stats"], 6, batch_size=2, seed=51),
+        "eval": lm_batches(stdlib_bytes["eval"], 6, batch_size=2, seed=52),
+        "budget": statistics_bytes(GROW["n_layer"], GROW["n_head"], GROW["n_embd"], 3),  # 2 layers of M a pass (+1)
+    }
+    alone = GPT2LMHeadModel(tiny_gpt2_config(**GROW))
+    alone.load_state_dict(grow_state)
+    with one_thread():  # as in the workers, so that the reference rounds as they do
+        grown = grow_model(alone, data["batches"], p=8, eval_dataloader=data["eval"], memory_budget=data["budget"],
+                           **ONE_CANDIDATE)
+        counted = GPT2LMHeadModel(tiny_gpt2_config(**COUNT))
+        counted.load_state_dict(count_state)
+        peak, statistics = peak_held_m(counted, data["batches"], tmp_path_factory.mktemp("offload"))
+    return grow_state, count_state, data, grown, peak, statistics, counted
+
+
+#: Report entries measured by running the float32 model: equal to its rounding (the grown weights are the float64
+#: solve rounded to float32, from M summed in another order); every other number comes from the float64 solve.
+MEASURED = {"eval_loss_before", "eval_loss_after", "loss", "realized_gain", "search_loss", "confirm_loss"}
+
+
+def assert_same_report(found, expected, scale: float, path: str = "report") -> None:
+    """Reports equal, wall times aside: the solve's numbers to float64 rounding (relative 1e-9), the measured
+    losses and their differences to float32 rounding of a loss of size ``scale``."""
+    key = path.rsplit(".", 1)[-1]
+    if isinstance(expected, dict):
+        assert found.keys() == expected.keys(), path
+        for name in expected:
+            if name != "seconds":
+                assert_same_report(found[name], expected[name], scale, f"{path}.{name}")
+    elif isinstance(expected, list):
+        assert len(found) == len(expected), path
+        for index, (item, other) in enumerate(zip(found, expected)):
+            assert_same_report(item, other, scale, f"{path}[{index}]")
+    elif isinstance(expected, float) and key in MEASURED:
+        assert math.isclose(found, expected, rel_tol=1e-6, abs_tol=1e-6 * scale), (path, found, expected)
+    elif isinstance(expected, float):
+        assert math.isclose(found, expected, rel_tol=1e-9, abs_tol=1e-12), (path, found, expected)
+    else:
+        assert found == expected, path
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_processes_sharing_the_layers_grow_like_one_and_hold_a_share_of_m(sharded_setup, tmp_path, world_size):
+    grow_state, count_state, data, alone, alone_peak, alone_statistics, counted = sharded_setup
+    run_processes(sharded_worker, (world_size, grow_state, count_state, data, str(tmp_path)), nprocs=world_size)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+    # Every process: the same grown model bit for bit, and a complete report, that of one process.
+    expected = alone.growth_report.to_dict()
+    for result in results:
+        assert all(torch.equal(tensor, results[0]["state_dict"][name]) for name, tensor in result["state_dict"].items())
+        assert result["report"] == results[0]["report"] | {"seconds": result["report"]["seconds"]}
+        assert_same_report(result["report"], expected, expected["eval_loss_before"])
+    assert expected["step_size"] > 0 and expected["eval_loss_after"] < expected["eval_loss_before"]
+    assert len(expected["layers"]) == 5 and all(layer["realized_gain"] is not None for layer in expected["layers"])
+    # The grown weights: those of one process to float32 rounding (the stored weights round the float64 solve).
+    state_dict = results[0]["state_dict"]
+    for name, tensor in alone.state_dict().items():
+        torch.testing.assert_close(state_dict[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+    # Each layer's M is held by its owner only, equal to one process's sum, and so is its half: the sum over the
+    # odd-numbered batches of each process's shard. No process holds more than its share.
+    owners = plan_owners([1.0] * COUNT["n_layer"], world_size)
+    odd = [batch for rank in range(world_size) for batch in data["batches"][rank::world_size][1::2]]
+    odd_statistics = collect_statistics(counted, odd, get_adapter(counted), loss_fn=lambda m, batch: m(**batch).loss)
+    for rank, result in enumerate(results):
+        assert result["held"] == [layer for layer, owner in enumerate(owners) if owner == rank]
+        half_gradients, half_loss_weight = result["halves"]
+        assert half_loss_weight == odd_statistics.loss_weight
+        for layer in range(COUNT["n_layer"]):
+            if layer not in result["held"]:
+                assert result["summed"][layer] is None and half_gradients[layer] is None
+                continue
+            for found, expected_m in ((result["summed"][layer], alone_statistics.gradients[layer]),
+                                      (half_gradients[layer], odd_statistics.gradients[layer])):
+                torch.testing.assert_close(found, expected_m, rtol=1e-12, atol=1e-12 * float(expected_m.abs().max()))
+    peaks = [result["peak"] / alone_peak for result in results]
+    assert max(peaks) <= {2: 0.6, 3: 0.45}[world_size], peaks  # 12 layers: 6 + 1 in flight, 4 + 1 in flight
+
+    # A process failing in the second pass: it raises its error, the others one clear error, none waits forever.
+    failures = [result["failure"] for result in results]
+    assert failures[-1] == "RuntimeError: a bad batch"
+    assert failures[:-1] == ["OtherProcessFailed: 1 other process(es) failed; their error is in their output"] * (
+        world_size - 1)
