@@ -8,11 +8,12 @@ import os
 import pytest
 import torch
 from torch import distributed as dist
-from transformers import GPT2LMHeadModel
+from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from hf_grow import collect_statistics, get_adapter, grow_model
+from hf_grow import GrowthConfig, collect_statistics, get_adapter, grow_model
 from hf_grow.distributed import OtherProcessFailed, Processes
-from hf_grow.growth.sharding import Sharding, moved, plan_owners, solve_cost
+from hf_grow.growth.memory_plan import plan_memory
+from hf_grow.growth.sharding import Sharding, most_layers_held, moved, plan_owners, solve_cost
 from hf_grow.statistics import statistics_bytes
 
 from conftest import lm_batches, tiny_gpt2_config, trained_on_text
@@ -48,6 +49,31 @@ def test_the_plan_balances_unequal_costs_and_refuses_bad_input():
         plan_owners([1.0], 0)
     with pytest.raises(ValueError, match="non-negative"):
         plan_owners([1.0, float("nan")], 2)
+
+
+def test_a_process_holds_its_own_layers_and_the_group_in_flight():
+    one_layer_passes = [[layer] for layer in range(12)]
+    assert most_layers_held(one_layer_passes, plan_owners([1.0] * 12, 1), keep_all=True) == 12
+    assert most_layers_held(one_layer_passes, plan_owners([1.0] * 12, 2), keep_all=True) == 6 + 1
+    assert most_layers_held(one_layer_passes, plan_owners([1.0] * 12, 3), keep_all=True) == 4 + 1
+    assert most_layers_held([[0, 1, 2], [3, 4]], plan_owners([1.0] * 5, 2), keep_all=True) == 2 + 2
+    assert most_layers_held([[0, 1, 2], [3, 4]], plan_owners([1.0] * 5, 3), keep_all=False) == 3  # freed when solved
+
+
+def test_the_memory_plan_of_a_process_counts_the_m_of_its_own_layers():
+    """"append" growth with both truncations keeps M to the end: 8 layers in passes of 2 hold 8 layers of M in one
+    process, 2 own + 2 in flight in each of 4 (the plan's "M" term of the statistics and the solve)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    adapter = get_adapter(model)
+    config = GrowthConfig(p=8, truncation="auto", memory_budget=statistics_bytes(8, 4, 64, 3))
+    plans = {processes: plan_memory(model, adapter, config, batch_size=2, seq_len=16, eval_tokens=64,
+                                    processes=processes) for processes in (1, 4)}
+    one_layer = 4 * 65 * 65 * 8
+    for processes, layers in ((1, 8), (4, 4)):
+        assert all(plans[processes].stages[index].terms["M"] == layers * one_layer for index in (1, 2))
+    assert "per process of 4" in plans[4].table() and "per process" not in plans[1].table()
 
 
 def test_one_process_owns_and_shares_everything():

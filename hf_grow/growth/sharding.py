@@ -85,3 +85,16 @@ def moved(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {key: moved(item, device) for key, item in value.items()}
     return value
+
+
+def most_layers_held(groups: Sequence[Sequence[int]], owners: Sequence[int], keep_all: bool) -> int:
+    """The most layers of M a process holds at once while collecting ``groups`` (one pass each) with the layers of
+    ``owners`` (one process: all zero): the group in flight, and with ``keep_all`` (M kept to the end, not freed
+    by each group's solve) the layers of its own it was given in the passes before."""
+    most = 0
+    for rank in set(owners) or {0}:
+        kept = 0
+        for group in groups:
+            most = max(most, kept + len(group))
+            kept += sum(owners[layer] == rank for layer in group) if keep_all else 0
+    return most
