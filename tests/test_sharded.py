@@ -246,3 +246,52 @@ def test_processes_sharing_the_layers_grow_like_one_and_hold_a_share_of_m(sharde
     assert failures[-1] == "RuntimeError: a bad batch"
     assert failures[:-1] == ["OtherProcessFailed: 1 other process(es) failed; their error is in their output"] * (
         world_size - 1)
+
+
+#: A Llama with grouped-query attention ("append" growth), 3 layers on 2 processes. With truncation "auto" it keeps
+#: every layer's M (on its owner) and solves the Frobenius candidate again from it.
+LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+             pad_token_id=0)
+#: Each process confirms on the last of its 2 held-out batches, one process on the last 2 of 4: the same batches.
+AUTO = dict(truncation="auto", step_mode="per_head", confirm_fraction=0.5)
+
+
+def llama_worker(rank: int, world_size: int, state_dict: dict, data: dict, folder: str) -> None:
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    model.load_state_dict(state_dict)
+    grown = grow_model(model, data["batches"][rank::world_size], p=8, eval_dataloader=data["eval"][rank::world_size],
+                       accelerator=accelerator, memory_budget=data["budget"], **AUTO)
+    torch.save({"state_dict": grown.state_dict(), "report": grown.growth_report.to_dict()}, f"{folder}/rank{rank}.pt")
+    accelerator.end_training()
+
+
+def test_append_growth_solved_again_from_the_owners_m_grows_like_one_process(stdlib_bytes, tmp_path):
+    torch.manual_seed(0)
+    model = trained_on_text(LlamaForCausalLM(LlamaConfig(**LLAMA)), stdlib_bytes)
+    state_dict = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    data = {
+        "batches": lm_batches(stdlib_bytes["stats"], 4, batch_size=2, seed=53),
+        "eval": lm_batches(stdlib_bytes["eval"], 4, batch_size=2, seed=54),
+        "budget": statistics_bytes(3, 4, 32, 2),  # one layer of M per pass
+    }
+    run_processes(llama_worker, (2, state_dict, data, str(tmp_path)), nprocs=2)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    with one_thread():
+        alone = grow_model(model, data["batches"], p=8, eval_dataloader=data["eval"], memory_budget=data["budget"],
+                           **AUTO)
+    expected = alone.growth_report.to_dict()
+    assert [candidate["truncation"] for candidate in expected["candidates"]] == ["whitened", "frobenius"]
+    assert expected["step_size"] > 0
+    for result in results:
+        assert all(torch.equal(tensor, results[0]["state_dict"][name]) for name, tensor in result["state_dict"].items())
+        assert_same_report(result["report"], expected, expected["eval_loss_before"])
+        for name, tensor in alone.state_dict().items():
+            torch.testing.assert_close(result["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
