@@ -144,8 +144,8 @@ def sharded_worker(rank: int, world_size: int, grow_state: dict, count_state: di
         return m(**batch).loss
 
     try:
-        grow_model(model, shard, p=8, eval_dataloader=eval_shard, accelerator=accelerator, loss_fn=failing_in_second_pass,
-                   memory_budget=data["budget"], **ONE_CANDIDATE)
+        grow_model(model, shard, p=8, eval_dataloader=eval_shard, accelerator=accelerator,
+                   loss_fn=failing_in_second_pass, memory_budget=data["budget"], **ONE_CANDIDATE)
         failure = None
     except (RuntimeError, OtherProcessFailed) as error:
         failure = f"{type(error).__name__}: {error}"

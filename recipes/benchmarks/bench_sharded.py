@@ -48,7 +48,8 @@ def build(settings: dict) -> tuple[GPT2LMHeadModel, list[dict], list[dict]]:
     generator = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(settings["batches"] + settings["eval_batches"]):
-        ids = torch.randint(0, settings["vocab_size"], (settings["batch_size"], settings["seq_len"]), generator=generator)
+        shape = (settings["batch_size"], settings["seq_len"])
+        ids = torch.randint(0, settings["vocab_size"], shape, generator=generator)
         batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
     return model, batches[: settings["batches"]], batches[settings["batches"] :]
 
