@@ -10,7 +10,7 @@ import torch
 from torch import distributed as dist
 from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from hf_grow import GrowthConfig, collect_statistics, get_adapter, grow_model
+from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model
 from hf_grow.distributed import OtherProcessFailed, Processes
 from hf_grow.growth.memory_plan import plan_memory
 from hf_grow.growth.sharding import Sharding, most_layers_held, moved, plan_owners, solve_cost
@@ -74,6 +74,21 @@ def test_the_memory_plan_of_a_process_counts_the_m_of_its_own_layers():
     for processes, layers in ((1, 8), (4, 4)):
         assert all(plans[processes].stages[index].terms["M"] == layers * one_layer for index in (1, 2))
     assert "per process of 4" in plans[4].table() and "per process" not in plans[1].table()
+
+
+def test_a_dry_run_plans_one_process_of_world_size_without_starting_any(tmp_path, monkeypatch, capsys):
+    """``WORLD_SIZE=4 hf-grow ... --dry-run`` on a login node: the plan of one of 4 processes, no process group."""
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=64).save_pretrained(tmp_path)
+    arguments = [str(tmp_path), "--p", "8", "--data", str(tmp_path / "none-*.txt"), "--seq-len", "64", "--dry-run",
+                 "--device", "cpu", "--truncation", "auto", "--memory-budget", str(statistics_bytes(8, 4, 64, 3))]
+    tables = {}
+    for world_size in ("1", "4"):
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        assert cli.main(arguments) == 0
+        tables[world_size] = capsys.readouterr().out
+    assert "per process of 4" in tables["4"] and "per process" not in tables["1"]
+    assert not dist.is_initialized()
 
 
 def test_one_process_owns_and_shares_everything():
