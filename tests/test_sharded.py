@@ -12,6 +12,7 @@ from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model
 from hf_grow.distributed import OtherProcessFailed, Processes
+from hf_grow.growth import problem as problem_module
 from hf_grow.growth.memory_plan import plan_memory
 from hf_grow.growth.sharding import Sharding, most_layers_held, moved, plan_owners, solve_cost
 from hf_grow.statistics import statistics_bytes
@@ -284,7 +285,20 @@ def llama_worker(rank: int, world_size: int, state_dict: dict, data: dict, folde
     model.load_state_dict(state_dict)
     grown = grow_model(model, data["batches"][rank::world_size], p=8, eval_dataloader=data["eval"][rank::world_size],
                        accelerator=accelerator, memory_budget=data["budget"], **AUTO)
-    torch.save({"state_dict": grown.state_dict(), "report": grown.growth_report.to_dict()}, f"{folder}/rank{rank}.pt")
+
+    def failing_solve(*args, **kwargs):
+        raise ArithmeticError("a failed solve")
+
+    if rank == world_size - 1:  # an owner whose solve fails: every process stops, none waits for its layers
+        problem_module.solve_layer = failing_solve
+    try:
+        grow_model(model, data["batches"][rank::world_size], p=8, eval_dataloader=data["eval"][rank::world_size],
+                   accelerator=accelerator, **AUTO)
+        failure = None
+    except (ArithmeticError, OtherProcessFailed) as error:
+        failure = type(error).__name__
+    torch.save({"state_dict": grown.state_dict(), "report": grown.growth_report.to_dict(), "failure": failure},
+               f"{folder}/rank{rank}.pt")
     accelerator.end_training()
 
 
@@ -310,3 +324,5 @@ def test_append_growth_solved_again_from_the_owners_m_grows_like_one_process(std
         assert_same_report(result["report"], expected, expected["eval_loss_before"])
         for name, tensor in alone.state_dict().items():
             torch.testing.assert_close(result["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    # An owner's solve failing: its error there, one clear error on the other process, no wait for its layers.
+    assert [result["failure"] for result in results] == ["OtherProcessFailed", "ArithmeticError"]
