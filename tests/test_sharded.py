@@ -1,6 +1,7 @@
 """Layers shared out among 2 and 3 CPU processes (gloo): each layer's M is reduced to its owner, which alone solves
 it; every process ends with the same grown model as one process reading all the data, holding a share of M."""
 
+import dataclasses
 import gc
 import math
 import os
@@ -12,9 +13,10 @@ from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model
 from hf_grow.distributed import OtherProcessFailed, Processes
+from hf_grow.growth import GrowthProblem
 from hf_grow.growth import problem as problem_module
 from hf_grow.growth.memory_plan import plan_memory
-from hf_grow.growth.sharding import Sharding, most_layers_held, moved, plan_owners, solve_cost
+from hf_grow.growth.sharding import SKELETON_FIELDS, Sharding, most_layers_held, moved, plan_owners, solve_cost
 from hf_grow.statistics import statistics_bytes
 
 from conftest import lm_batches, tiny_gpt2_config, trained_on_text
@@ -129,6 +131,20 @@ def peak_held_m(model, batches, folder, accelerator=None, owners=None) -> tuple[
     return max(*peaks, held_m_bytes(heads, width)), statistics
 
 
+def layer_tensors(value) -> list[torch.Tensor]:
+    """The tensors of a solved layer but its norms and gain rates (`sharding.SKELETON_FIELDS`)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if dataclasses.is_dataclass(value):
+        return [tensor for field in dataclasses.fields(value) if field.name not in SKELETON_FIELDS
+                for tensor in layer_tensors(getattr(value, field.name))]
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in layer_tensors(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in layer_tensors(item)]
+    return []
+
+
 def sharded_worker(rank: int, world_size: int, grow_state: dict, count_state: dict, data: dict, folder: str) -> None:
     """One process: a sharded growth of its shard, its held M while collecting, a failure mid-pass."""
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -150,6 +166,12 @@ def sharded_worker(rank: int, world_size: int, grow_state: dict, count_state: di
     os.makedirs(f"{folder}/offload{rank}")
     peak, statistics = peak_held_m(counted, shard, f"{folder}/offload{rank}", accelerator, owners)
     held = [layer for layer, gradient in enumerate(statistics.gradients) if gradient is not None]
+    # The solve of those statistics: each process keeps the solved form of its own layers, a skeleton of the others.
+    sharding = Sharding.planned(Processes(accelerator), [1.0] * COUNT["n_layer"])
+    problem = GrowthProblem(counted, get_adapter(counted), statistics, [16] * COUNT["n_layer"], "whitened", 1e-6,
+                            "eigh", sharding=sharding)
+    solved_on = [sorted({tensor.device.type for tensor in layer_tensors(part)}) for part in problem.layers]
+    solved_weights = problem.weights(0.5)
 
     calls = []
 
@@ -168,7 +190,8 @@ def sharded_worker(rank: int, world_size: int, grow_state: dict, count_state: di
     accelerator.wait_for_everyone()
     torch.save({"state_dict": grown.state_dict(), "report": grown.growth_report.to_dict(), "peak": peak,
                 "held": held, "failure": failure, "summed": statistics.gradients,
-                "halves": (statistics.half_gradients, statistics.half_loss_weight)}, f"{folder}/rank{rank}.pt")
+                "halves": (statistics.half_gradients, statistics.half_loss_weight), "solved_on": solved_on,
+                "solved_weights": solved_weights}, f"{folder}/rank{rank}.pt")
     accelerator.end_training()
 
 
@@ -256,6 +279,23 @@ def test_processes_sharing_the_layers_grow_like_one_and_hold_a_share_of_m(sharde
                 torch.testing.assert_close(found, expected_m, rtol=1e-12, atol=1e-12 * float(expected_m.abs().max()))
     peaks = [result["peak"] / alone_peak for result in results]
     assert max(peaks) <= {2: 0.6, 3: 0.45}[world_size], peaks  # 12 layers: 6 + 1 in flight, 4 + 1 in flight
+
+    # Solved from them: the owner keeps a layer's solved form, the others its skeleton (meta tensors, no memory);
+    # every process computes the same weights, those of one process solving all of it.
+    problem = GrowthProblem(counted, get_adapter(counted), alone_statistics, [16] * COUNT["n_layer"], "whitened",
+                            1e-6, "eigh")
+    expected_weights = problem.weights(0.5)
+    for rank, result in enumerate(results):
+        assert result["solved_on"] == [["cpu"] if owner == rank else ["meta"] for owner in owners]
+        for layer, (query, key) in expected_weights.items():
+            found_query, found_key = result["solved_weights"][layer]
+            assert torch.equal(found_query, results[0]["solved_weights"][layer][0])
+            assert torch.equal(found_key, results[0]["solved_weights"][layer][1])
+            # The scores' bilinear form (factors of near-equal singular values may rotate with M's last bits), to
+            # the float32 rounding of the compact bases (`compact.BASIS_DTYPE`) that M's last bits can flip.
+            expected_form = query @ key.mT
+            torch.testing.assert_close(found_query @ found_key.mT, expected_form, rtol=0,
+                                       atol=torch.finfo(torch.float32).eps * float(expected_form.abs().max()))
 
     # A process failing in the second pass: it raises its error, the others one clear error, none waits forever.
     failures = [result["failure"] for result in results]

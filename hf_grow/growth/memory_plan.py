@@ -111,7 +111,7 @@ class MemoryPlan:
             f"; statistics in {passes} pass{'es' if passes > 1 else ''} over the data")
         if self.processes > 1:
             rows.append(f"per process of {self.processes}: M of its own layers (reduced to it) and of the group in "
-                        "flight; each solves its own layers")
+                        "flight; each solves and keeps its own layers")
         if self.cross_fit:
             rows.append("M counted twice: cross_fit sums it over all batches and over the odd-numbered ones")
         if self.offload_dir is not None:
@@ -171,7 +171,8 @@ def plan_memory(
         "inputs X'": layers * tokens * width * compute, "score gradients": scores,
     }
 
-    solved = _solved_bytes(mode, config, layers, heads, width, max(qk_dims))
+    owned = max(owners.count(rank) for rank in range(processes))  # a process keeps the solved form of its own
+    solved = _solved_bytes(mode, config, owned, heads, width, max(qk_dims))
     chunk = min(heads, HEAD_CHUNK)
     squares_per_head = CROSS_FIT_SQUARES_PER_HEAD if config.cross_fit else SOLVE_SQUARES_PER_HEAD
     solve = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,7 +20,7 @@ from ..adapters import ArchitectureAdapter
 from ..config import DEFAULT_STEP_MODE, STEP_MODES
 from ..statistics import GrowthStatistics
 from .layer_solve import LayerProblem, decomposition_method, solve_layer
-from .sharding import Sharding
+from .sharding import Sharding, skeleton
 from .step_scaling import StepScaling
 
 
@@ -63,7 +64,19 @@ class StepWeights(StepScaling):
         """Augmented Q/K weights of ``layer`` at its own lam for ``step_size``. Step size 0 is exactly the old
         function: the old weights, zero-padded, with the change of scale folded into the queries (so in a
         bfloat16 or float16 model, up to the rounding of those queries). In "append" mode the old weights are
-        kept at every step (layers without added dimensions do not change)."""
+        kept at every step (layers without added dimensions do not change). With ``sharding``, computed by the
+        layer's owner and broadcast: every process must ask for the same layers in the same order."""
+        return self.owner_computes(layer, lambda: self._own_layer_weights(layer, step_size))
+
+    def owner_computes(self, layer: int, compute: Callable[[], Any]) -> Any:
+        """``compute()`` of ``layer``: here, or with ``sharding`` on the layer's owner, broadcast to every process
+        (on the device of this process's statistics). Every process must call it, in the same order."""
+        if self.sharding is None:
+            return compute()
+        owned = compute() if self.sharding.owns(layer) else None
+        return self.sharding.share(layer, owned, self.statistics.second_moments[layer].device)
+
+    def _own_layer_weights(self, layer: int, step_size: float) -> tuple[Tensor, Tensor]:
         problem = self.layers[layer]
         lam = self.lam(step_size, layer)
         with torch.no_grad():
@@ -96,9 +109,10 @@ class GrowthProblem(StepWeights):
     Each layer is solved once at construction (`solve_layer`): after that no step touches a (heads, d, d)
     tensor, and the statistics' M may be freed layer by layer (``release``). ``cross_fit``: solve from the
     cross-fitted M (`GrowthStatistics.cross_fitted_gradient`; the statistics must hold its halves).
-    ``sharding``: several processes solve together, each the layers it owns (whose M it must hold), and every
-    process gets every solved layer from its owner once all are solved (`Sharding.share`): every process must
-    then solve the same layers in the same order.
+    ``sharding``: several processes solve together, each the layers it owns (whose M it must hold) and keeps;
+    the others get their skeletons once all are solved (`sharding.skeleton`), and their weights at each step
+    (`owner_computes`): every process must then solve the same layers, and ask for their weights, in the same
+    order.
     """
 
     def __init__(
@@ -155,17 +169,19 @@ class GrowthProblem(StepWeights):
             with self.sharding.processes.failing_together():  # a failed solve must not leave the others waiting
                 self._solve([layer for layer in layers if self.sharding.owns(layer)])
             if sorted(self._requested) == list(range(len(self.layers))):
-                self._share()
+                self._share_skeletons()
         if all(part is not None for part in self.layers):
             self.set_step_mode(self.step_mode)
         self.methods_used = set().union(*self._methods.values())
 
-    def _share(self) -> None:
-        """Every layer from its owner, on the device of this process's C (`Sharding.share`)."""
+    def _share_skeletons(self) -> None:
+        """Every layer not owned here as its skeleton, from its owner (`sharding.skeleton`), with the methods that
+        solved it."""
         for layer in range(len(self.layers)):
-            device = self.statistics.second_moments[layer].device
-            solved = (self.layers[layer], self._methods.get(layer)) if self.sharding.owns(layer) else None
-            self.layers[layer], self._methods[layer] = self.sharding.share(layer, solved, device)
+            solved = self.layers[layer]
+            shared = self.owner_computes(layer, lambda: (skeleton(solved), self._methods[layer]))
+            if not self.sharding.owns(layer):
+                self.layers[layer], self._methods[layer] = shared
 
     def _solve(self, layers: list[int]) -> None:
         truncations = (self.truncation,) if self.truncation == "whitened" else (self.truncation, "whitened")

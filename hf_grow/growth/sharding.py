@@ -2,10 +2,11 @@
 
 With several processes, M is the largest thing growth holds (heads x d^2 per layer) and the solve its longest
 step (a d^3 decomposition per head). Each layer gets one owner (`plan_owners`, balanced by that cost): its M is
-reduced to the owner only (`collect_statistics`'s ``owners``), the owner solves it into the compact form of
-`hf_grow.compact`, and the solved layer, a few (heads, d, s) tensors with s about twice the grown width, is then
-broadcast to every process (`Sharding.share`). From there every process holds the same compact problem, so the
-line search, the report and the grown weights are the same on every process, bit for bit.
+reduced to the owner only (`collect_statistics`'s ``owners``), and the owner alone solves it into the compact form
+of `hf_grow.compact` and keeps it. The other processes get its skeleton (`skeleton`: the shapes, and the per-head
+norms and gain rates that the step sizes and the budget need). At every step each owner computes its layers' Q/K
+weights and broadcasts them (`Sharding.share`), as it does each head's report: every process writes the same
+weights, bit for bit, and holds the solved form of its own layers only.
 """
 
 from __future__ import annotations
@@ -71,20 +72,38 @@ class Sharding:
         return solved if self.owns(layer) else moved(objects[0], device)
 
 
-def moved(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor in it on ``device`` (dataclasses, named tuples, tuples, lists and dicts)."""
+def moved(value: Any, device: torch.device, kept: frozenset[str] | None = None) -> Any:
+    """``value`` with every tensor in it on ``device`` (dataclasses, named tuples, tuples, lists and dicts), but
+    those on the meta device. ``kept``: only the dataclass fields of these names move; every other tensor goes to
+    the meta device (its shape without its memory)."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        target = device if kept is None else torch.device("meta")
+        return value if value.is_meta else value.to(target)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {field.name: moved(getattr(value, field.name), device) for field in dataclasses.fields(value)}
+        changes = {
+            field.name: moved(getattr(value, field.name), device, None if kept and field.name in kept else kept)
+            for field in dataclasses.fields(value)
+        }
         return dataclasses.replace(value, **changes)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(moved(item, device) for item in value))
+        return type(value)(*(moved(item, device, kept) for item in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(moved(item, device) for item in value)
+        return type(value)(moved(item, device, kept) for item in value)
     if isinstance(value, dict):
-        return {key: moved(item, device) for key, item in value.items()}
+        return {key: moved(item, device, kept) for key, item in value.items()}
     return value
+
+
+#: What every process needs of a layer it does not own (`layer_solve.LayerProblem`): the step normalization's
+#: per-head norms, and the gain rates a budget is allocated by. Everything else is the owner's alone.
+SKELETON_FIELDS = frozenset({"norms", "rates"})
+
+
+def skeleton(solved: Any) -> Any:
+    """A solved layer (`layer_solve.LayerProblem`) as the processes that do not own it hold it: its
+    `SKELETON_FIELDS` on the CPU, every other tensor on the meta device (shapes, no memory): computing with one
+    fails loudly or gives a meta tensor, never a wrong number."""
+    return moved(solved, torch.device("cpu"), SKELETON_FIELDS)
 
 
 def most_layers_held(groups: Sequence[Sequence[int]], owners: Sequence[int], keep_all: bool) -> int:
