@@ -20,7 +20,7 @@ from ..adapters import ArchitectureAdapter
 from ..config import DEFAULT_STEP_MODE, STEP_MODES
 from ..statistics import GrowthStatistics
 from .layer_solve import LayerProblem, decomposition_method, solve_layer
-from .sharding import Sharding, skeleton
+from .sharding import Sharding
 from .step_scaling import StepScaling
 
 
@@ -169,19 +169,11 @@ class GrowthProblem(StepWeights):
             with self.sharding.processes.failing_together():  # a failed solve must not leave the others waiting
                 self._solve([layer for layer in layers if self.sharding.owns(layer)])
             if sorted(self._requested) == list(range(len(self.layers))):
-                self._share_skeletons()
+                devices = [moment.device for moment in self.statistics.second_moments]
+                self.sharding.share_skeletons(self.layers, self._methods, devices)
         if all(part is not None for part in self.layers):
             self.set_step_mode(self.step_mode)
         self.methods_used = set().union(*self._methods.values())
-
-    def _share_skeletons(self) -> None:
-        """Every layer not owned here as its skeleton, from its owner (`sharding.skeleton`), with the methods that
-        solved it."""
-        for layer in range(len(self.layers)):
-            solved = self.layers[layer]
-            shared = self.owner_computes(layer, lambda: (skeleton(solved), self._methods[layer]))
-            if not self.sharding.owns(layer):
-                self.layers[layer], self._methods[layer] = shared
 
     def _solve(self, layers: list[int]) -> None:
         truncations = (self.truncation,) if self.truncation == "whitened" else (self.truncation, "whitened")

@@ -71,6 +71,14 @@ class Sharding:
         self.processes.broadcast_object_(objects, self.owners[layer])
         return solved if self.owns(layer) else moved(objects[0], device)
 
+    def share_skeletons(self, layers: list, methods: dict[int, Any], devices: Sequence[torch.device]) -> None:
+        """Fill ``layers`` and ``methods`` (what solved each layer) in place, where this process does not own the
+        layer, with the owner's `skeleton` of it and its methods, on ``devices[layer]``."""
+        for layer, solved in enumerate(layers):
+            shared = self.share(layer, (skeleton(solved), methods[layer]) if self.owns(layer) else None, devices[layer])
+            if not self.owns(layer):
+                layers[layer], methods[layer] = shared
+
 
 def moved(value: Any, device: torch.device, kept: frozenset[str] | None = None) -> Any:
     """``value`` with every tensor in it on ``device`` (dataclasses, named tuples, tuples, lists and dicts), but
