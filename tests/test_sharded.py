@@ -25,6 +25,9 @@ from test_training_distributed import one_thread
 
 
 ONE_CANDIDATE = dict(truncation="whitened", step_mode="per_head")
+#: The grown model's: each layer's step searched too (every layer's weights asked of its owner, layer by layer),
+#: bracketed by the full-rank update (computed by the owners too).
+EVERY_STEP = dict(truncation="whitened", step_mode="coordinate", search="fast")
 #: The grown model: 5 layers, shared unevenly among 2 or 3 processes, grown in passes of 2 layers.
 GROW = dict(n_layer=5, n_embd=32, n_head=4)
 #: The model whose held M is counted: 12 layers of 2 heads, one per pass, kept (no solve frees them), with its
@@ -158,7 +161,7 @@ def sharded_worker(rank: int, world_size: int, grow_state: dict, count_state: di
     model = GPT2LMHeadModel(tiny_gpt2_config(**GROW))
     model.load_state_dict(grow_state)
     grown = grow_model(accelerator.prepare(model), shard, p=8, eval_dataloader=eval_shard, accelerator=accelerator,
-                       memory_budget=data["budget"], **ONE_CANDIDATE)
+                       memory_budget=data["budget"], **EVERY_STEP)
 
     counted = GPT2LMHeadModel(tiny_gpt2_config(**COUNT))
     counted.load_state_dict(count_state)
@@ -209,7 +212,7 @@ def sharded_setup(stdlib_bytes, tmp_path_factory):
     alone.load_state_dict(grow_state)
     with one_thread():  # as in the workers, so that the reference rounds as they do
         grown = grow_model(alone, data["batches"], p=8, eval_dataloader=data["eval"], memory_budget=data["budget"],
-                           **ONE_CANDIDATE)
+                           **EVERY_STEP)
         counted = GPT2LMHeadModel(tiny_gpt2_config(**COUNT))
         counted.load_state_dict(count_state)
         peak, statistics = peak_held_m(counted, data["batches"], tmp_path_factory.mktemp("offload"))
@@ -256,6 +259,8 @@ def test_processes_sharing_the_layers_grow_like_one_and_hold_a_share_of_m(sharde
         assert_same_report(result["report"], expected, expected["eval_loss_before"])
     assert expected["step_size"] > 0 and expected["eval_loss_after"] < expected["eval_loss_before"]
     assert len(expected["layers"]) == 5 and all(layer["realized_gain"] is not None for layer in expected["layers"])
+    kinds = {point["kind"] for point in expected["line_search"]}
+    assert {"rank", "unconstrained"} <= kinds and any(kind.startswith("layer") for kind in kinds)
     # The grown weights: those of one process to float32 rounding (the stored weights round the float64 solve).
     state_dict = results[0]["state_dict"]
     for name, tensor in alone.state_dict().items():
