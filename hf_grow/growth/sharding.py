@@ -25,8 +25,8 @@ def plan_owners(costs: Sequence[float], world_size: int) -> list[int]:
 
     Greedy longest-first: layers by decreasing cost (the lower index first among equal costs) each go to the
     process with the least cost so far (the lowest rank among equal ones). Deterministic, so every process
-    computes the same plan; equal costs go round-robin (5 layers on 2 processes: 0, 1, 0, 1, 0), and no process
-    owns more than one layer above another's share.
+    computes the same plan. Equal costs go round-robin (5 layers on 2 processes: 0, 1, 0, 1, 0), so the counts
+    differ by one at most; where ``world_size`` exceeds the layers, some processes own none (and still take part).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -62,14 +62,14 @@ class Sharding:
         """Whether this process owns ``layer``."""
         return self.owners[layer] == self.processes.rank
 
-    def share(self, layer: int, solved: Any, device: torch.device) -> Any:
-        """The owner's ``solved`` layer (any picklable structure of tensors, dataclasses, tuples and dicts) on
-        every process, its tensors on ``device``: the owner passes it, the others None. Every process must call
-        it, for the same layers in the same order. Sent through the CPU (a pickled CUDA tensor would land on the
-        owner's device index), so its bits are unchanged."""
-        objects = [moved(solved, torch.device("cpu")) if self.owns(layer) else None]
+    def share(self, layer: int, value: Any, device: torch.device) -> Any:
+        """What ``layer``'s owner computed (``value``: any picklable structure of tensors, dataclasses, tuples and
+        dicts) on every process, its tensors on ``device``: the owner passes it, the others None. Every process must
+        call it, for the same layers in the same order. Sent through the CPU (a pickled CUDA tensor would land on
+        the owner's device index), so its bits are unchanged."""
+        objects = [moved(value, torch.device("cpu")) if self.owns(layer) else None]
         self.processes.broadcast_object_(objects, self.owners[layer])
-        return solved if self.owns(layer) else moved(objects[0], device)
+        return value if self.owns(layer) else moved(objects[0], device)
 
     def share_skeletons(self, layers: list, methods: dict[int, Any], devices: Sequence[torch.device]) -> None:
         """Fill ``layers`` and ``methods`` (what solved each layer) in place, where this process does not own the
