@@ -1,7 +1,8 @@
 """Several processes growing together: sums across processes, one main process, unwrapped and re-bucketed models.
 
 Statistics and held-out losses are sums, so processes that each read their own shard of the data add up to
-exactly what one process reading all of it would get. Collectives run only when the caller asks for them
+exactly what one process reading all of it would get; a sum may also go to one process only (`reduce_to_`, M to
+the owner of its layer: `hf_grow.growth.sharding`). Collectives run only when the caller asks for them
 by passing an `accelerate.Accelerator`: a collective on a code path that only some processes take would
 wait forever, so hf_grow never starts one on its own.
 
@@ -74,6 +75,21 @@ class Processes:
             tensor.copy_(self.accelerator.reduce(tensor, reduction="sum"))
         return tensor
 
+    def reduce_to_(self, tensor: Tensor, owner: int) -> Tensor | None:
+        """The sum of ``tensor`` over the processes, in place on process ``owner``, which gets it back; the other
+        processes get None (their ``tensor`` holds a partial sum then, to be dropped)."""
+        if self.world_size == 1:
+            return tensor
+        dist.reduce(tensor, dst=owner, op=dist.ReduceOp.SUM)
+        return tensor if self.rank == owner else None
+
+    def broadcast_object_(self, objects: list, owner: int) -> list:
+        """Replace the items of ``objects`` (picklable, of the same length everywhere) by process ``owner``'s, in
+        place, and return it."""
+        if self.world_size > 1:
+            dist.broadcast_object_list(objects, src=owner)
+        return objects
+
     @contextlib.contextmanager
     def failing_together(self) -> Iterator[None]:
         """Every process leaves the block by the same door: if one raises, the others raise too.
@@ -138,12 +154,13 @@ def refuse_sharded_training(model: nn.Module, accelerator: Accelerator | None = 
 
 
 def sharded_training_message(found: str) -> str:
-    """The one-line refusal of growth during training under ``found`` (FSDP, DeepSpeed), saying what works."""
+    """The one-line refusal of growth under ``found`` (FSDP, DeepSpeed), saying what works."""
     return (
-        f"growth during training supports one process or DistributedDataParallel (torchrun, accelerate launch "
-        f"--multi_gpu, Trainer under either), not {found}: it shards parameters and optimizer state by shape, "
-        "which an in-place resize cannot follow. Train with DDP, or grow a saved checkpoint between runs "
-        "(hf_grow.grow_model or hf-grow)."
+        f"growth supports one process or DistributedDataParallel (torchrun, accelerate launch --multi_gpu, Trainer "
+        f"under either), not {found}: it shards parameters and optimizer state by shape, which an in-place resize "
+        "cannot follow. Train with DDP, or grow a saved checkpoint between runs: gather the full state dict "
+        "(accelerator.get_state_dict, or save_pretrained from the Trainer), grow it on one process with a "
+        "memory_budget (hf_grow.grow_model, or hf-grow --memory-budget), and resume from the grown model."
     )
 
 

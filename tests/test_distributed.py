@@ -61,15 +61,15 @@ def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batch
     accelerator.end_training()
 
 
-def run_processes(function, args: tuple, timeout: float = 120.0) -> None:
-    """Spawn ``WORLD_SIZE`` processes running ``function(rank, *args)``; fail on any error or after ``timeout``."""
-    context = multiprocessing.start_processes(function, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
+def run_processes(function, args: tuple, timeout: float = 120.0, nprocs: int = WORLD_SIZE) -> None:
+    """Spawn ``nprocs`` processes running ``function(rank, *args)``; fail on any error or after ``timeout``."""
+    context = multiprocessing.start_processes(function, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"the {WORLD_SIZE} processes did not finish within {timeout} s")
+            pytest.fail(f"the {nprocs} processes did not finish within {timeout} s")
     assert all(process.exitcode == 0 for process in context.processes)
 
 

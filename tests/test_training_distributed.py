@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import distributed as dist
 
-from hf_grow import GrowthCallback, GrownGPT2LMHeadModel, grow_in_training
+from hf_grow import GrowthCallback, GrownGPT2LMHeadModel, grow_in_training, grow_model
 
 from conftest import lm_batches, trainer_arguments, trainer_dataset
 from test_distributed import WORLD_SIZE, run_processes
@@ -230,6 +230,8 @@ def test_fsdp_and_deepspeed_are_refused_with_what_works(one_process_group, stdli
     fully_shard(sharded)
     with pytest.raises(ValueError, match="not FSDP.*Train with DDP, or grow a saved checkpoint"):
         grow_in_training(sharded, None, None, 8, mode="zero")
+    with pytest.raises(ValueError, match="not FSDP.*gather the full state dict.*on one process with a memory_budget"):
+        grow_model(sharded, None, 8, step_size=0.0)
 
     class DeepSpeedEngine(torch.nn.Module):  # DeepSpeed is recognized by name: it need not be installed
         def __init__(self, module):

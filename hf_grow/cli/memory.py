@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -123,6 +124,7 @@ def _planner(args: argparse.Namespace, objective: str):
         plan = plan_memory(
             model, get_adapter(model), config, batch_size=sequences * batch_size, seq_len=seq_len,
             eval_tokens=eval_tokens, device=args.device, activations=activations[dtype, batch_size],
+            processes=int(os.environ.get("WORLD_SIZE", "1")),  # launched with several: one process's plan
         )
         return dataclasses.replace(plan, batch_size=batch_size)  # the flag's value, which a refusal may halve
 

@@ -50,9 +50,10 @@ def _write_atomically(output: Path, write, overwrite: bool) -> None:
 def _accelerator(args: argparse.Namespace):
     """An `accelerate.Accelerator` when launched with several processes (``WORLD_SIZE`` > 1), else None.
 
-    The model then goes to the accelerator's device (one GPU per process, or the CPU with ``--device cpu``).
+    The model then goes to the accelerator's device (one GPU per process, or the CPU with ``--device cpu``). A
+    ``--dry-run`` starts none: it plans one process of ``WORLD_SIZE`` (which may be set by hand to plan a launch).
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or args.dry_run:
         return None
     from accelerate import Accelerator
 

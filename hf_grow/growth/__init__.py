@@ -12,7 +12,8 @@ head is expected to gain), `line_search` (held-out loss and the search over step
 (validation before any work, statistics, the solved problem), `search` (the line search on the grown model
 and its report), `layer_steps` (searches of each layer's step, held-out passes that replay unchanged blocks),
 `candidates` (with "auto" options: each candidate's line search, the choice confirmed on held-out batches the
-search did not use), `api` (`grow_model`).
+search did not use), `sharding` (with several processes, each layer's owner, which alone holds its M and solves
+it), `api` (`grow_model`).
 """
 
 from .api import grow_model

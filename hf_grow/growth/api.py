@@ -10,7 +10,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from ..config import GrowthConfig, resolve_config
-from ..distributed import Processes, unwrap_model
+from ..distributed import Processes, refuse_sharded_training, unwrap_model
 from ..sentence import as_loss_fn, is_sentence_transformer, transformer_module, with_grown_model
 from ..statistics import GrowthStatistics, LossFn, return_free_memory
 from .prepare import merged_if_peft, prepare_growth
@@ -73,6 +73,7 @@ def grow_model(
     """
     config = resolve_config(config, overrides if p is None else {**overrides, "p": p})
     started = time.perf_counter()
+    refuse_sharded_training(model)  # FSDP's and DeepSpeed's parameters are shards: their Q/K cannot be read whole
     model = unwrap_model(model, accelerator)
     if is_sentence_transformer(model):
         grown = grow_model(

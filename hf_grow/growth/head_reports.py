@@ -16,7 +16,11 @@ from .problem import GrowthProblem
 def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[HeadReport]:
     """Per head of ``layer`` at ``step_size``: the expected gain with and without growth, the first-order
     gain, the expected gain of each added dimension (from the whitened spectrum, whatever the truncation), and
-    the compact solve's certificate at that step."""
+    the compact solve's certificate at that step. Computed by the layer's owner (`GrowthProblem.owner_computes`)."""
+    return solved.owner_computes(layer, lambda: _head_reports(solved, layer, step_size))
+
+
+def _head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[HeadReport]:
     problem = solved.layers[layer]
     lam = solved.head_lams(step_size, layer)  # each head's own step, shape (heads,)
     qk_before, qk_after = problem.query.shape[-1], problem.qk_dim_after

@@ -25,6 +25,7 @@ from ..progress import format_bytes
 from ..statistics import CPU_REFERENCE_MAX_LENGTH, layer_groups, m_copies, statistics_bytes
 from .layer_solve import HEAD_CHUNK
 from .layer_steps import CACHE_BYTES
+from .sharding import plan_owners, solve_cost
 
 
 #: Resident memory of a process that has imported torch, transformers and hf_grow (measured on Linux, 2026).
@@ -77,6 +78,8 @@ class MemoryPlan:
     disk: int = 0
     #: Planned with ``cross_fit``: M's accumulators are held twice (M and its sum over half the batches).
     cross_fit: bool = False
+    #: The processes that share the layers (`sharding`): each stage is one process's.
+    processes: int = 1
 
     @property
     def peak_host(self) -> int:
@@ -106,6 +109,9 @@ class MemoryPlan:
         rows.append(f"peak {format_bytes(self.peak_host)} host" + (
             f", {format_bytes(self.peak_device)} device" if self.on_device else "") +
             f"; statistics in {passes} pass{'es' if passes > 1 else ''} over the data")
+        if self.processes > 1:
+            rows.append(f"per process of {self.processes}: M of the group in flight (each layer's reduced to its "
+                        "owner); each solves and keeps its own layers")
         if self.cross_fit:
             rows.append("M counted twice: cross_fit sums it over all batches and over the odd-numbered ones")
         if self.offload_dir is not None:
@@ -124,6 +130,7 @@ def plan_memory(
     eval_tokens: int,
     device: torch.device | str = "cpu",
     activations: int | None = None,
+    processes: int = 1,
 ) -> MemoryPlan:
     """Predict the peak memory of each stage of growing ``model`` (real or on the meta device) with ``config``
     on statistics batches of ``batch_size`` x ``seq_len`` tokens and ``eval_tokens`` held-out tokens.
@@ -131,7 +138,9 @@ def plan_memory(
     ``activations``: the bytes of one batch's forward and backward, by default `activation_bytes` of a
     language-model loss on the batch (labels = inputs). On a GPU (``device``) the model, the sums and the solve
     live on the device and the host holds the process and the data. With ``config.offload_dir`` on a CPU, M lives
-    on disk (`MemoryPlan.disk`) instead of in the statistics' and the solve's host memory.
+    on disk (`MemoryPlan.disk`) instead of in the statistics' and the solve's host memory. ``processes``: plan one
+    of that many processes sharing the layers (`sharding`), each summing the group in flight and keeping the
+    solved form of its own layers.
     """
     on_device = torch.device(device).type != "cpu"
     model_config = model.config
@@ -142,7 +151,9 @@ def plan_memory(
     compute = config.torch_compute_dtype.itemsize
     groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate, config.cross_fit)
     mode = adapter.check_mode(model, None)
-    widest = max(len(group) for group in groups)  # each group's M is freed once it is solved
+    # Each group's M is freed once it is solved; with several processes each still sums the group in flight.
+    owners = plan_owners([solve_cost(heads, width)] * layers, processes)
+    widest = max(len(group) for group in groups)
     square = heads * width * width  # entries of one layer's M
     held_squares = widest * m_copies(config.cross_fit) * square  # M's accumulators (and their halves) held at once
     weights = _model_bytes(model)
@@ -161,7 +172,8 @@ def plan_memory(
         "inputs X'": layers * tokens * width * compute, "score gradients": scores,
     }
 
-    solved = _solved_bytes(mode, config, layers, heads, width, max(qk_dims))
+    owned = max(owners.count(rank) for rank in range(processes))  # a process keeps the solved form of its own
+    solved = _solved_bytes(mode, config, owned, heads, width, max(qk_dims))
     chunk = min(heads, HEAD_CHUNK)
     squares_per_head = CROSS_FIT_SQUARES_PER_HEAD if config.cross_fit else SOLVE_SQUARES_PER_HEAD
     solve = {
@@ -190,7 +202,7 @@ def plan_memory(
     disk = held_squares * accumulate if offload else 0
     return MemoryPlan(
         stages, groups, on_device, layers, heads, width, batch_size, config.offload_dir if offload else None, disk,
-        config.cross_fit,
+        config.cross_fit, processes,
     )
 
 

@@ -26,6 +26,7 @@ from ..statistics import (
 from ..statistics import check_arguments as check_statistics_arguments
 from .line_search import _NO_LOSS_TERMS, split_batches
 from .problem import MODES, GrowthProblem
+from .sharding import Sharding, solve_cost
 
 
 if TYPE_CHECKING:
@@ -129,10 +130,11 @@ def collect_configured_statistics(
     progress: bool,
     accelerator: Accelerator | None = None,
     on_group: Callable[[GrowthStatistics, list[int]], None] | None = None,
+    sharding: Sharding | None = None,
 ) -> GrowthStatistics:
     """`collect_statistics` with the statistics options of ``config`` (``max_batches``, ``compute_dtype``, ``accumulate_dtype``,
     ``statistics_method``, ``query_block``, ``memory_budget``, ``offload_dir``, ``cross_fit``): one place for
-    `prepare_growth` and `inspect_growth`."""
+    `prepare_growth` and `inspect_growth`. With ``sharding``, each layer's M is reduced to its owner only."""
     return collect_statistics(
         model,
         dataloader,
@@ -149,6 +151,7 @@ def collect_configured_statistics(
         cross_fit=config.cross_fit,
         accelerator=accelerator,
         on_group=on_group,
+        owners=None if sharding is None else sharding.owners,
     )
 
 
@@ -244,12 +247,15 @@ def prepare_growth(
     # One solve serves every truncation among the candidates, so M is freed group by group: one solved for
     # Frobenius truncation holds the whitened targets or update too (`GrowthProblem.holds`).
     solved_for = "frobenius" if "frobenius" in config.candidate_truncations else truncation
+    # With several processes each layer's M goes to one owner, which alone solves it (`sharding`).
+    costs = [solve_cost(adapter.num_heads(model.config), max_rank)] * len(qk_before)
+    sharding = Sharding.planned(processes, costs) if processes.world_size > 1 else None
 
     def solve(statistics: GrowthStatistics, layers: Iterable[int], release: bool) -> GrowthProblem:
         return GrowthProblem(
             model, adapter, statistics, qk_before if growth is None else qk_after, solved_for, config.rtol,
             config.solver, mode, step_mode, max_dims_after=widest, with_rates=growth is None,
-            layers=layers, release=release, cross_fit=config.cross_fit,
+            layers=layers, release=release, cross_fit=config.cross_fit, sharding=sharding,
         )
 
     problem: GrowthProblem | None = None
@@ -270,7 +276,7 @@ def prepare_growth(
 
         statistics = collect_configured_statistics(
             model, statistics_batches, adapter, loss_fn, config, progress=progress, accelerator=accelerator,
-            on_group=solve_group,
+            on_group=solve_group, sharding=sharding,
         )
     seconds["statistics"] = time.perf_counter() - tick - seconds["solve"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,6 +20,7 @@ from ..adapters import ArchitectureAdapter
 from ..config import DEFAULT_STEP_MODE, STEP_MODES
 from ..statistics import GrowthStatistics
 from .layer_solve import LayerProblem, decomposition_method, solve_layer
+from .sharding import Sharding
 from .step_scaling import StepScaling
 
 
@@ -62,7 +64,19 @@ class StepWeights(StepScaling):
         """Augmented Q/K weights of ``layer`` at its own lam for ``step_size``. Step size 0 is exactly the old
         function: the old weights, zero-padded, with the change of scale folded into the queries (so in a
         bfloat16 or float16 model, up to the rounding of those queries). In "append" mode the old weights are
-        kept at every step (layers without added dimensions do not change)."""
+        kept at every step (layers without added dimensions do not change). With ``sharding``, computed by the
+        layer's owner and broadcast: every process must ask for the same layers in the same order."""
+        return self.owner_computes(layer, lambda: self._own_layer_weights(layer, step_size))
+
+    def owner_computes(self, layer: int, compute: Callable[[], Any]) -> Any:
+        """``compute()`` of ``layer``: here, or with ``sharding`` on the layer's owner, broadcast to every process
+        (on the device of this process's statistics). Every process must call it, in the same order."""
+        if self.sharding is None:
+            return compute()
+        owned = compute() if self.sharding.owns(layer) else None
+        return self.sharding.share(layer, owned, self.statistics.second_moments[layer].device)
+
+    def _own_layer_weights(self, layer: int, step_size: float) -> tuple[Tensor, Tensor]:
         problem = self.layers[layer]
         lam = self.lam(step_size, layer)
         with torch.no_grad():
@@ -95,6 +109,10 @@ class GrowthProblem(StepWeights):
     Each layer is solved once at construction (`solve_layer`): after that no step touches a (heads, d, d)
     tensor, and the statistics' M may be freed layer by layer (``release``). ``cross_fit``: solve from the
     cross-fitted M (`GrowthStatistics.cross_fitted_gradient`; the statistics must hold its halves).
+    ``sharding``: several processes solve together, each the layers it owns (whose M it must hold) and keeps;
+    the others get their skeletons once all are solved (`sharding.skeleton`), and their weights at each step
+    (`owner_computes`): every process must then solve the same layers, and ask for their weights, in the same
+    order.
     """
 
     def __init__(
@@ -114,6 +132,7 @@ class GrowthProblem(StepWeights):
         layers: Iterable[int] | None = None,
         release: bool = False,
         cross_fit: bool = False,
+        sharding: Sharding | None = None,
     ):
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
@@ -126,6 +145,9 @@ class GrowthProblem(StepWeights):
         self.methods_used: set[str] = set()
         self._model, self._adapter, self._rtol, self._with_rates, self._release = model, adapter, rtol, with_rates, release
         self.cross_fit = cross_fit
+        self.sharding = sharding
+        self._requested: list[int] = []  # the layers asked for, in order: shared once every layer is
+        self._methods: dict[int, set[str]] = {}
         self._max_dims = list(max_dims_after or qk_dims_after)
         self._qk_dims_after = list(qk_dims_after)
         self._attentions = adapter.attention_modules(model)
@@ -137,7 +159,23 @@ class GrowthProblem(StepWeights):
 
     def solve_layers(self, layers: Iterable[int]) -> None:
         """Solve ``layers`` from the statistics (their M must be there), freeing each M after (``release``); the
-        steps are set once every layer is solved."""
+        steps are set once every layer is solved. With ``sharding``, this process solves the ones it owns, and
+        every process gets every layer once all have been asked for."""
+        layers = list(layers)
+        self._requested += layers
+        if self.sharding is None:
+            self._solve(layers)
+        else:
+            with self.sharding.processes.failing_together():  # a failed solve must not leave the others waiting
+                self._solve([layer for layer in layers if self.sharding.owns(layer)])
+            if sorted(self._requested) == list(range(len(self.layers))):
+                devices = [moment.device for moment in self.statistics.second_moments]
+                self.sharding.share_skeletons(self.layers, self._methods, devices)
+        if all(part is not None for part in self.layers):
+            self.set_step_mode(self.step_mode)
+        self.methods_used = set().union(*self._methods.values())
+
+    def _solve(self, layers: list[int]) -> None:
         truncations = (self.truncation,) if self.truncation == "whitened" else (self.truncation, "whitened")
         config = self._model.config
         with torch.no_grad():
@@ -156,7 +194,7 @@ class GrowthProblem(StepWeights):
                     metric=linalg.metric_from_second_moment(second_moment, rtol=self._rtol),
                     norms={},
                 )
-                self.methods_used |= solve_layer(
+                self._methods[layer] = solve_layer(
                     part,
                     self._gradient_of(layer, part),
                     self.mode,
@@ -168,8 +206,6 @@ class GrowthProblem(StepWeights):
                 self.layers[layer] = part
                 if self._release:
                     self.statistics.release(layer)
-        if all(part is not None for part in self.layers):
-            self.set_step_mode(self.step_mode)
 
     def _gradient_of(self, layer: int, part: LayerProblem) -> Callable[[slice], Tensor]:
         """M of the heads of ``layer`` over its inputs, as `solve_layer` asks for it: the mean over all batches, or

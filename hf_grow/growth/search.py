@@ -197,14 +197,14 @@ def unconstrained_weights(problem: GrowthProblem, step_size: float, scalings: li
     """Weights computing ``Z - lam P`` on the compact subspaces without truncation (rank k = d_k + s, all of
     Z - lam P where those are everything): queries ``L core(lam) / scaling``, keys ``R``; the reference of
     ``search="fast"``."""
-    weights = {}
+    def layer_weights(layer: int) -> tuple[Tensor, Tensor]:
+        target = problem.layers[layer].targets[problem.truncation]
+        core = target.core(problem.head_lams(step_size, layer))
+        left, right = target.bases(core.dtype)
+        return left @ core / scalings[layer], right.clone()
+
     with torch.no_grad():
-        for layer, part in enumerate(problem.layers):
-            target = part.targets[problem.truncation]
-            core = target.core(problem.head_lams(step_size, layer))
-            left, right = target.bases(core.dtype)
-            weights[layer] = (left @ core / scalings[layer], right.clone())
-    return weights
+        return {layer: problem.owner_computes(layer, lambda: layer_weights(layer)) for layer in range(len(scalings))}
 
 
 def write_report(

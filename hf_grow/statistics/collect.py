@@ -10,7 +10,7 @@ import importlib.util
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,6 +88,7 @@ def collect_statistics(
     accumulate_dtype: torch.dtype = torch.float64,
     offload_dir: str | os.PathLike | None = None,
     cross_fit: bool = False,
+    owners: Sequence[int] | None = None,
 ) -> GrowthStatistics:
     """Accumulate C and M over ``dataloader`` (at most ``max_batches``), leaving the model as it was.
 
@@ -117,6 +118,11 @@ def collect_statistics(
     DistributedDataParallel. Raises ValueError on empty data, FloatingPointError on non-finite losses or
     statistics (naming the layer and batch).
 
+    ``owners``: with an ``accelerator``, the process that owns each layer (`hf_grow.growth.sharding`): each
+    layer's M (and its half) is reduced to its owner only, group by group, and the other processes drop theirs
+    (``gradients[layer]`` None there), so that a process holds the M of its own layers and of the group in
+    flight, not of every layer. C and the counts are summed on every process. None: M on every process.
+
     ``on_group(statistics, layers)`` is called after each pass, as soon as the M of its ``layers`` is complete
     (C and the counts are complete after the first): the solve turns them into its compact form there and may
     free each layer's M and its half (`GrowthStatistics.release`), so that no more than one group's M is held at a
@@ -136,6 +142,11 @@ def collect_statistics(
     )
     eager_model = config._attn_implementation == "eager"
     num_layers = len(adapter.attention_modules(model))
+    if owners is not None and (len(owners) != num_layers or not all(0 <= o < processes.world_size for o in owners)):
+        raise ValueError(
+            f"owners must name a process (0..{processes.world_size - 1}) for each of the {num_layers} layers, got "
+            f"{list(owners)}: plan them with hf_grow.growth.sharding.plan_owners."
+        )
     groups = layer_groups(
         num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget, accumulate_dtype.itemsize,
         cross_fit,
@@ -181,9 +192,12 @@ def collect_statistics(
                 )
                 statistics.model_type, statistics.weights = config.model_type, weight_sample(model)
             for layer in group:  # no name outlives the loop: the solve may free each M (on_group)
-                statistics.gradients[layer] = _summed(processes, sums.gradients.pop(layer), to_cpu)
+                owner = None if owners is None else owners[layer]
+                statistics.gradients[layer] = _summed(processes, sums.gradients.pop(layer), to_cpu, owner)
                 if sums.half_gradients is not None:
-                    statistics.half_gradients[layer] = _summed(processes, sums.half_gradients.pop(layer), to_cpu)
+                    statistics.half_gradients[layer] = _summed(
+                        processes, sums.half_gradients.pop(layer), to_cpu, owner
+                    )
             del sums, collector
             return_free_memory()  # the pass's activations: otherwise resident for the rest of the run
             statistics.method = "+".join(sorted(methods_used))
@@ -194,10 +208,11 @@ def collect_statistics(
     return statistics
 
 
-def _summed(processes: Processes, sums: Tensor, to_cpu: bool) -> Tensor:
-    """One layer's sums (M or its half) over the processes, moved to the CPU with ``to_cpu``."""
-    total = processes.sum_(sums)
-    return total.cpu() if to_cpu else total
+def _summed(processes: Processes, sums: Tensor, to_cpu: bool, owner: int | None = None) -> Tensor | None:
+    """One layer's sums (M or its half) over the processes, moved to the CPU with ``to_cpu``: on every process, or
+    on process ``owner`` only (None elsewhere)."""
+    total = processes.sum_(sums) if owner is None else processes.reduce_to_(sums, owner)
+    return total.cpu() if to_cpu and total is not None else total
 
 
 def _checked_statistics(
