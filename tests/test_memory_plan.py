@@ -2,6 +2,7 @@
 refusal of runs that would not fit, with the flags that make them fit."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,10 @@ from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model
 from hf_grow.cli import memory as cli_memory
-from hf_grow.growth.memory_plan import OFFLOAD_PLACEHOLDER, activation_bytes, fitting_changes, plan_memory
+from hf_grow.statistics import collect as collect_module
+from hf_grow.growth.memory_plan import (
+    OFFLOAD_PLACEHOLDER, PROCESS_BASELINE_BYTES, activation_bytes, fitting_changes, plan_memory,
+)
 from hf_grow.progress import format_bytes
 from hf_grow.statistics import layer_groups, statistics_bytes
 from quickstart import train_small_gpt2
@@ -88,6 +92,58 @@ def test_fitting_changes_pick_the_largest_budget_that_fits():
     config = dataclasses.replace(config, accumulate_dtype="float64")
     limit = plan_with({}).peak_host - 1
     assert fitting_changes(plan_with, config, lambda plan: plan.peak_host <= limit) == {"accumulate_dtype": "float32"}
+
+
+def mapped_files(tensor: torch.Tensor) -> set[str]:
+    """The files whose mappings (/proc/self/maps) hold ``tensor``'s memory."""
+    address, files = tensor.data_ptr(), set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            if start <= address < end and len(fields) > 5:
+                files.add(fields[5])
+    return files
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's mappings (Linux)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loading_maps_the_weights_file_unless_it_converts_and_the_plan_counts_so(tmp_path, dtype):
+    # The plan's load stage rests on how transformers loads a safetensors file: in its own dtype the weights are
+    # the file's mapped pages (nothing resident until read); in another they are a converted copy beside them.
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=2))
+    model.save_pretrained(tmp_path)  # float32
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path, dtype=dtype)
+    weights_file = str((tmp_path / "model.safetensors").resolve())
+    mapped = [weights_file in mapped_files(parameter) for parameter in loaded.parameters()]
+    assert all(mapped) if dtype == torch.float32 else not any(mapped)
+
+    meta = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=2)).to(dtype)
+    plan = plan_memory(meta, get_adapter(model), GrowthConfig(p=8), batch_size=2, seq_len=32, eval_tokens=256,
+                       weights_dtype=torch.float32)
+    load, weights = plan.stages[0], plan.stages[1].terms["model"]
+    if dtype == torch.float32:  # mapped: the process alone, and the table says why
+        assert load.host == PROCESS_BASELINE_BYTES and not load.terms and "mapped" in plan.table().splitlines()[1]
+    else:  # the converted model beside the whole float32 file
+        assert load.terms == {"model, converted": weights, "weights file": 2 * weights}
+        assert load.host == PROCESS_BASELINE_BYTES + 3 * weights
+    on_gpu = plan_memory(meta, get_adapter(model), GrowthConfig(p=8), batch_size=2, seq_len=32, eval_tokens=256,
+                         device="cuda").stages[0]
+    assert on_gpu.device == weights and on_gpu.terms == {"weights file": weights}  # moving it reads every page
+
+
+def test_each_statistics_pass_allocates_m_within_its_own_progress(monkeypatch, stdlib_bytes):
+    # M's accumulators (gigabytes at real size) belong to the statistics' time and stage, as the plan counts them,
+    # not to the loading before them; each pass of a memory budget allocates its group's.
+    events = []
+    bar, collector = collect_module.progress_bar, collect_module.Collector
+    monkeypatch.setattr(collect_module, "progress_bar", lambda *a, **k: events.append(k["desc"]) or bar(*a, **k))
+    monkeypatch.setattr(collect_module, "Collector", lambda *a, **k: events.append("M") or collector(*a, **k))
+    model = GPT2LMHeadModel(tiny_gpt2_config())
+    budget = statistics_bytes(2, 4, 64, 2)  # one layer of M per pass
+    collect_statistics(model, lm_batches(stdlib_bytes["stats"], 2, batch_size=2, seq_len=32), get_adapter(model),
+                       progress=True, memory_budget=budget)
+    assert events == ["statistics 1/2", "M", "statistics 2/2", "M"]
 
 
 def test_dry_run_prints_the_plan_and_reads_nothing(model_folder, tmp_path, capsys):  # noqa: F811

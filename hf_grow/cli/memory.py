@@ -105,6 +105,7 @@ def _planner(args: argparse.Namespace, objective: str):
     else:
         model_config = AutoConfig.from_pretrained(args.model)
     sequences = 2 if objective == "pairs" else 1  # a batch of pairs: its anchors and its positives
+    weights_dtype = _saved_dtype(model_config)  # before from_config sets the config's dtype to the model's
     models: dict[str, torch.nn.Module] = {}
     activations: dict[tuple[str, int], int] = {}
 
@@ -123,10 +124,20 @@ def _planner(args: argparse.Namespace, objective: str):
         plan = plan_memory(
             model, get_adapter(model), config, batch_size=sequences * batch_size, seq_len=seq_len,
             eval_tokens=eval_tokens, device=args.device, activations=activations[dtype, batch_size],
+            weights_dtype=weights_dtype,
         )
         return dataclasses.replace(plan, batch_size=batch_size)  # the flag's value, which a refusal may halve
 
     return plan_with
+
+
+def _saved_dtype(model_config) -> torch.dtype:
+    """The dtype of the model's weights file, as its config records it (float32 where it does not: checkpoints
+    saved before transformers recorded it)."""
+    dtype = getattr(model_config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _sentence_transformer_parts(model: str) -> tuple[str, int | None]:

@@ -36,8 +36,6 @@ ACTIVATION_OVERHEAD = 1.5
 #: The held-out passes' no-grad forwards leave about this share of a statistics batch's saved activations resident
 #: (the allocator's heap keeps tensors under its mmap threshold), measured on GPT-2 small.
 HELD_OUT_FORWARD = 0.3
-#: Loading reads the weights file through a memory map while filling the model: about half the model again.
-LOADING_OVERHEAD = 0.5
 #: (heads, d, d) float64 tensors alive at once while a chunk of heads is solved: M, the direction, its whitened
 #: form, and the decomposition's input, vectors and workspace.
 SOLVE_SQUARES_PER_HEAD = 6
@@ -51,12 +49,14 @@ OFFLOAD_PLACEHOLDER = "DIR"
 
 @dataclass(frozen=True)
 class Stage:
-    """A stage's predicted peak: host and device bytes, and the terms they are made of (host or device)."""
+    """A stage's predicted peak: host and device bytes, the terms they are made of (host or device), and what the
+    table says of a stage without terms."""
 
     name: str
     host: int
     device: int
     terms: dict[str, int] = field(default_factory=dict)
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class MemoryPlan:
         rows = [f"{'stage':<14}{'host':>10}{device}  largest terms"]
         for stage in self.stages:
             largest = sorted(stage.terms.items(), key=lambda item: -item[1])[:3]
-            terms = ", ".join(f"{name} {format_bytes(size)}" for name, size in largest)
+            terms = ", ".join(f"{name} {format_bytes(size)}" for name, size in largest) or stage.note
             device = f"{format_bytes(stage.device):>10}" if self.on_device else ""
             rows.append(f"{stage.name:<14}{format_bytes(stage.host):>10}{device}  {terms}")
         passes = len(self.groups)
@@ -124,6 +124,7 @@ def plan_memory(
     eval_tokens: int,
     device: torch.device | str = "cpu",
     activations: int | None = None,
+    weights_dtype: torch.dtype | None = None,
 ) -> MemoryPlan:
     """Predict the peak memory of each stage of growing ``model`` (real or on the meta device) with ``config``
     on statistics batches of ``batch_size`` x ``seq_len`` tokens and ``eval_tokens`` held-out tokens.
@@ -132,6 +133,9 @@ def plan_memory(
     language-model loss on the batch (labels = inputs). On a GPU (``device``) the model, the sums and the solve
     live on the device and the host holds the process and the data. With ``config.offload_dir`` on a CPU, M lives
     on disk (`MemoryPlan.disk`) instead of in the statistics' and the solve's host memory.
+
+    ``weights_dtype``: the dtype of the weights file (the saved config's ``dtype``); loading into another dtype
+    converts (`_loading`). None: the model's own dtype.
     """
     on_device = torch.device(device).type != "cpu"
     model_config = model.config
@@ -181,8 +185,9 @@ def plan_memory(
     # The command frees the input model first; safetensors writes the tensors' own memory (a GPT-2 small's save
     # added 2 MiB to the process, safetensors 0.8), so saving adds no copy.
     write = {"grown model": weights}
+    model_dtype = next(model.parameters()).dtype
     stages = (
-        _stage("load", {"model": weights, "weights file": int(LOADING_OVERHEAD * weights)}, on_device),
+        _loading(weights, model_dtype, weights_dtype or model_dtype, on_device),
         _stage("statistics", statistics, on_device),
         _stage("solve", solve, on_device),
         _stage("line search", held_out, on_device),
@@ -220,13 +225,27 @@ def _largest_p(p: int | dict[int, int] | None) -> int:
 
 def _stage(name: str, terms: dict[str, int], on_device: bool) -> Stage:
     """Host = the process + its terms on a CPU; on a GPU the terms are on the device and the host keeps the
-    process (and, while loading, the model and its weights file, before the model moves to the device)."""
+    process."""
     total = sum(terms.values())
     if not on_device:
         return Stage(name, PROCESS_BASELINE_BYTES + total, 0, terms)
-    if name == "load":
-        return Stage(name, PROCESS_BASELINE_BYTES + total, terms["model"], terms)
     return Stage(name, PROCESS_BASELINE_BYTES, total, terms)
+
+
+def _loading(weights: int, model_dtype: torch.dtype, weights_dtype: torch.dtype, on_device: bool) -> Stage:
+    """The load stage. transformers maps a safetensors file and, where the model keeps the file's dtype, uses the
+    mapped tensors as its weights (copy-on-write): loading makes nothing resident, the statistics pass reads the
+    pages in (the later stages count the model). Loading into another dtype reads the whole file and fills a
+    converted copy: the file's pages and the model at once (GPT-2 medium float32 <-> bfloat16, measured). On a
+    GPU the model is loaded on the host, then moved, which reads every page of the file."""
+    terms = {}
+    if weights_dtype != model_dtype:
+        terms["model, converted"] = weights
+    if weights_dtype != model_dtype or on_device:
+        terms["weights file"] = weights * weights_dtype.itemsize // model_dtype.itemsize
+    host = PROCESS_BASELINE_BYTES + sum(terms.values())
+    note = "" if terms else "weights mapped from their file, read in by the statistics pass"
+    return Stage("load", host, weights if on_device else 0, terms, note)
 
 
 def _model_bytes(model: nn.Module) -> int:
