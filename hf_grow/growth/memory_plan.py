@@ -147,7 +147,8 @@ def plan_memory(
     groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate, config.cross_fit)
     mode = adapter.check_mode(model, None)
     # each group's M is freed once it is solved, unless a second solve needs every layer's
-    widest = layers if config.keeps_every_m(mode) else max(len(group) for group in groups)
+    every_m = config.keeps_every_m(mode)
+    widest = layers if every_m else max(len(group) for group in groups)
     square = heads * width * width  # entries of one layer's M
     held_squares = widest * m_copies(config.cross_fit) * square  # M's accumulators (and their halves) held at once
     weights = _model_bytes(model)
@@ -159,20 +160,21 @@ def plan_memory(
         activations = activation_bytes(model, batch_size, seq_len, statistics_attention(seq_len, device))
     scores = batch_size * heads * seq_len * (seq_len + width) * 4 if reference else 2 * 2**21 * 4
     offload = config.offload_dir is not None and not on_device  # on a GPU the run refuses it (`check_offload_dir`)
-    held_m = {} if offload else {"M": held_squares * accumulate}
+    layer_m = 0 if offload else m_copies(config.cross_fit) * square * accumulate
+    solved = _solved_bytes(mode, config, layers, heads, width, max(qk_dims))
+    (pass_m, earlier_solved), (solve_m, solve_solved) = _held_m_and_solved(groups, every_m, layer_m, solved // layers)
     statistics = {
         "model": weights, "activations": int(ACTIVATION_OVERHEAD * activations), "C": second_moments,
-        **held_m, "M of a batch": square * (compute + accumulate),
+        **_named({"M": pass_m, "compact solve of earlier passes": earlier_solved}),
+        "M of a batch": square * (compute + accumulate),
         "inputs X'": layers * tokens * width * compute, "score gradients": scores,
     }
-
-    solved = _solved_bytes(mode, config, layers, heads, width, max(qk_dims))
     chunk = min(heads, HEAD_CHUNK)
     squares_per_head = CROSS_FIT_SQUARES_PER_HEAD if config.cross_fit else SOLVE_SQUARES_PER_HEAD
     solve = {
         "model": weights, "C": second_moments, "metric": layers * width * width * 8,
-        **held_m, "solve of 8 heads": squares_per_head * chunk * width * width * 8,
-        "compact solve": solved,
+        **_named({"M": solve_m}), "solve of 8 heads": squares_per_head * chunk * width * width * 8,
+        "compact solve": solve_solved,
     }
     # no logits without a language-model head (the transformers model inside a SentenceTransformer)
     vocabulary = 0 if model.get_output_embeddings() is None else getattr(model_config, "vocab_size", 0) or 0
@@ -198,6 +200,38 @@ def plan_memory(
         stages, groups, on_device, layers, heads, width, batch_size, config.offload_dir if offload else None, disk,
         config.cross_fit,
     )
+
+
+def _held_m_and_solved(
+    groups: list[list[int]], every_m: bool, layer_m: int, layer_solved: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The bytes of M and of the compact solve held together at the peak of the statistics passes, and at that of
+    the solves: (M, solve) for each.
+
+    A pass holds its group's M beside the earlier groups' compact solve. A group's solve turns M into compact
+    targets layer by layer and frees each layer's M after it (`GrowthProblem.solve_layers`): beside the earlier
+    groups' targets it holds at most the whole group's M and one layer's targets (at its first layer), or one
+    layer's M and the whole group's targets (at its last), whichever is more; not both whole. ``every_m``: no M is
+    freed (a second solve needs it), so the last group's solve holds every layer's M and every target.
+    ``layer_m``: one layer's M (with its half under cross-fitting), 0 where M is on disk.
+    """
+    statistics, solve = (0, 0), (0, 0)
+    before = 0  # layers solved in earlier groups
+    for group in groups:
+        held = len(group) + (before if every_m else 0)  # layers whose M is held during this pass
+        statistics = max(statistics, (held * layer_m, before * layer_solved), key=sum)
+        if every_m:
+            points = [(held * layer_m, (before + len(group)) * layer_solved)]
+        else:
+            points = [(held * layer_m, (before + 1) * layer_solved), (layer_m, (before + len(group)) * layer_solved)]
+        solve = max(solve, *points, key=sum)
+        before += len(group)
+    return statistics, solve
+
+
+def _named(terms: dict[str, int]) -> dict[str, int]:
+    """The terms that hold anything (M on disk is no host term)."""
+    return {name: size for name, size in terms.items() if size}
 
 
 def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int) -> int:
