@@ -385,3 +385,26 @@ def test_a_bad_offload_dir_is_refused_before_any_work(model_folder, tmp_path, ca
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and f"--offload-dir {tmp_path / folder} {message}" in error, error
     assert not output.exists()
+
+
+def test_a_run_that_fits_only_below_the_rank_ceiling_goes_on_with_a_warning(wide_model_folder, tmp_path, capsys,
+                                                                           monkeypatch):
+    # The certified rank is known only during the solve: the plan counts its ceiling, and refuses only a run that
+    # would not fit at the least rank either.
+    arguments = [str(wide_model_folder), "--p", "8", "--data", TEXT_GLOB, "--seq-len", "64", "--batch-size", "1",
+                 "--max-tokens", "1200", "--eval-tokens", "600", "--quiet", "--device", "cpu"]
+    assert cli.main([*arguments, "--dry-run"]) == 0
+    table = capsys.readouterr().out
+    model = GPT2LMHeadModel.from_pretrained(wide_model_folder)
+    plan = plan_memory(model, get_adapter(model), GrowthConfig(p=8), batch_size=1, seq_len=64, eval_tokens=600)
+    assert plan.least_peak_host < plan.peak_host
+    assert f"at their least rank the peak is {format_bytes(plan.least_peak_host)}" in table
+    output = tmp_path / "grown"
+    monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (plan.least_peak_host, 0))
+    assert cli.main([*arguments, "--output-dir", str(output)]) == 0
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and "may need up to" in warning[0] and "rank ceiling" in warning[0]
+    assert (output / "config.json").is_file()
+    monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (plan.least_peak_host - 1, 0))
+    assert cli.main([*arguments, "--output-dir", str(tmp_path / "refused")]) == 2
+    assert "needs about" in capsys.readouterr().err and not (tmp_path / "refused").exists()

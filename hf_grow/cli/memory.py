@@ -56,6 +56,21 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
 
     if args.ignore_memory_plan or fits(plan):
         return plan
+    stage = max(plan.stages, key=lambda stage: stage.device if plan.on_device else stage.host)
+    where = "device" if plan.on_device else "host"
+    free = free_device if plan.on_device else free_host
+    limit = "allowed (--max-memory)" if args.max_memory is not None else "free"
+    needed = stage.device if plan.on_device else stage.host
+    if _fits(plan, free_host, free_device, least=True) and plan.disk <= free_disk:
+        # The plan counts every head's compact solve at its rank ceiling, which flat spectra (random weights)
+        # reach; the certified rank is known only during the solve: a run that fits at the least rank goes on.
+        least = plan.least_peak_device if plan.on_device else plan.least_peak_host
+        print(
+            f"hf-grow: warning: the {stage.name} stage may need up to {format_bytes(needed)} of {where} memory, "
+            f"{format_bytes(free)} is {limit}: that is every head's compact solve at its rank ceiling, which flat "
+            f"spectra (random weights) reach; {format_bytes(least)} at the least rank: going on", file=sys.stderr
+        )
+        return plan
     changes = fitting_changes(plan_with, args.config, fits)
     fix = _rerun_with(changes, plan_with) if changes else None
     if _fits(plan, free_host, free_device):  # only the disk of --offload-dir is short
@@ -64,11 +79,6 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
             f"{format_bytes(free_disk)} is free there: {fix or 'free disk there or name another folder'} (see "
             "--dry-run; --ignore-memory-plan runs anyway)"
         )
-    stage = max(plan.stages, key=lambda stage: stage.device if plan.on_device else stage.host)
-    where = "device" if plan.on_device else "host"
-    free = free_device if plan.on_device else free_host
-    limit = "allowed (--max-memory)" if args.max_memory is not None else "free"
-    needed = stage.device if plan.on_device else stage.host
     raise CommandError(
         f"the {stage.name} stage needs about {format_bytes(needed)} of {where} memory, {format_bytes(free)} is "
         f"{limit}: {fix or 'use a machine with more memory'} (see --dry-run; --ignore-memory-plan runs anyway)"
@@ -161,5 +171,7 @@ def _free_memory(device: str) -> tuple[int, int]:
     return host, 0
 
 
-def _fits(plan: MemoryPlan, free_host: int, free_device: int) -> bool:
-    return plan.peak_host <= free_host and (not plan.on_device or plan.peak_device <= free_device)
+def _fits(plan: MemoryPlan, free_host: int, free_device: int, least: bool = False) -> bool:
+    """Whether the plan's peaks fit; ``least``: with every compact solve at its least rank (a lower bound)."""
+    host, device = (plan.least_peak_host, plan.least_peak_device) if least else (plan.peak_host, plan.peak_device)
+    return host <= free_host and (not plan.on_device or device <= free_device)

@@ -77,6 +77,9 @@ class MemoryPlan:
     disk: int = 0
     #: Planned with ``cross_fit``: M's accumulators are held twice (M and its sum over half the batches).
     cross_fit: bool = False
+    #: The same stages with every head's compact solve at its least rank instead of its ceiling: the rank is
+    #: certified from the spectra during the solve, so ``stages`` is an upper bound and these a lower one.
+    least_stages: tuple[Stage, ...] = ()
 
     @property
     def peak_host(self) -> int:
@@ -85,6 +88,15 @@ class MemoryPlan:
     @property
     def peak_device(self) -> int:
         return max(stage.device for stage in self.stages)
+
+    @property
+    def least_peak_host(self) -> int:
+        """The host peak with every compact solve at its least rank (a lower bound)."""
+        return max(stage.host for stage in self.least_stages or self.stages)
+
+    @property
+    def least_peak_device(self) -> int:
+        return max(stage.device for stage in self.least_stages or self.stages)
 
     def budget_for(self, layers_per_pass: int, m_itemsize: int) -> str:
         """The smallest ``memory_budget`` that collects M for ``layers_per_pass`` layers per pass
@@ -106,6 +118,10 @@ class MemoryPlan:
         rows.append(f"peak {format_bytes(self.peak_host)} host" + (
             f", {format_bytes(self.peak_device)} device" if self.on_device else "") +
             f"; statistics in {passes} pass{'es' if passes > 1 else ''} over the data")
+        least = self.least_peak_device if self.on_device else self.least_peak_host
+        if least < (self.peak_device if self.on_device else self.peak_host):
+            rows.append(f"compact solves counted at their rank ceiling (flat spectra, such as random weights'); at "
+                        f"their least rank the peak is {format_bytes(least)}")
         if self.cross_fit:
             rows.append("M counted twice: cross_fit sums it over all batches and over the odd-numbered ones")
         if self.offload_dir is not None:
@@ -161,44 +177,47 @@ def plan_memory(
     scores = batch_size * heads * seq_len * (seq_len + width) * 4 if reference else 2 * 2**21 * 4
     offload = config.offload_dir is not None and not on_device  # on a GPU the run refuses it (`check_offload_dir`)
     layer_m = 0 if offload else m_copies(config.cross_fit) * square * accumulate
-    solved = _solved_bytes(mode, config, layers, heads, width, max(qk_dims))
-    (pass_m, earlier_solved), (solve_m, solve_solved) = _held_m_and_solved(groups, every_m, layer_m, solved // layers)
-    statistics = {
-        "model": weights, "activations": int(ACTIVATION_OVERHEAD * activations), "C": second_moments,
-        **_named({"M": pass_m, "compact solve of earlier passes": earlier_solved}),
-        "M of a batch": square * (compute + accumulate),
-        "inputs X'": layers * tokens * width * compute, "score gradients": scores,
-    }
     chunk = min(heads, HEAD_CHUNK)
     squares_per_head = CROSS_FIT_SQUARES_PER_HEAD if config.cross_fit else SOLVE_SQUARES_PER_HEAD
-    solve = {
-        "model": weights, "C": second_moments, "metric": layers * width * width * 8,
-        **_named({"M": solve_m}), "solve of 8 heads": squares_per_head * chunk * width * width * 8,
-        "compact solve": solve_solved,
-    }
     # no logits without a language-model head (the transformers model inside a SentenceTransformer)
     vocabulary = 0 if model.get_output_embeddings() is None else getattr(model_config, "vocab_size", 0) or 0
-    held_out = {
-        "model": weights, "grown model": weights, "C": second_moments, "metric": layers * width * width * 8,
-        "compact solve": solved, "held-out logits": 2 * batch_size * seq_len * vocabulary * 4,
-        "held-out forward": int(HELD_OUT_FORWARD * activations),
-        "held-out states": min(CACHE_BYTES, eval_tokens * width * 4 * max(layers - 1, 0)),
-    }
-    # The command frees the input model first; safetensors writes the tensors' own memory (a GPT-2 small's save
-    # added 2 MiB to the process, safetensors 0.8), so saving adds no copy.
-    write = {"grown model": weights}
+
+    def stages_after_loading(solved: int) -> tuple[Stage, ...]:
+        """The stages from the statistics on, with ``solved`` bytes of compact solve."""
+        held = _held_m_and_solved(groups, every_m, layer_m, solved // layers)
+        (pass_m, earlier_solved), (solve_m, solve_solved) = held
+        statistics = {
+            "model": weights, "activations": int(ACTIVATION_OVERHEAD * activations), "C": second_moments,
+            **_named({"M": pass_m, "compact solve of earlier passes": earlier_solved}),
+            "M of a batch": square * (compute + accumulate),
+            "inputs X'": layers * tokens * width * compute, "score gradients": scores,
+        }
+        solve = {
+            "model": weights, "C": second_moments, "metric": layers * width * width * 8,
+            **_named({"M": solve_m}), "solve of 8 heads": squares_per_head * chunk * width * width * 8,
+            "compact solve": solve_solved,
+        }
+        held_out = {
+            "model": weights, "grown model": weights, "C": second_moments, "metric": layers * width * width * 8,
+            "compact solve": solved, "held-out logits": 2 * batch_size * seq_len * vocabulary * 4,
+            "held-out forward": int(HELD_OUT_FORWARD * activations),
+            "held-out states": min(CACHE_BYTES, eval_tokens * width * 4 * max(layers - 1, 0)),
+        }
+        # The command frees the input model first; safetensors writes the tensors' own memory (a GPT-2 small's
+        # save added 2 MiB to the process, safetensors 0.8), so saving adds no copy.
+        write = {"grown model": weights}
+        return tuple(_stage(name, terms, on_device) for name, terms in (
+            ("statistics", statistics), ("solve", solve), ("line search", held_out), ("write", write)))
+
     model_dtype = next(model.parameters()).dtype
-    stages = (
-        _loading(weights, model_dtype, weights_dtype or model_dtype, on_device),
-        _stage("statistics", statistics, on_device),
-        _stage("solve", solve, on_device),
-        _stage("line search", held_out, on_device),
-        _stage("write", write, on_device),
-    )
+    loading = _loading(weights, model_dtype, weights_dtype or model_dtype, on_device)
+    solved = {at_ceiling: _solved_bytes(mode, config, layers, heads, width, max(qk_dims), at_ceiling)
+              for at_ceiling in (True, False)}
     disk = held_squares * accumulate if offload else 0
     return MemoryPlan(
-        stages, groups, on_device, layers, heads, width, batch_size, config.offload_dir if offload else None, disk,
-        config.cross_fit,
+        (loading, *stages_after_loading(solved[True])), groups, on_device, layers, heads, width, batch_size,
+        config.offload_dir if offload else None, disk, config.cross_fit,
+        least_stages=(loading, *stages_after_loading(solved[False])),
     )
 
 
@@ -234,15 +253,21 @@ def _named(terms: dict[str, int]) -> dict[str, int]:
     return {name: size for name, size in terms.items() if size}
 
 
-def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int) -> int:
+def _solved_bytes(
+    mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int, at_ceiling: bool
+) -> int:
     """What the solve keeps for the steps (`layer_solve.LayerProblem`): per head, the compact targets
-    (`compact.stored_bytes`) of each truncation ("refactor"), or the unit update of the added dims ("append")."""
+    (`compact.stored_bytes`) of each truncation ("refactor"), or the unit update of the added dims ("append").
+
+    The compact rank is certified from each head's spectrum during the solve (`compact.certified_rank`), between
+    `compact.compact_rank` and `compact.rank_ceiling`: ``at_ceiling`` counts the ceiling (flat spectra, such as
+    random weights', reach it), else the least rank."""
     added = config.budget if config.budget is not None else _largest_p(config.p)
     grown = min(width, qk_dim + added)
     if mode == "append":
         return layers * heads * 2 * width * max(1, grown - qk_dim) * 8
     rank = compact_rank(width, grown)
-    if qk_dim + rank < width:  # compact: the certified rank may keep up to its ceiling (`compact.certified_rank`)
+    if at_ceiling and qk_dim + rank < width:  # compact: the certified rank may keep up to its ceiling
         rank = max(rank, rank_ceiling(width, grown, qk_dim))
     kept = min(width, qk_dim + rank)
     # The whitened targets always (the step norms); the Frobenius ones too where a candidate truncates so.
