@@ -51,8 +51,8 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
             min(free_host, limit), free_device)
     free_disk = shutil.disk_usage(plan.offload_dir).free if plan.offload_dir is not None else math.inf
 
-    def fits(candidate: MemoryPlan) -> bool:
-        return _fits(candidate, free_host, free_device) and candidate.disk <= free_disk
+    def fits(candidate: MemoryPlan, least: bool = False) -> bool:
+        return _fits(candidate, free_host, free_device, least) and candidate.disk <= free_disk
 
     if args.ignore_memory_plan or fits(plan):
         return plan
@@ -61,7 +61,7 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
     free = free_device if plan.on_device else free_host
     limit = "allowed (--max-memory)" if args.max_memory is not None else "free"
     needed = stage.device if plan.on_device else stage.host
-    if _fits(plan, free_host, free_device, least=True) and plan.disk <= free_disk:
+    if fits(plan, least=True):
         # The plan counts every head's compact solve at its rank ceiling, which flat spectra (random weights)
         # reach; the certified rank is known only during the solve: a run that fits at the least rank goes on.
         least = plan.least_peak_device if plan.on_device else plan.least_peak_host
@@ -71,7 +71,9 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
             f"spectra (random weights) reach; {format_bytes(least)} at the least rank: going on", file=sys.stderr
         )
         return plan
-    changes = fitting_changes(plan_with, args.config, fits)
+    # changes that fit the rank ceiling, else the least rank (the rerun then warns and goes on)
+    changes = fitting_changes(plan_with, args.config, fits) or fitting_changes(
+        plan_with, args.config, lambda candidate: fits(candidate, least=True))
     fix = _rerun_with(changes, plan_with) if changes else None
     if _fits(plan, free_host, free_device):  # only the disk of --offload-dir is short
         raise CommandError(
