@@ -2,6 +2,7 @@
 refusal of runs that would not fit, with the flags that make them fit."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,10 @@ from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model
 from hf_grow.cli import memory as cli_memory
-from hf_grow.growth.memory_plan import OFFLOAD_PLACEHOLDER, activation_bytes, fitting_changes, plan_memory
+from hf_grow.statistics import collect as collect_module
+from hf_grow.growth.memory_plan import (
+    OFFLOAD_PLACEHOLDER, PROCESS_BASELINE_BYTES, activation_bytes, fitting_changes, plan_memory,
+)
 from hf_grow.progress import format_bytes
 from hf_grow.statistics import layer_groups, statistics_bytes
 from quickstart import train_small_gpt2
@@ -65,8 +69,9 @@ def test_the_plan_holds_one_group_of_m_in_the_accumulators_dtype():
 
 
 def test_fitting_changes_pick_the_largest_budget_that_fits():
-    # Wide enough that M, not the compact solve, dominates (on the meta device: no memory is used).
-    model = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=6, n_embd=512, n_head=32))
+    # Wide enough that M, not the compact solve, dominates (on the meta device: no memory is used): a pass's M
+    # 2.7x a layer's compact solve, which a later pass holds beside its own M.
+    model = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=6, n_embd=1024, n_head=64))
     adapter, config = get_adapter(model), GrowthConfig(p=8, accumulate_dtype="float32")
 
     def plan_with(changes):
@@ -76,7 +81,7 @@ def test_fitting_changes_pick_the_largest_budget_that_fits():
 
     plan = plan_with({})
     assert max(plan.stages, key=lambda stage: stage.host).name in ("statistics", "solve")
-    limit = plan.peak_host - plan.stages[1].terms["M"] // 2  # half of M must go
+    limit = plan.peak_host - plan.stages[1].terms["M"] // 4  # a quarter of M must go
     changes = fitting_changes(plan_with, config, lambda plan: plan.peak_host <= limit)
     assert set(changes) == {"memory_budget"}
     fitted = plan_with(changes)
@@ -88,6 +93,114 @@ def test_fitting_changes_pick_the_largest_budget_that_fits():
     config = dataclasses.replace(config, accumulate_dtype="float64")
     limit = plan_with({}).peak_host - 1
     assert fitting_changes(plan_with, config, lambda plan: plan.peak_host <= limit) == {"accumulate_dtype": "float32"}
+
+
+def mapped_files(tensor: torch.Tensor) -> set[str]:
+    """The files whose mappings (/proc/self/maps) hold ``tensor``'s memory."""
+    address, files = tensor.data_ptr(), set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            if start <= address < end and len(fields) > 5:
+                files.add(fields[5])
+    return files
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's mappings (Linux)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loading_maps_the_weights_file_unless_it_converts_and_the_plan_counts_so(tmp_path, dtype):
+    # The plan's load stage rests on how transformers loads a safetensors file: in its own dtype the weights are
+    # the file's mapped pages (nothing resident until read); in another they are a converted copy beside them.
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=2))
+    model.save_pretrained(tmp_path)  # float32
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path, dtype=dtype)
+    weights_file = str((tmp_path / "model.safetensors").resolve())
+    mapped = [weights_file in mapped_files(parameter) for parameter in loaded.parameters()]
+    assert all(mapped) if dtype == torch.float32 else not any(mapped)
+
+    meta = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=2)).to(dtype)
+    plan = plan_memory(meta, get_adapter(model), GrowthConfig(p=8), batch_size=2, seq_len=32, eval_tokens=256,
+                       weights_dtype=torch.float32)
+    load, weights = plan.stages[0], plan.stages[1].terms["model"]
+    if dtype == torch.float32:  # mapped: the process alone, and the table says why
+        assert load.host == PROCESS_BASELINE_BYTES and not load.terms and "mapped" in plan.table().splitlines()[1]
+    else:  # the converted model beside the whole float32 file
+        assert load.terms == {"model, converted": weights, "weights file": 2 * weights}
+        assert load.host == PROCESS_BASELINE_BYTES + 3 * weights
+    on_gpu = plan_memory(meta, get_adapter(model), GrowthConfig(p=8), batch_size=2, seq_len=32, eval_tokens=256,
+                         device="cuda").stages[0]
+    assert on_gpu.device == weights and on_gpu.terms == {"weights file": weights}  # moving it reads every page
+
+
+def test_each_statistics_pass_allocates_m_within_its_own_progress(monkeypatch, stdlib_bytes):
+    # M's accumulators (gigabytes at real size) belong to the statistics' time and stage, as the plan counts them,
+    # not to the loading before them; each pass of a memory budget allocates its group's.
+    events = []
+    bar, collector = collect_module.progress_bar, collect_module.Collector
+    monkeypatch.setattr(collect_module, "progress_bar", lambda *a, **k: events.append(k["desc"]) or bar(*a, **k))
+    monkeypatch.setattr(collect_module, "Collector", lambda *a, **k: events.append("M") or collector(*a, **k))
+    model = GPT2LMHeadModel(tiny_gpt2_config())
+    budget = statistics_bytes(2, 4, 64, 2)  # one layer of M per pass
+    collect_statistics(model, lm_batches(stdlib_bytes["stats"], 2, batch_size=2, seq_len=32), get_adapter(model),
+                       progress=True, memory_budget=budget)
+    assert events == ["statistics 1/2", "M", "statistics 2/2", "M"]
+
+
+def live_bytes(excluded: set[int]) -> int:
+    """Bytes of the live tensors' storages (each once), found by the garbage collector, less ``excluded``'s."""
+    import gc
+
+    storages = {}
+    for tensor in (obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu"):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(size for pointer, size in storages.items() if pointer not in excluded)
+
+
+def test_the_solve_frees_m_layer_by_layer_as_the_plan_counts_it(stdlib_bytes, monkeypatch):
+    """The solve frees each layer's M once the layer is solved, so the plan's solve holds M and the compact solve
+    each whole, never both (`_held_m_and_solved`); the live tensors of a real solve stay within it."""
+    from hf_grow.growth import GrowthProblem, layer_solve
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=4, n_embd=128, n_head=8)).eval()
+    adapter = get_adapter(model)
+    statistics = collect_statistics(model, lm_batches(stdlib_bytes["stats"], 2, batch_size=4, seed=46), adapter)
+    model_storages = {tensor.untyped_storage().data_ptr() for tensor in [*model.parameters(), *model.buffers()]}
+    before = live_bytes(model_storages)  # with the statistics' M and C
+    held, peaks = [], []
+    direction = layer_solve.linalg.solve_direction_in_basis
+
+    def counting_direction(*args, **kwargs):  # one chunk of 8 heads: a layer
+        result = direction(*args, **kwargs)
+        held.append(sum(gradient is not None for gradient in statistics.gradients))
+        peaks.append(live_bytes(model_storages))
+        return result
+
+    monkeypatch.setattr(layer_solve.linalg, "solve_direction_in_basis", counting_direction)
+    GrowthProblem(model, adapter, statistics, [24] * 4, "whitened", 1e-6, "eigh", release=True)
+    assert held == [4, 3, 2, 1]  # the M of the layers not solved yet
+    plan = plan_memory(model, adapter, GrowthConfig(p=8), batch_size=4, seq_len=64, eval_tokens=256)
+    solve, layer_m, layer_solved = plan.stages[2].terms, 8 * 129 * 129 * 8, plan.stages[3].terms["compact solve"] // 4
+    assert layer_solved > layer_m  # at d = 129 a head's targets (three k x k cores, k = 128) outweigh its M
+    assert (solve["M"], solve["compact solve"]) == (layer_m, 4 * layer_solved)  # at the last layer
+    transients = solve["solve of 8 heads"] + solve["metric"] + solve["C"]
+    assert max(peaks) - before + 4 * layer_m <= solve["M"] + solve["compact solve"] + transients
+
+    # Where M outweighs the targets (GPT-2 medium's width), the peak is at the first layer; a later pass of a
+    # memory budget holds its M beside the earlier passes' targets.
+    wide = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=4, n_embd=1024, n_head=16))
+    shape = dict(batch_size=4, seq_len=64, eval_tokens=256)
+    plan = plan_memory(wide, adapter, GrowthConfig(p=8), **shape)
+    layer_m, layer_solved = 16 * 1025 * 1025 * 8, plan.stages[3].terms["compact solve"] // 4
+    assert layer_m > layer_solved and plan.stages[2].terms["M"] == 4 * layer_m
+    assert plan.stages[2].terms["compact solve"] == layer_solved
+    grouped = plan_memory(wide, adapter, GrowthConfig(p=8, memory_budget=statistics_bytes(4, 16, 1024, 2)), **shape)
+    assert grouped.groups == [[0], [1], [2], [3]]
+    assert grouped.stages[1].terms["M"] == layer_m
+    assert grouped.stages[1].terms["compact solve of earlier passes"] == 3 * layer_solved
+    assert (grouped.stages[2].terms["M"], grouped.stages[2].terms["compact solve"]) == (layer_m, 4 * layer_solved)
 
 
 def test_dry_run_prints_the_plan_and_reads_nothing(model_folder, tmp_path, capsys):  # noqa: F811
@@ -187,7 +300,11 @@ def test_m_on_disk_leaves_the_host_memory_and_the_plan_says_where_it_is(tmp_path
     m_bytes = 6 * 32 * 513 * 513 * 8
     assert (in_memory.disk, on_disk.disk, on_disk.groups) == (0, m_bytes, in_memory.groups)
     for memory, disk in zip(in_memory.stages, on_disk.stages):
-        assert "M" not in disk.terms and memory.host - disk.host == memory.terms.get("M", 0)
+        assert "M" not in disk.terms
+        if memory.name == "solve":  # without M to free, the solve's peak is its end: every layer's targets
+            assert disk.terms["compact solve"] == on_disk.stages[3].terms["compact solve"] and disk.host < memory.host
+        else:
+            assert memory.host - disk.host == memory.terms.get("M", 0)
     assert in_memory.stages[1].terms["M"] == m_bytes  # statistics and solve hold it in memory
     assert f"M on disk: {format_bytes(m_bytes)} in {tmp_path}" in on_disk.table()
     assert "on disk" not in in_memory.table()
@@ -272,3 +389,26 @@ def test_a_bad_offload_dir_is_refused_before_any_work(model_folder, tmp_path, ca
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and f"--offload-dir {tmp_path / folder} {message}" in error, error
     assert not output.exists()
+
+
+def test_a_run_that_fits_only_below_the_rank_ceiling_goes_on_with_a_warning(wide_model_folder, tmp_path, capsys,
+                                                                           monkeypatch):
+    # The certified rank is known only during the solve: the plan counts its ceiling, and refuses only a run that
+    # would not fit at the least rank either.
+    arguments = [str(wide_model_folder), "--p", "8", "--data", TEXT_GLOB, "--seq-len", "64", "--batch-size", "1",
+                 "--max-tokens", "1200", "--eval-tokens", "600", "--quiet", "--device", "cpu"]
+    assert cli.main([*arguments, "--dry-run"]) == 0
+    table = capsys.readouterr().out
+    model = GPT2LMHeadModel.from_pretrained(wide_model_folder)
+    plan = plan_memory(model, get_adapter(model), GrowthConfig(p=8), batch_size=1, seq_len=64, eval_tokens=600)
+    assert plan.least_peak_host < plan.peak_host
+    assert f"at their least rank the peak is {format_bytes(plan.least_peak_host)}" in table
+    output = tmp_path / "grown"
+    monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (plan.least_peak_host, 0))
+    assert cli.main([*arguments, "--output-dir", str(output)]) == 0
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and "may need up to" in warning[0] and "rank ceiling" in warning[0]
+    assert (output / "config.json").is_file()
+    monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (plan.least_peak_host - 1, 0))
+    assert cli.main([*arguments, "--output-dir", str(tmp_path / "refused")]) == 2
+    assert "needs about" in capsys.readouterr().err and not (tmp_path / "refused").exists()

@@ -52,12 +52,29 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
             min(free_host, limit), free_device)
     free_disk = shutil.disk_usage(plan.offload_dir).free if plan.offload_dir is not None else math.inf
 
-    def fits(candidate: MemoryPlan) -> bool:
-        return _fits(candidate, free_host, free_device) and candidate.disk <= free_disk
+    def fits(candidate: MemoryPlan, least: bool = False) -> bool:
+        return _fits(candidate, free_host, free_device, least) and candidate.disk <= free_disk
 
     if args.ignore_memory_plan or fits(plan):
         return plan
-    changes = fitting_changes(plan_with, args.config, fits)
+    stage = max(plan.stages, key=lambda stage: stage.device if plan.on_device else stage.host)
+    where = "device" if plan.on_device else "host"
+    free = free_device if plan.on_device else free_host
+    limit = "allowed (--max-memory)" if args.max_memory is not None else "free"
+    needed = stage.device if plan.on_device else stage.host
+    if fits(plan, least=True):
+        # The plan counts every head's compact solve at its rank ceiling, which flat spectra (random weights)
+        # reach; the certified rank is known only during the solve: a run that fits at the least rank goes on.
+        least = plan.least_peak_device if plan.on_device else plan.least_peak_host
+        print(
+            f"hf-grow: warning: the {stage.name} stage may need up to {format_bytes(needed)} of {where} memory, "
+            f"{format_bytes(free)} is {limit}: that is every head's compact solve at its rank ceiling, which flat "
+            f"spectra (random weights) reach; {format_bytes(least)} at the least rank: going on", file=sys.stderr
+        )
+        return plan
+    # changes that fit the rank ceiling, else the least rank (the rerun then warns and goes on)
+    changes = fitting_changes(plan_with, args.config, fits) or fitting_changes(
+        plan_with, args.config, lambda candidate: fits(candidate, least=True))
     fix = _rerun_with(changes, plan_with) if changes else None
     if _fits(plan, free_host, free_device):  # only the disk of --offload-dir is short
         raise CommandError(
@@ -65,11 +82,6 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
             f"{format_bytes(free_disk)} is free there: {fix or 'free disk there or name another folder'} (see "
             "--dry-run; --ignore-memory-plan runs anyway)"
         )
-    stage = max(plan.stages, key=lambda stage: stage.device if plan.on_device else stage.host)
-    where = "device" if plan.on_device else "host"
-    free = free_device if plan.on_device else free_host
-    limit = "allowed (--max-memory)" if args.max_memory is not None else "free"
-    needed = stage.device if plan.on_device else stage.host
     raise CommandError(
         f"the {stage.name} stage needs about {format_bytes(needed)} of {where} memory, {format_bytes(free)} is "
         f"{limit}: {fix or 'use a machine with more memory'} (see --dry-run; --ignore-memory-plan runs anyway)"
@@ -106,6 +118,7 @@ def _planner(args: argparse.Namespace, objective: str):
     else:
         model_config = AutoConfig.from_pretrained(args.model)
     sequences = 2 if objective == "pairs" else 1  # a batch of pairs: its anchors and its positives
+    weights_dtype = _saved_dtype(model_config)  # before from_config sets the config's dtype to the model's
     models: dict[str, torch.nn.Module] = {}
     activations: dict[tuple[str, int], int] = {}
 
@@ -125,10 +138,20 @@ def _planner(args: argparse.Namespace, objective: str):
             model, get_adapter(model), config, batch_size=sequences * batch_size, seq_len=seq_len,
             eval_tokens=eval_tokens, device=args.device, activations=activations[dtype, batch_size],
             processes=int(os.environ.get("WORLD_SIZE", "1")),  # launched with several: one process's plan
+            weights_dtype=weights_dtype,
         )
         return dataclasses.replace(plan, batch_size=batch_size)  # the flag's value, which a refusal may halve
 
     return plan_with
+
+
+def _saved_dtype(model_config) -> torch.dtype:
+    """The dtype of the model's weights file, as its config records it (float32 where it does not: checkpoints
+    saved before transformers recorded it)."""
+    dtype = getattr(model_config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _sentence_transformer_parts(model: str) -> tuple[str, int | None]:
@@ -152,5 +175,7 @@ def _free_memory(device: str) -> tuple[int, int]:
     return host, 0
 
 
-def _fits(plan: MemoryPlan, free_host: int, free_device: int) -> bool:
-    return plan.peak_host <= free_host and (not plan.on_device or plan.peak_device <= free_device)
+def _fits(plan: MemoryPlan, free_host: int, free_device: int, least: bool = False) -> bool:
+    """Whether the plan's peaks fit; ``least``: with every compact solve at its least rank (a lower bound)."""
+    host, device = (plan.least_peak_host, plan.least_peak_device) if least else (plan.peak_host, plan.peak_device)
+    return host <= free_host and (not plan.on_device or device <= free_device)

@@ -37,8 +37,6 @@ ACTIVATION_OVERHEAD = 1.5
 #: The held-out passes' no-grad forwards leave about this share of a statistics batch's saved activations resident
 #: (the allocator's heap keeps tensors under its mmap threshold), measured on GPT-2 small.
 HELD_OUT_FORWARD = 0.3
-#: Loading reads the weights file through a memory map while filling the model: about half the model again.
-LOADING_OVERHEAD = 0.5
 #: (heads, d, d) float64 tensors alive at once while a chunk of heads is solved: M, the direction, its whitened
 #: form, and the decomposition's input, vectors and workspace.
 SOLVE_SQUARES_PER_HEAD = 6
@@ -52,12 +50,14 @@ OFFLOAD_PLACEHOLDER = "DIR"
 
 @dataclass(frozen=True)
 class Stage:
-    """A stage's predicted peak: host and device bytes, and the terms they are made of (host or device)."""
+    """A stage's predicted peak: host and device bytes, the terms they are made of (host or device), and what the
+    table says of a stage without terms."""
 
     name: str
     host: int
     device: int
     terms: dict[str, int] = field(default_factory=dict)
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ class MemoryPlan:
     cross_fit: bool = False
     #: The processes that share the layers (`sharding`): each stage is one process's.
     processes: int = 1
+    #: The same stages with every head's compact solve at its least rank instead of its ceiling: the rank is
+    #: certified from the spectra during the solve, so ``stages`` is an upper bound and these a lower one.
+    least_stages: tuple[Stage, ...] = ()
 
     @property
     def peak_host(self) -> int:
@@ -88,6 +91,15 @@ class MemoryPlan:
     @property
     def peak_device(self) -> int:
         return max(stage.device for stage in self.stages)
+
+    @property
+    def least_peak_host(self) -> int:
+        """The host peak with every compact solve at its least rank (a lower bound)."""
+        return max(stage.host for stage in self.least_stages or self.stages)
+
+    @property
+    def least_peak_device(self) -> int:
+        return max(stage.device for stage in self.least_stages or self.stages)
 
     def budget_for(self, layers_per_pass: int, m_itemsize: int) -> str:
         """The smallest ``memory_budget`` that collects M for ``layers_per_pass`` layers per pass
@@ -102,7 +114,7 @@ class MemoryPlan:
         rows = [f"{'stage':<14}{'host':>10}{device}  largest terms"]
         for stage in self.stages:
             largest = sorted(stage.terms.items(), key=lambda item: -item[1])[:3]
-            terms = ", ".join(f"{name} {format_bytes(size)}" for name, size in largest)
+            terms = ", ".join(f"{name} {format_bytes(size)}" for name, size in largest) or stage.note
             device = f"{format_bytes(stage.device):>10}" if self.on_device else ""
             rows.append(f"{stage.name:<14}{format_bytes(stage.host):>10}{device}  {terms}")
         passes = len(self.groups)
@@ -112,6 +124,10 @@ class MemoryPlan:
         if self.processes > 1:
             rows.append(f"per process of {self.processes}: M of the group in flight (each layer's reduced to its "
                         "owner); each solves and keeps its own layers")
+        least = self.least_peak_device if self.on_device else self.least_peak_host
+        if least < (self.peak_device if self.on_device else self.peak_host):
+            rows.append(f"compact solves counted at their rank ceiling (flat spectra, such as random weights'); at "
+                        f"their least rank the peak is {format_bytes(least)}")
         if self.cross_fit:
             rows.append("M counted twice: cross_fit sums it over all batches and over the odd-numbered ones")
         if self.offload_dir is not None:
@@ -131,6 +147,7 @@ def plan_memory(
     device: torch.device | str = "cpu",
     activations: int | None = None,
     processes: int = 1,
+    weights_dtype: torch.dtype | None = None,
 ) -> MemoryPlan:
     """Predict the peak memory of each stage of growing ``model`` (real or on the meta device) with ``config``
     on statistics batches of ``batch_size`` x ``seq_len`` tokens and ``eval_tokens`` held-out tokens.
@@ -141,6 +158,9 @@ def plan_memory(
     on disk (`MemoryPlan.disk`) instead of in the statistics' and the solve's host memory. ``processes``: plan one
     of that many processes sharing the layers (`sharding`), each summing the group in flight and keeping the
     solved form of its own layers.
+
+    ``weights_dtype``: the dtype of the weights file (the saved config's ``dtype``); loading into another dtype
+    converts (`_loading`). None: the model's own dtype.
     """
     on_device = torch.device(device).type != "cpu"
     model_config = model.config
@@ -165,50 +185,89 @@ def plan_memory(
         activations = activation_bytes(model, batch_size, seq_len, statistics_attention(seq_len, device))
     scores = batch_size * heads * seq_len * (seq_len + width) * 4 if reference else 2 * 2**21 * 4
     offload = config.offload_dir is not None and not on_device  # on a GPU the run refuses it (`check_offload_dir`)
-    held_m = {} if offload else {"M": held_squares * accumulate}
-    statistics = {
-        "model": weights, "activations": int(ACTIVATION_OVERHEAD * activations), "C": second_moments,
-        **held_m, "M of a batch": square * (compute + accumulate),
-        "inputs X'": layers * tokens * width * compute, "score gradients": scores,
-    }
-
-    owned = max(owners.count(rank) for rank in range(processes))  # a process keeps the solved form of its own
-    solved = _solved_bytes(mode, config, owned, heads, width, max(qk_dims))
+    layer_m = 0 if offload else m_copies(config.cross_fit) * square * accumulate
     chunk = min(heads, HEAD_CHUNK)
     squares_per_head = CROSS_FIT_SQUARES_PER_HEAD if config.cross_fit else SOLVE_SQUARES_PER_HEAD
-    solve = {
-        "model": weights, "C": second_moments, "metric": layers * width * width * 8,
-        **held_m, "solve of 8 heads": squares_per_head * chunk * width * width * 8,
-        "compact solve": solved,
-    }
     # no logits without a language-model head (the transformers model inside a SentenceTransformer)
     vocabulary = 0 if model.get_output_embeddings() is None else getattr(model_config, "vocab_size", 0) or 0
-    held_out = {
-        "model": weights, "grown model": weights, "C": second_moments, "metric": layers * width * width * 8,
-        "compact solve": solved, "held-out logits": 2 * batch_size * seq_len * vocabulary * 4,
-        "held-out forward": int(HELD_OUT_FORWARD * activations),
-        "held-out states": min(CACHE_BYTES, eval_tokens * width * 4 * max(layers - 1, 0)),
-    }
-    # The command frees the input model first; safetensors writes the tensors' own memory (a GPT-2 small's save
-    # added 2 MiB to the process, safetensors 0.8), so saving adds no copy.
-    write = {"grown model": weights}
-    stages = (
-        _stage("load", {"model": weights, "weights file": int(LOADING_OVERHEAD * weights)}, on_device),
-        _stage("statistics", statistics, on_device),
-        _stage("solve", solve, on_device),
-        _stage("line search", held_out, on_device),
-        _stage("write", write, on_device),
-    )
+
+    def stages_after_loading(solved: int) -> tuple[Stage, ...]:
+        """The stages from the statistics on, with ``solved`` bytes of compact solve (of this process's layers:
+        their share of each layer where the processes share them)."""
+        held = _held_m_and_solved(groups, layer_m, solved // layers)
+        (pass_m, earlier_solved), (solve_m, solve_solved) = held
+        statistics = {
+            "model": weights, "activations": int(ACTIVATION_OVERHEAD * activations), "C": second_moments,
+            **_named({"M": pass_m, "compact solve of earlier passes": earlier_solved}),
+            "M of a batch": square * (compute + accumulate),
+            "inputs X'": layers * tokens * width * compute, "score gradients": scores,
+        }
+        solve = {
+            "model": weights, "C": second_moments, "metric": layers * width * width * 8,
+            **_named({"M": solve_m}), "solve of 8 heads": squares_per_head * chunk * width * width * 8,
+            "compact solve": solve_solved,
+        }
+        held_out = {
+            "model": weights, "grown model": weights, "C": second_moments, "metric": layers * width * width * 8,
+            "compact solve": solved, "held-out logits": 2 * batch_size * seq_len * vocabulary * 4,
+            "held-out forward": int(HELD_OUT_FORWARD * activations),
+            "held-out states": min(CACHE_BYTES, eval_tokens * width * 4 * max(layers - 1, 0)),
+        }
+        # The command frees the input model first; safetensors writes the tensors' own memory (a GPT-2 small's
+        # save added 2 MiB to the process, safetensors 0.8), so saving adds no copy.
+        write = {"grown model": weights}
+        return tuple(_stage(name, terms, on_device) for name, terms in (
+            ("statistics", statistics), ("solve", solve), ("line search", held_out), ("write", write)))
+
+    model_dtype = next(model.parameters()).dtype
+    loading = _loading(weights, model_dtype, weights_dtype or model_dtype, on_device)
+    owned = max(owners.count(rank) for rank in range(processes))  # a process keeps the solved form of its own
+    solved = {at_ceiling: _solved_bytes(mode, config, owned, heads, width, max(qk_dims), at_ceiling)
+              for at_ceiling in (True, False)}
     disk = held_squares * accumulate if offload else 0
     return MemoryPlan(
-        stages, groups, on_device, layers, heads, width, batch_size, config.offload_dir if offload else None, disk,
-        config.cross_fit, processes,
+        (loading, *stages_after_loading(solved[True])), groups, on_device, layers, heads, width, batch_size,
+        config.offload_dir if offload else None, disk, config.cross_fit, processes,
+        least_stages=(loading, *stages_after_loading(solved[False])),
     )
 
 
-def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int) -> int:
+def _held_m_and_solved(
+    groups: list[list[int]], layer_m: int, layer_solved: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The bytes of M and of the compact solve held together at the peak of the statistics passes, and at that of
+    the solves: (M, solve) for each.
+
+    A pass holds its group's M beside the earlier groups' compact solve. A group's solve turns M into compact
+    targets layer by layer and frees each layer's M after it (`GrowthProblem.solve_layers`): beside the earlier
+    groups' targets it holds at most the whole group's M and one layer's targets (at its first layer), or one
+    layer's M and the whole group's targets (at its last), whichever is more; not both whole. ``layer_m``: one layer's M (with its half under cross-fitting), 0 where M is on disk.
+    """
+    statistics, solve = (0, 0), (0, 0)
+    before = 0  # layers solved in earlier groups
+    for group in groups:
+        held = len(group)  # layers whose M is held during this pass
+        statistics = max(statistics, (held * layer_m, before * layer_solved), key=sum)
+        points = [(held * layer_m, (before + 1) * layer_solved), (layer_m, (before + len(group)) * layer_solved)]
+        solve = max(solve, *points, key=sum)
+        before += len(group)
+    return statistics, solve
+
+
+def _named(terms: dict[str, int]) -> dict[str, int]:
+    """The terms that hold anything (M on disk is no host term)."""
+    return {name: size for name, size in terms.items() if size}
+
+
+def _solved_bytes(
+    mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int, at_ceiling: bool
+) -> int:
     """What the solve keeps for the steps (`layer_solve.LayerProblem`): per head, the compact targets
-    (`compact.stored_bytes`) of each truncation ("refactor"), or the unit update of the added dims ("append")."""
+    (`compact.stored_bytes`) of each truncation ("refactor"), or the unit update of the added dims ("append").
+
+    The compact rank is certified from each head's spectrum during the solve (`compact.certified_rank`), between
+    `compact.compact_rank` and `compact.rank_ceiling`: ``at_ceiling`` counts the ceiling (flat spectra, such as
+    random weights', reach it), else the least rank."""
     added = config.budget if config.budget is not None else _largest_p(config.p)
     grown = min(width, qk_dim + added)
     # The whitened targets or update always (the step norms, the spectrum); Frobenius ones too where a candidate
@@ -217,7 +276,7 @@ def _solved_bytes(mode: str, config: GrowthConfig, layers: int, heads: int, widt
     if mode == "append":
         return len(truncations) * layers * heads * 2 * width * max(1, grown - qk_dim) * 8
     rank = compact_rank(width, grown)
-    if qk_dim + rank < width:  # compact: the certified rank may keep up to its ceiling (`compact.certified_rank`)
+    if at_ceiling and qk_dim + rank < width:  # compact: the certified rank may keep up to its ceiling
         rank = max(rank, rank_ceiling(width, grown, qk_dim))
     kept = min(width, qk_dim + rank)
     return sum(layers * stored_bytes(heads, width, kept, whitened) for whitened in truncations)
@@ -232,13 +291,27 @@ def _largest_p(p: int | dict[int, int] | None) -> int:
 
 def _stage(name: str, terms: dict[str, int], on_device: bool) -> Stage:
     """Host = the process + its terms on a CPU; on a GPU the terms are on the device and the host keeps the
-    process (and, while loading, the model and its weights file, before the model moves to the device)."""
+    process."""
     total = sum(terms.values())
     if not on_device:
         return Stage(name, PROCESS_BASELINE_BYTES + total, 0, terms)
-    if name == "load":
-        return Stage(name, PROCESS_BASELINE_BYTES + total, terms["model"], terms)
     return Stage(name, PROCESS_BASELINE_BYTES, total, terms)
+
+
+def _loading(weights: int, model_dtype: torch.dtype, weights_dtype: torch.dtype, on_device: bool) -> Stage:
+    """The load stage. transformers maps a safetensors file and, where the model keeps the file's dtype, uses the
+    mapped tensors as its weights (copy-on-write): loading makes nothing resident, the statistics pass reads the
+    pages in (the later stages count the model). Loading into another dtype reads the whole file and fills a
+    converted copy: the file's pages and the model at once (GPT-2 medium float32 <-> bfloat16, measured). On a
+    GPU the model is loaded on the host, then moved, which reads every page of the file."""
+    terms = {}
+    if weights_dtype != model_dtype:
+        terms["model, converted"] = weights
+    if weights_dtype != model_dtype or on_device:
+        terms["weights file"] = weights * weights_dtype.itemsize // model_dtype.itemsize
+    host = PROCESS_BASELINE_BYTES + sum(terms.values())
+    note = "" if terms else "weights mapped from their file, read in by the statistics pass"
+    return Stage("load", host, weights if on_device else 0, terms, note)
 
 
 def _model_bytes(model: nn.Module) -> int:

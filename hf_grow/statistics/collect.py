@@ -166,13 +166,17 @@ def collect_statistics(
         for index, group in enumerate(groups):
             offload_file = None if folder is None else folder / f"m-pass-{index + 1}.safetensors"
             with processes.failing_together():
-                collector = Collector(
-                    model, adapter, compute_dtype, method, query_block, group, index == 0, eager_model,
-                    accumulate_dtype, offload_file, cross_fit,
-                )
+                def make_collector() -> Collector:
+                    return Collector(
+                        model, adapter, compute_dtype, method, query_block, group, index == 0, eager_model,
+                        accumulate_dtype, offload_file, cross_fit,
+                    )
+
                 description = f"statistics {index + 1}/{len(groups)}" if len(groups) > 1 else "statistics"
                 show = progress and processes.is_main
-                skipped = _collect_pass(collector, model, dataloader, adapter, loss_fn, max_batches, show, description)
+                collector, skipped = _collect_pass(
+                    make_collector, model, dataloader, adapter, loss_fn, max_batches, show, description
+                )
                 sums = collector.sums
                 counts = (sums.num_tokens, sums.batch_index, skipped, sums.loss_weight, sums.loss_sum)
                 first_pass = first_pass or counts
@@ -255,7 +259,7 @@ def _checked_statistics(
 
 
 def _collect_pass(
-    collector: Collector,
+    make_collector: Callable[[], Collector],
     model: PreTrainedModel,
     dataloader: Iterable[Mapping[str, Tensor]],
     adapter: ArchitectureAdapter,
@@ -263,20 +267,24 @@ def _collect_pass(
     max_batches: int | None,
     progress: bool,
     description: str,
-) -> int:
-    """One pass over the data with ``collector`` installed; returns the number of batches skipped."""
+) -> tuple[Collector, int]:
+    """One pass over the data with the collector ``make_collector`` builds; the collector and the number of batches
+    skipped. The collector is built within the pass's progress: allocating its accumulators (M of a group, up to
+    gigabytes) belongs to the pass's time and memory, not to whatever ran before it."""
     skipped = 0
-    batches = iterate_batches(dataloader, model)
     total = len(dataloader) if hasattr(dataloader, "__len__") else None
     if max_batches is not None:
         total = max_batches if total is None else min(total, max_batches)
-    with collector.installed():
-        for batch in progress_bar(batches, desc=description, unit="batch", total=total, enabled=progress):
-            weight = batch_loss_weight(adapter, model, batch, loss_fn)
-            if weight == 0:
-                skipped += 1  # no loss term (every label -100): the model's loss would be 0 / 0
-                continue
-            collector.step(model, batch, loss_fn, weight)
-            if max_batches is not None and collector.sums.batch_index >= max_batches:
-                break
-    return skipped
+    with progress_bar(desc=description, unit="batch", total=total, enabled=progress) as bar:
+        collector = make_collector()
+        with collector.installed():
+            for batch in iterate_batches(dataloader, model):
+                weight = batch_loss_weight(adapter, model, batch, loss_fn)
+                if weight == 0:
+                    skipped += 1  # no loss term (every label -100): the model's loss would be 0 / 0
+                else:
+                    collector.step(model, batch, loss_fn, weight)
+                bar.update()
+                if max_batches is not None and collector.sums.batch_index >= max_batches:
+                    break
+    return collector, skipped

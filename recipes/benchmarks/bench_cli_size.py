@@ -18,6 +18,9 @@ operating system can write back and drop).
         -- --memory-budget 4GB                                           # the Llama-3.2-1B shape
 
 The plan of ``--dry-run`` comes first; the last table sets its predicted peak per stage against the measured one.
+``--stop-after load`` stops the command at its first progress line of the statistics (the stage's start is read
+back from that line's count and rate), ``--stop-after statistics`` (or ``solve``) at the stage's closing line: the
+stages before it without the whole run.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -72,9 +76,11 @@ def build_model(folder: Path, shape: str) -> int:
     return model.num_parameters()
 
 
-def run_command(command: list[str]) -> tuple[list[tuple[float, str]], list[tuple[float, int]], int, int]:
-    """Run ``command``; its stderr lines and resident-memory samples (bytes), timestamped, its exit status and its
-    peak anonymous memory."""
+def run_command(
+    command: list[str], stop: Callable[[str], bool] = lambda line: False
+) -> tuple[list[tuple[float, str]], list[tuple[float, int]], int, int]:
+    """Run ``command``, stopped at the first stderr line ``stop`` takes; its stderr lines and resident-memory
+    samples (bytes), timestamped, its exit status and its peak anonymous memory."""
     started = time.monotonic()
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -85,6 +91,9 @@ def run_command(command: list[str]) -> tuple[list[tuple[float, str]], list[tuple
     def read_stderr() -> None:
         for line in process.stderr:
             lines.append((time.monotonic() - started, line.rstrip()))
+            if stop(line):
+                process.terminate()
+                break
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
@@ -117,10 +126,14 @@ def split_stages(lines: list[tuple[float, str]], total: float) -> list[tuple[str
     stages = []
     cursor = 0.0
     for at, line in lines:
-        if "done in " not in line or ": " not in line:
+        progress = PROGRESS.match(line)
+        if progress and line is lines[-1][1]:  # stopped within a stage: its start from the count and rate
+            stage, begin = progress["stage"], at - float(progress["count"]) / float(progress["rate"])
+        elif "done in " not in line or ": " not in line:
             continue
-        stage = line.split(": ", 1)[0].split(" to ")[0]  # "writing the grown model to DIR" -> its first words
-        begin = at - _seconds(line.rsplit("done in ", 1)[1].split(",")[0])
+        else:
+            stage = line.split(": ", 1)[0].split(" to ")[0]  # "writing the grown model to DIR" -> its first words
+            begin = at - _seconds(line.rsplit("done in ", 1)[1].split(",")[0])
         if begin > cursor + 0.5:
             gap = "load model and data" if not stages else BUILD if stage == "line search" else "other"
             stages.append((gap, cursor, begin))
@@ -128,6 +141,24 @@ def split_stages(lines: list[tuple[float, str]], total: float) -> list[tuple[str
         cursor = at
     stages.append(("exit", cursor, total))
     return stages
+
+
+#: A progress line of `hf_grow.progress.LogProgress`: ``statistics: 12/50 batch (24%), 0.41 batch/s, ...``.
+PROGRESS = re.compile(r"^(?P<stage>[^:]+): (?P<count>\d+)(/\d+)? \w+( \(\d+%\))?, (?P<rate>[\d.e+-]+) \w+/s")
+
+
+def _stop_after(stage: str | None) -> Callable[[str], bool]:
+    """Whether a stderr line ends the run with ``--stop-after stage``: for "load" the first progress line of the
+    statistics, else the stage's closing line (of the statistics' last pass, of the first group's solve)."""
+    if stage is None:
+        return lambda line: False
+    if stage == "load":
+        return lambda line: line.startswith("statistics") and PROGRESS.match(line) is not None
+    def closes_stage(line: str) -> bool:
+        passes = re.match(r"\S+ (\d+)/(\d+):", line)  # "statistics 1/2: ..."
+        return line.startswith(stage) and "done in " in line and (passes is None or passes[1] == passes[2])
+
+    return closes_stage
 
 
 def _seconds(text: str) -> float:
@@ -148,6 +179,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--p", type=int, default=8)
     parser.add_argument("--workdir", help="folder for the model and the output (default: a temporary one)")
+    parser.add_argument("--stop-after", choices=["load", "statistics", "solve"],
+                        help="stop the command once this stage is over (see above)")
     parser.add_argument("extra", nargs="*", help="more hf-grow options, after --, e.g. -- --memory-budget 4GB")
     args = parser.parse_args()
     transformers_logging.set_verbosity_error()
@@ -172,9 +205,9 @@ def main() -> None:
         print("$ hf-grow " + " ".join(command[3:]), flush=True)
         plan = subprocess.run([*command, "--dry-run"], capture_output=True, text=True, check=True).stdout
         print(plan, flush=True)
-        lines, samples, returncode, anonymous = run_command(command)
+        lines, samples, returncode, anonymous = run_command(command, _stop_after(args.stop_after))
     total = samples[-1][0]
-    if returncode != 0:
+    if returncode != 0 and args.stop_after is None:
         print("\n".join(line for _, line in lines[-20:]))
         raise SystemExit(f"hf-grow exited with {returncode} after {total:.0f} s "
                          f"(peak {max(rss for _, rss in samples) / 2**30:.1f} GiB)")
