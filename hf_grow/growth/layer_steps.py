@@ -26,7 +26,15 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter
-from ..statistics import LossFn, batch_loss_weight, compute_loss, iterate_batches, module_modes, restore_modes
+from ..statistics import (
+    LossFn,
+    batch_loss_weight,
+    compute_loss,
+    iterate_batches,
+    module_modes,
+    restore_modes,
+    without_kv_cache,
+)
 from .line_search import best_step, evaluate_loss, search_step_size
 from .problem import GrowthProblem, QKWeights, write_weights
 
@@ -136,7 +144,7 @@ class HeldOutPasses:
         modes = module_modes(self.model)
         self.model.eval()
         try:
-            with self._replaying(layer), torch.no_grad():
+            with self._replaying(layer), torch.no_grad(), without_kv_cache(self.model):
                 for batch in iterate_batches(self.batches, self.model):
                     if batch_loss_weight(self.adapter, self.model, batch, self.loss_fn) == 0:
                         continue  # evaluate_loss skips it too: the replayed records stay in step
