@@ -240,7 +240,8 @@ def search_layers_alone(
 ) -> bool:
     """Line-search each layer's step alone (the others at step 0, as ``target`` holds them on entry and exit)
     and keep it as that layer's scale, so that the relative step size t then multiplies all of them; False
-    when no layer's step gains alone (step 0 everywhere)."""
+    when no layer's step gains alone (step 0 everywhere). ``passes`` may hold the step-0 pass's records
+    (`HeldOutPasses.loss_recording`): they are the outputs this search would record, so none is recorded again."""
     problem.layer_scales[:] = [0.0] * len(problem.layers)
     alone = []
     for layer in range(len(problem.layers)):
