@@ -155,6 +155,10 @@ def compute_loss(model: PreTrainedModel, batch: Any, loss_fn: LossFn | None) -> 
     return loss
 
 
+#: A config without a ``use_cache`` field (`without_kv_cache` leaves it without one).
+_ABSENT = object()
+
+
 @contextlib.contextmanager
 def without_kv_cache(model: nn.Module) -> Iterator[None]:
     """``config.use_cache = False`` for every config of ``model`` inside, restored as it was on exit (also on error).
@@ -176,9 +180,6 @@ def without_kv_cache(model: nn.Module) -> Iterator[None]:
                 del config.use_cache
             else:
                 config.use_cache = value
-
-
-_ABSENT = object()
 
 
 def module_modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
