@@ -459,3 +459,66 @@ def test_no_step_zero_records_without_realized_gains(gpt2_copy, stdlib_bytes, mo
     assert not calls and all(layer.realized_gain is None for layer in report.layers)
     grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05)
     assert len(calls) == 1
+
+
+def test_held_out_passes_build_no_kv_cache_and_keep_the_config(gpt2_copy, stdlib_bytes):
+    """The held-out passes want a loss only: no block is asked for a key/value cache, also in the recording and
+    replaying passes, and the model's config is as it was afterwards (its value, or no value at all)."""
+    from hf_grow.growth.layer_steps import HeldOutPasses
+
+    held_out = lm_batches(stdlib_bytes["eval"], 2, batch_size=2, seq_len=32, seed=1)
+    adapter = get_adapter(gpt2_copy)
+    asked = []
+    for block in gpt2_copy.transformer.h:
+        block.register_forward_pre_hook(lambda module, args, kwargs: asked.append(kwargs["use_cache"]), with_kwargs=True)
+    assert gpt2_copy.config.use_cache is True
+    loss = evaluate_loss(gpt2_copy, held_out)[0]
+    passes = HeldOutPasses(gpt2_copy, adapter, held_out, None, None)
+    assert passes.loss_recording()[0] == loss
+    assert passes.loss(first_changed=1) == pytest.approx(loss, rel=1e-9)
+    passes.recorded = []
+    passes.record(0)
+    blocks = len(gpt2_copy.transformer.h)  # per batch: three passes over every block, then block 0 recorded
+    assert len(asked) == len(held_out) * (3 * blocks + 1) and not any(asked)
+    assert gpt2_copy.config.use_cache is True and gpt2_copy(**held_out[0]).cache is not None
+    try:  # a config without the field (the model shares it with the module's fixture: set back after)
+        del gpt2_copy.config.use_cache
+        with pytest.raises(ValueError, match="batch 0 holds sequences"):
+            evaluate_loss(gpt2_copy, [{"input_ids": torch.zeros(1, 10**5, dtype=torch.long)}])
+        evaluate_loss(gpt2_copy, held_out)
+        assert "use_cache" not in vars(gpt2_copy.config)
+    finally:
+        gpt2_copy.config.use_cache = True
+
+
+def test_the_report_reads_the_line_searchs_decomposition_of_the_chosen_step(gpt2_copy, stdlib_bytes, monkeypatch):
+    """No work twice: each layer's core is decomposed once per line-search step (never again for the chosen
+    weights or the report), and the report is the same, bit for bit, as from a decomposition of its own."""
+    from hf_grow.growth import search
+    from hf_grow.growth.problem import StepWeights
+
+    calls = []
+    decompose = StepWeights.decomposition
+
+    def counted(self, layer, step_size, *args, **kwargs):
+        calls.append((layer, step_size))
+        return decompose(self, layer, step_size, *args, **kwargs)
+
+    monkeypatch.setattr(StepWeights, "decomposition", counted)
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out).growth_report
+    layers = len(report.layers)
+    searched = [point.step_size for point in report.line_search if point.step_size > 0]
+    assert report.step_size > 0 and sorted(calls) == sorted((layer, step) for step in searched for layer in range(layers))
+    calls.clear()
+    grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05, measure_realized_gains=False)
+    assert calls == [(layer, 0.05) for layer in range(layers)]  # a given step: decomposed for its weights alone
+
+    own = search.head_reports
+    monkeypatch.setattr(search, "head_reports", lambda problem, layer, step, decomposition: own(problem, layer, step))
+    calls.clear()
+    again = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out).growth_report
+    assert len(calls) == layers * (len(searched) + 1)
+    assert [layer.heads for layer in again.layers] == [layer.heads for layer in report.layers]
+    assert again.eval_loss_after == report.eval_loss_after and again.step_size == report.step_size

@@ -264,3 +264,37 @@ def test_searched_steps_work_in_training_and_from_the_command_line_flags(stdlib_
     assert args.step_mode == "layer_search"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["gpt2", "--output-dir", "out", "--step-mode", "per_token"])
+
+
+def test_the_step_zero_pass_records_for_the_search_of_each_layer_alone_and_the_realized_gains(
+    trained_gpt2, statistics, held_out, monkeypatch
+):
+    """One set of step-0 records serves both: the search of each layer alone replays them (the other layers are at
+    step 0), then the realized gains do; no block is recorded again, and the gains are those of full passes."""
+    from hf_grow.growth.layer_steps import HeldOutPasses
+    from hf_grow.growth.problem import write_weights
+
+    created, initialize, recording = [], HeldOutPasses.__init__, HeldOutPasses.record
+
+    def init(self, *args):
+        created.append(self)
+        initialize(self, *args)
+
+    def record(self, layer):
+        assert not (self.blocks and layer == len(self.recorded) < self.num_layers - 1), f"block {layer} recorded"
+        recording(self, layer)
+
+    monkeypatch.setattr(HeldOutPasses, "__init__", init)
+    monkeypatch.setattr(HeldOutPasses, "record", record)
+    grown = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held_out,
+                       step_mode="layer_search")
+    report = grown.growth_report
+    assert len(created) == 1 and report.step_size > 0
+    adapter = get_adapter(grown)
+    stepped = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(grown))}
+    unchanged = grow_model(trained_gpt2, None, p=8, statistics=statistics, step_size=0.0, measure_realized_gains=False)
+    unchanged = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(unchanged))}
+    for layer in range(len(stepped)):
+        write_weights(adapter, grown, {**unchanged, layer: stepped[layer]})
+        full_pass = report.eval_loss_before - evaluate_loss(grown, held_out)[0]
+        assert report.layers[layer].realized_gain == pytest.approx(full_pass, rel=1e-9, abs=1e-12)

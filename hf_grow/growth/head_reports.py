@@ -1,7 +1,8 @@
 """What each head of a solved problem is expected to gain at a step size, for the growth report.
 
-Everything comes from the solve's small tensors (`hf_grow.compact`, `layer_solve.AppendUpdate`): the core of the
-chosen step is decomposed once more, at most, and no (heads, d, d) tensor is formed.
+Everything comes from the solve's small tensors (`hf_grow.compact`, `layer_solve.AppendUpdate`) and the line
+search's decomposition of the chosen step's core (decomposed here only where the search made none, e.g. at a given
+step size); no (heads, d, d) tensor is formed.
 """
 
 from __future__ import annotations
@@ -13,14 +14,20 @@ from ..report import HeadReport
 from .problem import GrowthProblem
 
 
-def head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[HeadReport]:
+def head_reports(
+    solved: GrowthProblem, layer: int, step_size: float, decomposition: linalg.Decomposition | None = None
+) -> list[HeadReport]:
     """Per head of ``layer`` at ``step_size``: the expected gain with and without growth, the first-order
     gain, the expected gain of each added dimension (from the whitened spectrum, whatever the truncation), and
-    the compact solve's certificate at that step. Computed by the layer's owner (`GrowthProblem.owner_computes`)."""
-    return solved.owner_computes(layer, lambda: _head_reports(solved, layer, step_size))
+    the compact solve's certificate at that step. ``decomposition``: the layer's `GrowthProblem.decomposition` at
+    that step for its grown width, where already made ("refactor" growth). Computed by the layer's owner
+    (`GrowthProblem.owner_computes`)."""
+    return solved.owner_computes(layer, lambda: _head_reports(solved, layer, step_size, decomposition))
 
 
-def _head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[HeadReport]:
+def _head_reports(
+    solved: GrowthProblem, layer: int, step_size: float, decomposition: linalg.Decomposition | None
+) -> list[HeadReport]:
     problem = solved.layers[layer]
     lam = solved.head_lams(step_size, layer)  # each head's own step, shape (heads,)
     qk_before, qk_after = problem.query.shape[-1], problem.qk_dim_after
@@ -37,7 +44,8 @@ def _head_reports(solved: GrowthProblem, layer: int, step_size: float) -> list[H
             perturbation = zeros
         else:
             target = problem.targets[solved.truncation]
-            decomposition = solved.decomposition(layer, step_size, solved.truncation, qk_after)
+            if decomposition is None:
+                decomposition = solved.decomposition(layer, step_size, solved.truncation, qk_after)
             base = target.base_core
             delta = decomposition.truncate(qk_after).product - base
             delta_kept = decomposition.truncate(qk_before).product - base

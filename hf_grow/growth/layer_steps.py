@@ -26,7 +26,15 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter
-from ..statistics import LossFn, batch_loss_weight, compute_loss, iterate_batches, module_modes, restore_modes
+from ..statistics import (
+    LossFn,
+    batch_loss_weight,
+    compute_loss,
+    iterate_batches,
+    module_modes,
+    restore_modes,
+    without_kv_cache,
+)
 from .line_search import best_step, evaluate_loss, search_step_size
 from .problem import GrowthProblem, QKWeights, write_weights
 
@@ -136,7 +144,7 @@ class HeldOutPasses:
         modes = module_modes(self.model)
         self.model.eval()
         try:
-            with self._replaying(layer), torch.no_grad():
+            with self._replaying(layer), torch.no_grad(), without_kv_cache(self.model):
                 for batch in iterate_batches(self.batches, self.model):
                     if batch_loss_weight(self.adapter, self.model, batch, self.loss_fn) == 0:
                         continue  # evaluate_loss skips it too: the replayed records stay in step
@@ -232,7 +240,8 @@ def search_layers_alone(
 ) -> bool:
     """Line-search each layer's step alone (the others at step 0, as ``target`` holds them on entry and exit)
     and keep it as that layer's scale, so that the relative step size t then multiplies all of them; False
-    when no layer's step gains alone (step 0 everywhere)."""
+    when no layer's step gains alone (step 0 everywhere). ``passes`` may hold the step-0 pass's records
+    (`HeldOutPasses.loss_recording`): they are the outputs this search would record, so none is recorded again."""
     problem.layer_scales[:] = [0.0] * len(problem.layers)
     alone = []
     for layer in range(len(problem.layers)):

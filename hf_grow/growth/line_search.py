@@ -12,7 +12,15 @@ from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter, get_adapter
 from ..distributed import Processes, unwrap_model
-from ..statistics import LossFn, batch_loss_weight, compute_loss, iterate_batches, module_modes, restore_modes
+from ..statistics import (
+    LossFn,
+    batch_loss_weight,
+    compute_loss,
+    iterate_batches,
+    module_modes,
+    restore_modes,
+    without_kv_cache,
+)
 
 
 if TYPE_CHECKING:
@@ -32,8 +40,9 @@ def evaluate_loss(
     """Mean loss over ``batches``, each batch weighted by the number of loss terms it averages over (with a
     ``loss_fn``, whose normalization is unknown, by its number of sequences).
 
-    Returns ``(loss, total_weight)``; the model runs in eval mode without gradients and keeps its mode.
-    With an ``accelerator``, every process passes its own batches and gets the loss over all of them.
+    Returns ``(loss, total_weight)``; the model runs in eval mode without gradients and without a key/value cache
+    (`without_kv_cache`), and keeps its mode and config. With an ``accelerator``, every process passes its own
+    batches and gets the loss over all of them.
     """
     model = unwrap_model(model, accelerator)
     adapter = adapter or get_adapter(model)
@@ -43,7 +52,7 @@ def evaluate_loss(
     model.eval()
     total, weight = 0.0, 0
     try:
-        with processes.failing_together(), torch.no_grad():
+        with processes.failing_together(), torch.no_grad(), without_kv_cache(model):
             for batch in iterate_batches(batches, model):
                 batch_weight = batch_loss_weight(adapter, model, batch, loss_fn)
                 if batch_weight == 0:

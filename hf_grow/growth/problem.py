@@ -28,6 +28,8 @@ from .step_scaling import StepScaling
 #: weights are kept and the p new dimensions hold the best rank-p approximation of the step -lam P.
 MODES = ("refactor", "append")
 QKWeights = dict[int, tuple[Tensor, Tensor]]
+#: Each layer's `StepWeights.decomposition` at one step (the chosen one's, for the report), by layer.
+Decompositions = dict[int, linalg.Decomposition]
 
 
 class StepWeights(StepScaling):
@@ -56,17 +58,25 @@ class StepWeights(StepScaling):
         unit = problem.updates[self.truncation].unit
         return linalg.Factorization(unit.left[..., :added], unit.right[..., :added], unit.singular_values)
 
-    def weights(self, step_size: float) -> QKWeights:
-        """Augmented Q/K weights of the grown width for every layer (see `layer_weights`)."""
-        return {layer: self.layer_weights(layer, step_size) for layer in range(len(self.layers))}
+    def weights(self, step_size: float, decompositions: Decompositions | None = None) -> QKWeights:
+        """Augmented Q/K weights of the grown width for every layer (see `layer_weights`, which reads and fills
+        ``decompositions``)."""
+        return {layer: self.layer_weights(layer, step_size, decompositions) for layer in range(len(self.layers))}
 
-    def layer_weights(self, layer: int, step_size: float) -> tuple[Tensor, Tensor]:
+    def layer_weights(
+        self, layer: int, step_size: float, decompositions: Decompositions | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Augmented Q/K weights of ``layer`` at its own lam for ``step_size``. Step size 0 is exactly the old
         function: the old weights, zero-padded, with the change of scale folded into the queries (so in a
         bfloat16 or float16 model, up to the rounding of those queries). In "append" mode the old weights are
         kept at every step (layers without added dimensions do not change). With ``sharding``, computed by the
-        layer's owner and broadcast: every process must ask for the same layers in the same order."""
-        return self.owner_computes(layer, lambda: self._own_layer_weights(layer, step_size))
+        layer's owner and broadcast: every process must ask for the same layers in the same order.
+
+        ``decompositions``: the layers' `decomposition` at this step and lams ("refactor", lam > 0), by layer:
+        one found there is used instead of decomposing again (the same weights, bit for bit, for a fraction of
+        the cost), one made is put there, so that the line search keeps its best step's for the report (with
+        ``sharding``, on the layer's owner only: it alone decomposes)."""
+        return self.owner_computes(layer, lambda: self._own_layer_weights(layer, step_size, decompositions))
 
     def owner_computes(self, layer: int, compute: Callable[[], Any]) -> Any:
         """``compute()`` of ``layer``: here, or with ``sharding`` on the layer's owner, broadcast to every process
@@ -76,7 +86,9 @@ class StepWeights(StepScaling):
         owned = compute() if self.sharding.owns(layer) else None
         return self.sharding.share(layer, owned, self.statistics.second_moments[layer].device)
 
-    def _own_layer_weights(self, layer: int, step_size: float) -> tuple[Tensor, Tensor]:
+    def _own_layer_weights(
+        self, layer: int, step_size: float, decompositions: Decompositions | None
+    ) -> tuple[Tensor, Tensor]:
         problem = self.layers[layer]
         lam = self.lam(step_size, layer)
         with torch.no_grad():
@@ -97,7 +109,12 @@ class StepWeights(StepScaling):
                 )
             target = problem.targets[self.truncation]
             width = problem.qk_dim_after
-            factors = target.to_model(self.decomposition(layer, step_size, self.truncation, width).truncate(width))
+            decomposition = (decompositions or {}).get(layer)
+            if decomposition is None:
+                decomposition = self.decomposition(layer, step_size, self.truncation, width)
+                if decompositions is not None:
+                    decompositions[layer] = decomposition
+            factors = target.to_model(decomposition.truncate(width))
             root_scaling = math.sqrt(problem.scaling_after)
             return factors.left / root_scaling, factors.right / root_scaling
 

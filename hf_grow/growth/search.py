@@ -25,7 +25,7 @@ from .head_reports import head_reports
 from .layer_steps import HeldOutPasses, search_coordinates, search_layers_alone
 from .line_search import best_step, evaluate_loss, search_step_size
 from .prepare import PreparedGrowth
-from .problem import GrowthProblem, QKWeights, write_weights
+from .problem import Decompositions, GrowthProblem, QKWeights, write_weights
 
 
 logger = logging.getLogger("hf_grow")
@@ -43,11 +43,14 @@ class SearchOutcome:
     eval_weight: int
     unconstrained_loss: float | None = None
     points: list[LineSearchPoint] = field(default_factory=list)
-    #: Full passes over the searched held-out batches (None without them).
+    #: Full passes over the searched held-out batches after the one at step 0 (None without them).
     passes: float | None = None
     #: The held-out passes of the old function (step 0), every block's outputs recorded in the pass that measured
     #: ``loss_before``: the realized gains replay them (None without held-out batches or ``record_step_zero``).
     step_zero: HeldOutPasses | None = None
+    #: Each layer's decomposition at the chosen step (`GrowthProblem.layer_weights`), where the search made it: the
+    #: report reads them instead of decomposing again.
+    decompositions: Decompositions = field(default_factory=dict)
 
 
 def search_and_report(
@@ -103,29 +106,42 @@ def line_search(
             return passes.loss()
         return evaluate_loss(candidate, eval_batches, adapter, loss_fn, accelerator)[0]
 
-    # The best step's weights as evaluated: the solve is warm-started, so solving the same step again could
-    # differ from them by roundoff.
+    # The best step's decompositions as evaluated: its weights are made from them again (the bases' products
+    # alone, bit for bit the same), and the report reads them instead of decomposing the chosen step once more.
     evaluated: dict[str, Any] = {}
 
     def evaluate_step(step: float) -> float:
-        weights = problem.weights(step)
-        write_weights(adapter, target, weights)
+        decompositions: Decompositions = {}
+        write_weights(adapter, target, problem.weights(step, decompositions))
         loss = evaluate(target)
         if not evaluated or loss < evaluated["loss"]:
-            evaluated.update(loss=loss, step=step, weights=weights)
+            evaluated.update(loss=loss, step=step, decompositions=decompositions)
         return loss
 
+    def evaluated_at(step: float) -> Decompositions:
+        return evaluated["decompositions"] if evaluated.get("step") == step else {}
+
     points: list[LineSearchPoint] = []
+    chosen: QKWeights | None = None
+    decompositions: Decompositions = {}
     unconstrained_loss = None
     eval_weight = 0
     loss_before = loss_after = step_zero = None
-    if eval_batches is not None and record_step_zero:
-        step_zero = HeldOutPasses(target, adapter, eval_batches, loss_fn, accelerator)
-        loss_before, eval_weight = step_zero.loss_recording()
+    # The pass at step 0 records every block where something replays them: the realized gains, and the search of
+    # each layer alone, which replays the same outputs (the other layers stay at step 0) from the same object. The
+    # coordinate search records each layer's chosen step instead: its own object.
+    alone = problem.step_mode == "layer_search" and step_size is None
+    if eval_batches is not None and (record_step_zero or alone):
+        recording = passes
+        if problem.step_mode == "coordinate":
+            recording = HeldOutPasses(target, adapter, eval_batches, loss_fn, accelerator)
+        loss_before, eval_weight = recording.loss_recording()
+        step_zero = recording if record_step_zero else None
     elif eval_batches is not None and before is not None:
         loss_before, eval_weight = before
     elif eval_batches is not None:
         loss_before, eval_weight = evaluate_loss(target, eval_batches, adapter, loss_fn, accelerator)
+    measured = 0.0 if passes is None else passes.passes  # the step-0 pass: the search's cost starts after it
     if step_size is None and not math.isfinite(loss_before):
         raise FloatingPointError(
             f"the held-out loss is {loss_before} before any step: the line search needs a finite loss. Check the "
@@ -177,19 +193,21 @@ def line_search(
             step_size = best_step(losses)
             loss_after = loss_before if step_size == 0 else losses[step_size]
             if problem.step_mode == "coordinate" and step_size > 0:
-                chosen = evaluated["weights"] if evaluated.get("step") == step_size else problem.weights(step_size)
-                write_weights(adapter, target, chosen)
-                evaluated["weights"], loss_after = search_coordinates(
-                    problem, passes, adapter, target, step_size, chosen, loss_after, tracked
+                searched = problem.weights(step_size, evaluated_at(step_size))
+                write_weights(adapter, target, searched)
+                # each layer's step refined in turn: the chosen weights are of no one step the search decomposed
+                chosen, loss_after = search_coordinates(
+                    problem, passes, adapter, target, step_size, searched, loss_after, tracked
                 )
-                evaluated["step"] = step_size
-    chosen = evaluated["weights"] if evaluated.get("step") == step_size else problem.weights(step_size)
+    if chosen is None:
+        decompositions = evaluated_at(step_size)
+        chosen = problem.weights(step_size, decompositions)
     write_weights(adapter, target, chosen)
     if eval_batches is not None and loss_after is None:
         loss_after = evaluate(target)
     return SearchOutcome(
         step_size, chosen, loss_before, loss_after, eval_weight, unconstrained_loss, points,
-        None if passes is None else passes.passes, step_zero,
+        None if passes is None else passes.passes - measured, step_zero, decompositions,
     )
 
 
@@ -243,7 +261,7 @@ def write_report(
         write_weights(adapter, target, stepped)
     layers = []
     for layer in range(len(problem.layers)):
-        heads = head_reports(problem, layer, step_size)
+        heads = head_reports(problem, layer, step_size, outcome.decompositions.get(layer))
         layers.append(
             LayerReport(
                 layer=layer,

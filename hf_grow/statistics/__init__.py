@@ -23,6 +23,7 @@ from .batches import (
     restore_modes,
     token_shapes,
     walk_tensors,
+    without_kv_cache,
 )
 from .collect import check_arguments, collect_statistics
 from .container import STATISTICS_FORMAT, GrowthStatistics, weight_sample
@@ -71,4 +72,5 @@ __all__ = [
     "triton_available",
     "walk_tensors",
     "weight_sample",
+    "without_kv_cache",
 ]

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..adapters import ArchitectureAdapter
-from .batches import LossFn, compute_loss, module_modes, restore_modes
+from .batches import LossFn, compute_loss, module_modes, restore_modes, without_kv_cache
 from .kernels import (
     _COLLECTING,
     STATISTICS_ATTENTION,
@@ -51,17 +51,15 @@ def statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
         if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing
     ]
     checkpoint_functions = {module: module.__dict__.get("_gradient_checkpointing_func") for module in checkpointed}
-    use_cache = getattr(model.config, "use_cache", None)
     modes = module_modes(model)
     model.eval()
-    model.config.use_cache = False
     model.set_attn_implementation(STATISTICS_ATTENTION)
     for module in checkpointed:
         module.training = True
         module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), without_kv_cache(model):
             yield
     finally:
         torch.set_float32_matmul_precision(original_precision)
@@ -71,10 +69,6 @@ def statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
             else:
                 module._gradient_checkpointing_func = function
         model.set_attn_implementation(original_attention)
-        if use_cache is None:
-            del model.config.use_cache
-        else:
-            model.config.use_cache = use_cache
         restore_modes(modes)
 
 
