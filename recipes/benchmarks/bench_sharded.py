@@ -5,8 +5,8 @@
    the layers it owns, the solve's wall time (`GrowthReport.seconds["solve"]`: its own layers' decompositions,
    then waiting for the other owners and receiving the skeletons of their layers), and the most bytes of M it
    held at any statistics batch (live (heads, d, d) tensors, found by the garbage collector), both in
-   `grow_model` (each group's M freed by its solve) and in `collect_statistics(owners=)` keeping M (as a second
-   solve from the same M does: "append" growth with truncation "auto").
+   `grow_model` (each group's M freed by its solve) and in `collect_statistics(owners=)` keeping M (statistics
+   collected once, to grow several ways).
 2. The memory plan (`plan_memory`) of a Llama-3-8B shape (meta device, bfloat16, on a GPU) for 1 process and per
    process of 8, with the budget and truncation given.
 
