@@ -152,7 +152,9 @@ def live_bytes(excluded: set[int]) -> int:
     import gc
 
     storages = {}
-    for tensor in (obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu"):
+    # plain tensors and parameters only: subclasses such as the FakeTensors other tests may leave have no storage
+    plain = (torch.Tensor, torch.nn.Parameter)
+    for tensor in (obj for obj in gc.get_objects() if type(obj) in plain and obj.device.type == "cpu"):
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(size for pointer, size in storages.items() if pointer not in excluded)
