@@ -184,3 +184,29 @@ def test_the_old_function_is_evaluated_once_on_each_held_out_batch(trained_gpt2,
     assert len(report.candidates) == 4 and report.step_size > 0
     assert calls[True] == len(batches)
     assert calls[True] + calls[False] == pytest.approx(len(batches) * (1 + report.line_search_passes))
+
+
+def test_the_kept_search_per_layer_keeps_its_layers_steps_for_the_final_search(
+    trained_gpt2, statistics, stdlib_bytes, monkeypatch
+):
+    """With steps searched per layer, a candidate's step multiplies each layer's own step (`layer_scales`), found by
+    its search: the final search on all the held-out batches starts from the kept candidate's, not from ones."""
+    from hf_grow.growth import candidates
+
+    calls = []
+    line_search = candidates.search.line_search
+
+    def recorded(prepared, problem, *args, **kwargs):
+        entry = (problem.truncation, list(problem.layer_scales))
+        outcome = line_search(prepared, problem, *args, **kwargs)
+        calls.append((*entry, list(outcome.layer_scales)))
+        return outcome
+
+    monkeypatch.setattr(candidates.search, "line_search", recorded)
+    batches = lm_batches(stdlib_bytes["eval"], 3, seed=43)  # two to search on, one to confirm
+    report = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=batches,
+                        measure_realized_gains=False, truncation="auto", step_mode="layer_search").growth_report
+    *searches, (_, final_entry, final_exit) = calls
+    kept = next(exit_scales for truncation, _, exit_scales in searches if truncation == report.truncation)
+    assert report.step_size > 0 and len(set(kept)) > 1  # the layers' steps differ: a case that can tell
+    assert final_entry == kept and final_exit == kept

@@ -69,6 +69,8 @@ def search_and_report(
     problem = prepared.problem
     problem.set_truncation(kept.truncation)  # a problem shared by the candidates holds the last one's settings
     problem.set_step_mode(kept.step_mode)  # the report's steps per layer and head are the chosen mode's
+    if kept.step_mode == "layer_search":  # its step multiplies the layers' own, found by its search: keep them
+        problem.layer_scales[:] = searched.layer_scales
     # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
     # step its search found (from the start where that was 0): with few batches, a step searched on part of them
     # is noisier (BENCHMARKS: MiniLM). Its losses at step 0 and at that step are known on both parts (at step 0

@@ -51,6 +51,9 @@ class SearchOutcome:
     #: Each layer's decomposition at the chosen step (`GrowthProblem.layer_weights`), where the search made it: the
     #: report reads them instead of decomposing again.
     decompositions: Decompositions = field(default_factory=dict)
+    #: Each layer's step relative to the others at the chosen step (`GrowthProblem.layer_scales`), which the
+    #: searches per layer set: the chosen weights are made with them.
+    layer_scales: list[float] = field(default_factory=list)
 
 
 def search_and_report(
@@ -207,7 +210,7 @@ def line_search(
         loss_after = evaluate(target)
     return SearchOutcome(
         step_size, chosen, loss_before, loss_after, eval_weight, unconstrained_loss, points,
-        None if passes is None else passes.passes - measured, step_zero, decompositions,
+        None if passes is None else passes.passes - measured, step_zero, decompositions, list(problem.layer_scales),
     )
 
 
