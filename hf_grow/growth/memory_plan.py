@@ -172,11 +172,8 @@ def plan_memory(
     compute = config.torch_compute_dtype.itemsize
     groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate, config.cross_fit)
     mode = adapter.check_mode(model, None)
-    # Each group's M is freed once it is solved; with several processes each still sums the group in flight.
-    owners = plan_owners([solve_cost(heads, width)] * layers, processes)
-    widest = max(len(group) for group in groups)
     square = heads * width * width  # entries of one layer's M
-    held_squares = widest * m_copies(config.cross_fit) * square  # M's accumulators (and their halves) held at once
+    layer_bytes = m_copies(config.cross_fit) * square * accumulate  # one layer's accumulators (and its half)
     weights = _model_bytes(model)
     second_moments = layers * width * width * 8
 
@@ -186,7 +183,7 @@ def plan_memory(
         activations = activation_bytes(model, batch_size, seq_len, statistics_attention(seq_len, device))
     scores = batch_size * heads * seq_len * (seq_len + width) * 4 if reference else 2 * 2**21 * 4
     offload = config.offload_dir is not None and not on_device  # on a GPU the run refuses it (`check_offload_dir`)
-    layer_m = 0 if offload else m_copies(config.cross_fit) * square * accumulate
+    layer_m = 0 if offload else layer_bytes
     chunk = min(heads, HEAD_CHUNK)
     squares_per_head = CROSS_FIT_SQUARES_PER_HEAD if config.cross_fit else SOLVE_SQUARES_PER_HEAD
     # no logits without a language-model head (the transformers model inside a SentenceTransformer)
@@ -222,10 +219,13 @@ def plan_memory(
 
     model_dtype = next(model.parameters()).dtype
     loading = _loading(weights, model_dtype, weights_dtype or model_dtype, on_device)
-    owned = max(owners.count(rank) for rank in range(processes))  # a process keeps the solved form of its own
+    # a process keeps the solved form of its own layers (each layer's M goes to its owner and is freed when solved)
+    owners = plan_owners([solve_cost(heads, width)] * layers, processes)
+    owned = max(owners.count(rank) for rank in range(processes))
     solved = {at_ceiling: _solved_bytes(mode, config, owned, heads, width, max(qk_dims), at_ceiling)
               for at_ceiling in (True, False)}
-    disk = held_squares * accumulate if offload else 0
+    # every process sums the group in flight, each group's freed once it is solved
+    disk = max(len(group) for group in groups) * layer_bytes if offload else 0
     return MemoryPlan(
         (loading, *stages_after_loading(solved[True])), groups, on_device, layers, heads, width, batch_size,
         config.offload_dir if offload else None, disk, config.cross_fit, processes,
