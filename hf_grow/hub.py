@@ -23,6 +23,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .report import CROSS_FIT_NOTES, REPORT_FILENAME, GrowthReport, load_growth_report
 
 
+#: Grown models are written in safetensors shards of at most this size (the Hub's usual 5 GB): saving a model that
+#: lives on a GPU copies one shard at a time to the host (a Llama-3-8B in one shard took its whole 15 GiB there).
+SHARD_BYTES = 5 * 10**9
+
 logger = logging.getLogger("hf_grow")
 
 CARD_FILENAME = "README.md"
@@ -274,7 +278,7 @@ def push_to_hub(
             if getattr(folder_or_model, "growth_report", None) is None:
                 raise ValueError("the model has no growth_report: push a model returned by hf_grow.grow_model")
             folder = Path(staging) / "model"
-            folder_or_model.save_pretrained(folder)
+            folder_or_model.save_pretrained(folder, max_shard_size=SHARD_BYTES)
             if tokenizer is not None:
                 tokenizer.save_pretrained(folder)
             else:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from hf_grow import GrownGPT2LMHeadModel, cli, load_growth_report
+from hf_grow import GrownGPT2LMHeadModel, cli, hub, load_growth_report
 from hf_grow.data import token_windows
 from quickstart import train_small_gpt2
 
@@ -188,6 +188,25 @@ def test_a_folder_that_appears_during_the_run_is_kept(model_folder, tmp_path, mo
     assert code == 2 and "exists and is not empty" in capsys.readouterr().err
     assert [path.name for path in output.iterdir()] == ["precious.txt"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["grown"]
+
+
+def test_the_grown_model_is_written_in_shards_that_load_back(model_folder, tmp_path, monkeypatch):
+    """Shards of at most `hub.SHARD_BYTES` (5 GB; here 100 kB): from a GPU, saving copies one shard at a time to
+    the host."""
+    monkeypatch.setattr(hub, "SHARD_BYTES", 10**5)
+    output = tmp_path / "grown"
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--step-size", "0.5",
+                     *SMALL]) == 0
+    shards = sorted(output.glob("model-*.safetensors"))
+    assert len(shards) > 1 and all(shard.stat().st_size <= 2 * 10**5 for shard in shards)
+    assert (output / "model.safetensors.index.json").is_file() and not (output / "model.safetensors").exists()
+    monkeypatch.undo()
+    whole = tmp_path / "whole"
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(whole), "--step-size", "0.5",
+                     *SMALL]) == 0
+    sharded, single = (AutoModelForCausalLM.from_pretrained(folder) for folder in (output, whole))
+    for (name, tensor), (_, expected) in zip(sharded.state_dict().items(), single.state_dict().items(), strict=True):
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=name)
 
 
 def test_overwrite_replaces_the_folder(model_folder, tmp_path):

@@ -9,11 +9,11 @@ import torch
 from conftest import lm_batches, tiny_gpt2_config
 from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model
+from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model, hub
 from hf_grow.cli import memory as cli_memory
 from hf_grow.statistics import collect as collect_module
 from hf_grow.growth.memory_plan import (
-    OFFLOAD_PLACEHOLDER, PROCESS_BASELINE_BYTES, activation_bytes, fitting_changes, plan_memory,
+    CUDA_PROCESS_BASELINE_BYTES, OFFLOAD_PLACEHOLDER, PROCESS_BASELINE_BYTES, activation_bytes, fitting_changes, plan_memory,
 )
 from hf_grow.progress import format_bytes
 from hf_grow.statistics import layer_groups, statistics_bytes
@@ -414,3 +414,24 @@ def test_a_run_that_fits_only_below_the_rank_ceiling_goes_on_with_a_warning(wide
     monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (plan.least_peak_host - 1, 0))
     assert cli.main([*arguments, "--output-dir", str(tmp_path / "refused")]) == 2
     assert "needs about" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("layers", [1, 12])
+def test_on_a_gpu_the_host_keeps_the_cuda_process_and_one_shard_of_the_written_model(layers):
+    """Measured on an H100 (BENCHMARKS.md): the process with the CUDA libraries holds 1.45-1.87 GiB, and writing
+    a Llama-3-8B from the GPU in one shard put its whole 15 GiB on the host; the command writes shards of at
+    most `hub.SHARD_BYTES`, so the host holds one of them."""
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256)
+    model = meta_model(LlamaForCausalLM, config).to(torch.bfloat16)
+    adapter, shape = get_adapter(model), dict(batch_size=1, seq_len=128, eval_tokens=256, activations=0)
+    plan = plan_memory(model, adapter, GrowthConfig(p=8), device="cuda", **shape)
+    weights = sum(tensor.numel() * tensor.element_size() for tensor in [*model.parameters(), *model.buffers()])
+    shard = min(weights, hub.SHARD_BYTES)
+    assert layers == 1 and weights < hub.SHARD_BYTES or layers == 12 and weights > hub.SHARD_BYTES
+    for stage in plan.stages[1:]:
+        assert stage.host == CUDA_PROCESS_BASELINE_BYTES + (shard if stage.name == "write" else 0)
+    write = plan.stages[-1]
+    assert write.device == weights and write.terms["shard copied to the host"] == shard
+    on_cpu = plan_memory(model, adapter, GrowthConfig(p=8), **shape).stages[-1]
+    assert on_cpu.host == PROCESS_BASELINE_BYTES + weights and "shard copied to the host" not in on_cpu.terms

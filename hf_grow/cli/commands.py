@@ -90,7 +90,7 @@ def _write_outputs(
     data, datasets = _data_description(args)
 
     def write(folder: Path) -> None:
-        grown.save_pretrained(folder)
+        grown.save_pretrained(folder, max_shard_size=hub.SHARD_BYTES)  # from a GPU, one shard at a time on the host
         tokenizer.save_pretrained(folder)
         # A local model is named by its absolute path: the card stays true wherever it is pushed from later.
         base_model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model

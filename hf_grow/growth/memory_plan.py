@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..adapters import ArchitectureAdapter
 from ..compact import compact_rank, rank_ceiling, stored_bytes
 from ..config import COMPUTE_DTYPES, GrowthConfig
+from ..hub import SHARD_BYTES
 from ..progress import format_bytes
 from ..statistics import CPU_REFERENCE_MAX_LENGTH, layer_groups, m_copies, statistics_bytes
 from .layer_solve import HEAD_CHUNK
@@ -30,6 +31,9 @@ from .sharding import plan_owners, solve_cost
 
 #: Resident memory of a process that has imported torch, transformers and hf_grow (measured on Linux, 2026).
 PROCESS_BASELINE_BYTES = 480 * 2**20
+#: The same once the model has moved to a GPU: the CUDA libraries' pages. Measured 1.45-1.87 GiB from the
+#: statistics on, on an H100 with torch 2.11 (cu130), at GPT-2 small, the Llama-3.2-1B and Llama-3-8B shapes.
+CUDA_PROCESS_BASELINE_BYTES = int(1.6 * 2**30)
 #: The statistics pass holds this many times the bytes autograd saves: the transients of forward and backward
 #: (the loss's log-softmax and its gradient, a block's attention scores) add about half again. Measured
 #: 1.34-1.59x on GPT-2 small and a Llama shape, reference and chunked statistics (BENCHMARKS.md).
@@ -211,11 +215,14 @@ def plan_memory(
             "held-out forward": int(HELD_OUT_FORWARD * activations),
             "held-out states": min(CACHE_BYTES, eval_tokens * width * 4 * max(layers - 1, 0)),
         }
-        # The command frees the input model first; safetensors writes the tensors' own memory (a GPT-2 small's
-        # save added 2 MiB to the process, safetensors 0.8), so saving adds no copy.
+        # The command frees the input model first; on a CPU safetensors writes the tensors' own memory (a GPT-2
+        # small's save added 2 MiB to the process, safetensors 0.8), so saving adds no copy; from a GPU it copies
+        # the shard being written to the host.
         write = {"grown model": weights}
+        shard = {"shard copied to the host": min(weights, SHARD_BYTES)} if on_device else {}
         return tuple(_stage(name, terms, on_device) for name, terms in (
-            ("statistics", statistics), ("solve", solve), ("line search", held_out), ("write", write)))
+            ("statistics", statistics), ("solve", solve), ("line search", held_out))) + (
+            _stage("write", write, on_device, shard),)
 
     model_dtype = next(model.parameters()).dtype
     loading = _loading(weights, model_dtype, weights_dtype or model_dtype, on_device)
@@ -290,13 +297,14 @@ def _largest_p(p: int | dict[int, int] | None) -> int:
     return p if isinstance(p, int) else max(p.values(), default=0)
 
 
-def _stage(name: str, terms: dict[str, int], on_device: bool) -> Stage:
+def _stage(name: str, terms: dict[str, int], on_device: bool, host_terms: dict[str, int] | None = None) -> Stage:
     """Host = the process + its terms on a CPU; on a GPU the terms are on the device and the host keeps the
-    process."""
+    process, with the CUDA libraries, and ``host_terms``."""
     total = sum(terms.values())
     if not on_device:
         return Stage(name, PROCESS_BASELINE_BYTES + total, 0, terms)
-    return Stage(name, PROCESS_BASELINE_BYTES, total, terms)
+    host_terms = host_terms or {}
+    return Stage(name, CUDA_PROCESS_BASELINE_BYTES + sum(host_terms.values()), total, {**terms, **host_terms})
 
 
 def _loading(weights: int, model_dtype: torch.dtype, weights_dtype: torch.dtype, on_device: bool) -> Stage:
