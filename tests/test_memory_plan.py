@@ -192,13 +192,13 @@ def test_the_solve_frees_m_layer_by_layer_as_the_plan_counts_it(stdlib_bytes, mo
 
     # Where M outweighs the targets (GPT-2 medium's width), the peak is at the first layer; a later pass of a
     # memory budget holds its M beside the earlier passes' targets.
-    wide = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=4, n_embd=1024, n_head=16))
+    wide = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=4, n_embd=1024, n_head=32))
     shape = dict(batch_size=4, seq_len=64, eval_tokens=256)
     plan = plan_memory(wide, adapter, GrowthConfig(p=8), **shape)
-    layer_m, layer_solved = 16 * 1025 * 1025 * 8, plan.stages[3].terms["compact solve"] // 4
+    layer_m, layer_solved = 32 * 1025 * 1025 * 8, plan.stages[3].terms["compact solve"] // 4
     assert layer_m > layer_solved and plan.stages[2].terms["M"] == 4 * layer_m
     assert plan.stages[2].terms["compact solve"] == layer_solved
-    grouped = plan_memory(wide, adapter, GrowthConfig(p=8, memory_budget=statistics_bytes(4, 16, 1024, 2)), **shape)
+    grouped = plan_memory(wide, adapter, GrowthConfig(p=8, memory_budget=statistics_bytes(4, 32, 1024, 2)), **shape)
     assert grouped.groups == [[0], [1], [2], [3]]
     assert grouped.stages[1].terms["M"] == layer_m
     assert grouped.stages[1].terms["compact solve of earlier passes"] == 3 * layer_solved
@@ -290,8 +290,10 @@ def test_auto_truncation_frees_m_group_by_group_and_counts_both_truncations_solv
         name = type(model).__name__
         assert auto["M"] == whitened["M"] == frobenius["M"], name
         assert auto["compact solve"] == frobenius["compact solve"] > whitened["compact solve"], name
-    # "append": two rank-p unit updates per head, left and right factors in float64
-    assert auto["compact solve"] == 2 * layers * heads * 2 * (hidden + 1) * 8 * 8
+    # "append": two rank-p unit updates per head, left and right factors in float64, beside the old Q/K in float64
+    # (4 query heads and 2 key heads of 16 dims over the 64 inputs: no bias)
+    old_qk = (4 + 2) * hidden * 16 * 8
+    assert auto["compact solve"] == 2 * layers * heads * 2 * (hidden + 1) * 8 * 8 + layers * old_qk
 
 
 def test_m_on_disk_leaves_the_host_memory_and_the_plan_says_where_it_is(tmp_path):

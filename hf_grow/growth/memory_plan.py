@@ -229,7 +229,9 @@ def plan_memory(
     # a process keeps the solved form of its own layers (each layer's M goes to its owner and is freed when solved)
     owners = plan_owners([solve_cost(heads, width)] * layers, processes)
     owned = max(owners.count(rank) for rank in range(processes))
-    solved = {at_ceiling: _solved_bytes(mode, config, owned, heads, width, max(qk_dims), at_ceiling)
+    # beside it, the layer's old Q/K weights in float64 (`LayerProblem.query`/``key``: 5.4 GB at Llama-3-8B)
+    old_qk = sum(weight.numel() for weight in adapter.read_qk(adapter.attention_modules(model)[0])) * 8
+    solved = {at_ceiling: _solved_bytes(mode, config, owned, heads, width, max(qk_dims), at_ceiling) + owned * old_qk
               for at_ceiling in (True, False)}
     # every process sums the group in flight, each group's freed once it is solved
     disk = max(len(group) for group in groups) * layer_bytes if offload else 0
@@ -270,7 +272,7 @@ def _named(terms: dict[str, int]) -> dict[str, int]:
 def _solved_bytes(
     mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int, at_ceiling: bool
 ) -> int:
-    """What the solve keeps for the steps (`layer_solve.LayerProblem`): per head, the compact targets
+    """What the solve keeps for the steps (`layer_solve.LayerProblem`) beside the old weights: per head, the compact targets
     (`compact.stored_bytes`) of each truncation ("refactor"), or the unit update of the added dims ("append").
 
     The compact rank is certified from each head's spectrum during the solve (`compact.certified_rank`), between

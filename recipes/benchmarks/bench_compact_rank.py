@@ -19,6 +19,13 @@ spectra, where the certified rank stops at its ceiling without a certificate.
     python recipes/benchmarks/bench_compact_rank.py                 # ~2 minutes on 2 CPU cores
     python recipes/benchmarks/bench_compact_rank.py --ranks 104 0
     python recipes/benchmarks/bench_compact_rank.py --model gpt2-small --ranks -1 0    # ~10 minutes
+    python recipes/benchmarks/bench_compact_rank.py --model bpe-en --ranks -1 0 --cache runs/candidates
+
+``--model bpe-en`` / ``bytes-en`` / ``llama-en``: bench_candidates' GPT-2s (BPE or byte vocabulary) and Llama
+(grouped-query attention: append growth), trained ``--steps`` steps on English prose of the standard library
+(cached under ``--cache``), on their next-token loss: statistics on its statistics batches, the line search on
+the first third of its held-out pool as cut by split ``--split``, the test on the rest. d = 129, d_k 16 grown to
+24, so the least compact rank (88) leaves part of the width out.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from quickstart import stdlib_files, train_tokenizer  # noqa: E402
 from sentence_pairs import contrastive_loss, pair_splits  # noqa: E402
 
+ENGLISH_MODELS = ("bpe-en", "bytes-en", "llama-en")
+
 
 def minilm() -> tuple:
     """all-MiniLM-L6-v2 on its contrastive loss over docstring/code pairs: (model, batches, loss_fn, name)."""
@@ -62,16 +71,37 @@ def gpt2_small() -> tuple:
     return model, batches, None, "GPT-2 small shape, random weights"
 
 
+def english(name: str, cache: str | None, steps: int, split: int) -> tuple:
+    """A bench_candidates model trained on English text, its statistics batches and split ``split`` of its
+    held-out pool (a third for the line search, the rest for the test)."""
+    import random
+
+    from bench_candidates import english_setups
+
+    _, model, stats, pool, loss_fn = next(english_setups([name], False, cache, steps))
+    order = list(range(len(pool)))
+    random.Random(split).shuffle(order)
+    cut = len(pool) // 3
+    batches = {"stats": stats, "eval": [pool[i] for i in order[:cut]], "test": [pool[i] for i in order[cut:]]}
+    return model.eval(), batches, loss_fn, f"{name} trained {steps} steps, split {split}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[-1, 104, 168, 232, 0],
                         help="compact ranks s to force (-1: the default, certified rank; 0: the exact solve; 104: "
                              "the default's minimum at p = 8)")
     parser.add_argument("--p", type=int, default=8)
-    parser.add_argument("--model", choices=["minilm", "gpt2-small"], default="minilm")
+    parser.add_argument("--model", choices=["minilm", "gpt2-small", *ENGLISH_MODELS], default="minilm")
+    parser.add_argument("--cache", help="English models: folder of the trained models (reused when there)")
+    parser.add_argument("--steps", type=int, default=300, help="English models: training steps")
+    parser.add_argument("--split", type=int, default=0, help="English models: the held-out pool's cut")
     args = parser.parse_args()
     transformers_logging.set_verbosity_error()
-    model, batches, loss_fn, name = minilm() if args.model == "minilm" else gpt2_small()
+    if args.model in ENGLISH_MODELS:
+        model, batches, loss_fn, name = english(args.model, args.cache, args.steps, args.split)
+    else:
+        model, batches, loss_fn, name = minilm() if args.model == "minilm" else gpt2_small()
     adapter = hf_grow.get_adapter(model)
     statistics = hf_grow.collect_statistics(model, batches["stats"], adapter, loss_fn)
     size, qk_dim = adapter.hidden_size(model.config) + 1, adapter.qk_head_dims(model.config)[0]
