@@ -77,22 +77,12 @@ class GrowthCallback(TrainerCallback):
         trainer: Any | None = None,
         **growth_kwargs,
     ):
-        if (grow_at is None) == (qk_dims_at is None):
-            raise ValueError("pass exactly one of grow_at={step: p} and qk_dims_at={step: width}")
-        schedule = grow_at if grow_at is not None else qk_dims_at
-        bad_steps = [step for step in schedule if isinstance(step, bool) or not isinstance(step, int) or step <= 0]
-        if bad_steps:
-            raise ValueError(f"growth steps must be positive global steps (optimizer steps), got {bad_steps}")
+        _check_schedule(grow_at, qk_dims_at)
         if mode is not None and mode not in GROWTH_MODES:
             raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
         check_new_moments(new_moments)
         if statistics_batches < 1 or eval_batches < 1:
             raise ValueError("statistics_batches and eval_batches must be at least 1")
-        if qk_dims_at is not None:
-            widths = sorted(schedule.items())
-            flat = [min(w) if isinstance(w, Sequence) else w for _, w in widths]
-            if any(not isinstance(w, int) or w <= 0 for w in flat) or flat != sorted(flat):
-                raise ValueError(f"qk_dims_at must map steps to positive, non-decreasing widths, got {dict(widths)}")
         self.grow_at = dict(grow_at) if grow_at is not None else None
         self.qk_dims_at = dict(qk_dims_at) if qk_dims_at is not None else None
         self.mode = mode
@@ -129,24 +119,6 @@ class GrowthCallback(TrainerCallback):
             raise ValueError(f"qk_dims_at[{step}] has {len(targets)} widths but the model has {len(current)} layers")
         return {layer: max(0, want - have) for layer, (want, have) in enumerate(zip(targets, current))}
 
-    def _draw_batches(self, train_dataloader, args, step: int) -> tuple[list, list]:
-        """This process's statistics and held-out batches, from the training set through the Trainer's collator,
-        in an order of their own: every process draws the same batches and takes every world_size-th."""
-        eval_batches = 0 if self.eval_dataloader is not None else self.eval_batches
-        count = (self.statistics_batches + eval_batches) * args.world_size
-        dataset, collate_fn = train_dataloader.dataset, train_dataloader.collate_fn
-        batch_size = args.per_device_train_batch_size
-        if isinstance(dataset, IterableDataset):
-            loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn)
-        else:
-            generator = torch.Generator().manual_seed(self.seed + step)
-            sampler = RandomSampler(dataset, generator=generator)
-            loader = DataLoader(
-                dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator
-            )
-        drawn = list(itertools.islice(loader, count))[args.process_index :: args.world_size]
-        return drawn[: self.statistics_batches], drawn[self.statistics_batches :]
-
     def on_step_end(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
         step = state.global_step
@@ -162,7 +134,10 @@ class GrowthCallback(TrainerCallback):
         batches = self.dataloader
         mode = _resolved_mode(model, self.mode)
         if batches is None and mode in ("refactor", "append"):  # the baselines need no data
-            batches, drawn_eval = self._draw_batches(train_dataloader, args, step)
+            eval_count = 0 if self.eval_dataloader is not None else self.eval_batches
+            batches, drawn_eval = _draw_batches(
+                train_dataloader, args, self.seed + step, self.statistics_batches, eval_count
+            )
             eval_dataloader = drawn_eval if eval_dataloader is None else eval_dataloader
         report = grow_in_training(
             model if self.trainer is None else self.trainer.model_wrapped,
@@ -183,6 +158,41 @@ class GrowthCallback(TrainerCallback):
             entry.update(growth_eval_loss_before=report.eval_loss_before, growth_eval_loss_after=report.eval_loss_after)
         state.log_history.append(entry)
         logger.info("step %d: grew query/key heads to %s (%s)", step, model.config.qk_head_dims, mode)
+
+
+def _check_schedule(
+    grow_at: Mapping[int, int | Mapping[int, int]] | None, qk_dims_at: Mapping[int, int | Sequence[int]] | None
+) -> None:
+    """Exactly one schedule, at positive global steps; widths positive and non-decreasing."""
+    if (grow_at is None) == (qk_dims_at is None):
+        raise ValueError("pass exactly one of grow_at={step: p} and qk_dims_at={step: width}")
+    schedule = grow_at if grow_at is not None else qk_dims_at
+    bad_steps = [step for step in schedule if isinstance(step, bool) or not isinstance(step, int) or step <= 0]
+    if bad_steps:
+        raise ValueError(f"growth steps must be positive global steps (optimizer steps), got {bad_steps}")
+    if qk_dims_at is not None:
+        widths = sorted(schedule.items())
+        flat = [min(w) if isinstance(w, Sequence) else w for _, w in widths]
+        if any(not isinstance(w, int) or w <= 0 for w in flat) or flat != sorted(flat):
+            raise ValueError(f"qk_dims_at must map steps to positive, non-decreasing widths, got {dict(widths)}")
+
+
+def _draw_batches(
+    train_dataloader: DataLoader, args, seed: int, statistics_batches: int, eval_batches: int
+) -> tuple[list, list]:
+    """This process's statistics and held-out batches, from the training set through the Trainer's collator,
+    in an order of their own (``seed``): every process draws the same batches and takes every world_size-th."""
+    count = (statistics_batches + eval_batches) * args.world_size
+    dataset, collate_fn = train_dataloader.dataset, train_dataloader.collate_fn
+    batch_size = args.per_device_train_batch_size
+    if isinstance(dataset, IterableDataset):
+        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn)
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        sampler = RandomSampler(dataset, generator=generator)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator)
+    drawn = list(itertools.islice(loader, count))[args.process_index :: args.world_size]
+    return drawn[:statistics_batches], drawn[statistics_batches:]
 
 
 def _unwrapped(model: torch.nn.Module) -> PreTrainedModel:
