@@ -308,7 +308,7 @@ class Collector:
     def installed(self) -> Iterator[None]:
         handles = [self.embeddings.register_forward_hook(self._keep_anchor)]
         for module in self.models:
-            handles.append(module.register_forward_pre_hook(self._model_inputs_hook(module), with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(_model_inputs_hook(self, module), with_kwargs=True))
         for layer in self.hooked_layers:
             handles.append(self.qk_inputs[layer].register_forward_pre_hook(self._input_hook(layer)))
         for layer, attention in enumerate(self.attentions):
@@ -329,31 +329,6 @@ class Collector:
             output = output.detach().requires_grad_(True)
         self.anchors.append(output)
         return output
-
-    def _model_inputs_hook(self, module: nn.Module) -> Callable:
-        names = list(inspect.signature(module.forward).parameters)
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if self.products.in_backward:
-                return None
-            positional = dict(zip(names, args))
-            mask = kwargs.get("attention_mask", positional.get("attention_mask"))
-            self.received_mask = mask if isinstance(mask, Tensor) else None
-            embeddings = kwargs.get("inputs_embeds", positional.get("inputs_embeds"))
-            if not isinstance(embeddings, Tensor):
-                return None
-            # Inputs given as embeddings skip the embedding layer: backward runs towards them instead.
-            if not embeddings.requires_grad:
-                embeddings = embeddings.detach().requires_grad_(True)
-                if "inputs_embeds" in kwargs:
-                    kwargs = {**kwargs, "inputs_embeds": embeddings}
-                else:
-                    index = names.index("inputs_embeds")
-                    args = (*args[:index], embeddings, *args[index + 1 :])
-            self.anchors.append(embeddings)
-            return args, kwargs
-
-        return hook
 
     def _start_pass(self, hidden: Tensor) -> None:
         """The first layer runs: a new forward pass, whose padding is the mask the model received."""
@@ -412,3 +387,31 @@ class Collector:
         self.anchors.clear()
         self.sums.add_batch(self.pass_tokens, weight, float(loss.detach()))
         return float(loss.detach())
+
+
+def _model_inputs_hook(collector: Collector, module: nn.Module) -> Callable:
+    """A forward pre-hook on a `PreTrainedModel` inside the collected model: keeps the ``attention_mask`` it
+    receives (the next pass's padding) and anchors ``inputs_embeds`` given instead of tokens."""
+    names = list(inspect.signature(module.forward).parameters)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if collector.products.in_backward:
+            return None
+        positional = dict(zip(names, args))
+        mask = kwargs.get("attention_mask", positional.get("attention_mask"))
+        collector.received_mask = mask if isinstance(mask, Tensor) else None
+        embeddings = kwargs.get("inputs_embeds", positional.get("inputs_embeds"))
+        if not isinstance(embeddings, Tensor):
+            return None
+        # Inputs given as embeddings skip the embedding layer: backward runs towards them instead.
+        if not embeddings.requires_grad:
+            embeddings = embeddings.detach().requires_grad_(True)
+            if "inputs_embeds" in kwargs:
+                kwargs = {**kwargs, "inputs_embeds": embeddings}
+            else:
+                index = names.index("inputs_embeds")
+                args = (*args[:index], embeddings, *args[index + 1 :])
+        collector.anchors.append(embeddings)
+        return args, kwargs
+
+    return hook
