@@ -18,7 +18,7 @@ from hf_grow import (
     grow_model,
     inspect_growth,
 )
-from hf_grow.growth import search_step_size
+from hf_grow.growth import best_step, search_step_size
 
 from conftest import lm_batches, tiny_gpt2_config
 
@@ -324,6 +324,29 @@ def test_line_search_ranks_non_finite_losses_last():
     assert search_step_size(lambda step: 0.0 if step == 0 else float("nan"), start=0.03) == {
         **{0.03 / 4**k: math.inf for k in range(12)}, 0.0: 0.0
     }
+
+
+@pytest.mark.parametrize("optimum, evaluations", [(0.007, 6), (0.042, 6), (0.33, 7), (3.84, 8)])
+def test_the_line_search_refines_its_bracket_by_parabolas(optimum, evaluations):
+    """Near its minimum the loss is quadratic in the step: the parabola through the bracket lands on the minimum,
+    in two refinements, where halving the bracket in log step took four and stopped up to 9% away (a quadratic
+    loss 1 - t/opt + t^2/(2 opt^2), searched from 0.03 on a x4 grid: 8, 8, 9, 10 evaluations with step 0,
+    here 6, 6, 7, 8). A bracket the parabola says nothing more
+    about (here: a loss of constant slope on its right) is still halved."""
+    evaluated: list[float] = []
+
+    def quadratic(step: float) -> float:
+        evaluated.append(step)
+        return 1 - step / optimum + step**2 / (2 * optimum**2)
+
+    losses = search_step_size(quadratic, start=0.03)
+    assert best_step(losses) == pytest.approx(optimum, rel=1e-9) and len(evaluated) == evaluations
+
+    def kinked(step: float) -> float:  # a minimum at 0.1 that no parabola through the grid points finds at once
+        return abs(step - 0.1) if step else 0.2
+
+    losses = search_step_size(kinked, start=0.03)
+    assert len(losses) == len(set(losses)) and 0.07 < best_step(losses) < 0.14
 
 
 def test_a_step_whose_loss_overflows_in_float16_is_never_taken(trained_gpt2, data):

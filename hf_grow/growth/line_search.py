@@ -111,13 +111,15 @@ def search_step_size(
     start: float,
     factor: float = 4.0,
     max_expansions: int = 12,
-    refinements: int = 4,
+    refinements: int = 2,
     known: Mapping[float, float] | None = None,
 ) -> dict[float, float]:
     """Losses at the step sizes tried: 0, a log grid from ``start`` followed downhill, then a refined bracket.
 
-    The grid steps down until a step beats step 0, then moves by ``factor`` while the loss falls; the
-    bracket around the best grid point is then halved ``refinements`` times in log space (geometric means).
+    The grid steps down until a step beats step 0, then moves by ``factor`` while the loss falls. The bracket
+    around the best grid point is then refined ``refinements`` times: each probe is the vertex of the parabola
+    through the best point and its two neighbours, or, where that says nothing new, the geometric mean of the
+    best point and its wider side.
     A non-finite loss (a step that overflows in low precision) counts as +inf, so it is never the best.
     ``known`` losses (e.g. of the step already taken) are not evaluated again.
     """
@@ -145,13 +147,33 @@ def search_step_size(
             break
     low, best, high = step / factor, step, step * factor
     for _ in range(refinements):
-        probe = math.sqrt(best * high) if high / best >= best / low else math.sqrt(low * best)
+        probe = _parabola_vertex(low, best, high, loss(low), loss(best), loss(high))
+        if probe is None:
+            probe = math.sqrt(best * high) if high / best >= best / low else math.sqrt(low * best)
         if loss(probe) < loss(best):
             low, high = (best, high) if probe > best else (low, best)
             best = probe
         else:
             low, high = (low, probe) if probe > best else (probe, high)
     return losses
+
+
+def _parabola_vertex(
+    low: float, best: float, high: float, low_loss: float, best_loss: float, high_loss: float
+) -> float | None:
+    """The step at the vertex of the parabola through the three losses: the loss is quadratic in the step near
+    its minimum (the expansion the growth is solved from). None where the fit does not say more: an infinite
+    loss, a flat fit, or a vertex within 1% of ``best``."""
+    if not all(math.isfinite(value) for value in (low_loss, best_loss, high_loss)):
+        return None
+    left, right = (best - low) * (best_loss - high_loss), (best - high) * (best_loss - low_loss)
+    denominator = left - right  # < 0 for a minimum: best's loss is the least of the three
+    if denominator >= 0:
+        return None
+    vertex = best - 0.5 * ((best - low) * left - (best - high) * right) / denominator
+    if not low < vertex < high or abs(vertex - best) < 0.01 * best:
+        return None
+    return vertex
 
 
 def best_step(losses: Mapping[float, float]) -> float:
