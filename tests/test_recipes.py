@@ -90,7 +90,8 @@ def test_bench_train_after_growth_scores_rankings_and_reads_arms():
 
 def test_bench_train_after_growth_lm_splits_texts_and_trains_every_arm_on_the_same_batches():
     """The held-out documents are re-cut without overlap, windows hold each token once, and zero widening (the
-    same function) continues training like the original, on a tiny GPT-2 and random tokens."""
+    same function) continues training like the original, and a "step_scale" arm takes that fraction of the searched
+    step, on a tiny GPT-2 and a random walk of tokens (which the searched step gains on)."""
     from bench_growth import make_model
     from bench_train_after_growth_lm import run_model, split_documents, tables, windows
 
@@ -104,12 +105,15 @@ def test_bench_train_after_growth_lm_splits_texts_and_trains_every_arm_on_the_sa
     assert len(windows(stream, 9, 5, 16)) == 2  # the partial batch is left out
     assert windows(stream, 2, 4, 16)[1]["labels"][0, 0] == 64 and len(windows(stream, 2, 4, 16)) == 2
     torch.manual_seed(0)
-    texts = {name: torch.randint(0, 256, (4 * 16 * 3,)) for name in ("statistics", "other", "search", "test")}
+    names = ("statistics", "other", "search", "test")
+    texts = {name: torch.randint(0, 4, (4 * 16 * 3,)).cumsum(0) % 256 for name in names}
     batches = {name: windows(text, 3, 4, 16) for name, text in texts.items()}
     model = make_model(32, 1, 2, 16, seed=0)
-    results, diagnostics = run_model(model, batches, texts["statistics"], ["original", "zero", "default"], p=2,
-                                     at=[0, 2, 3], lr=1e-3, seeds=2)
-    assert set(diagnostics) == {"zero", "default"} and diagnostics["zero"]["step"] == 0
+    arms = ["original", "zero", "default", 'half={"step_scale": 0.5}']
+    results, diagnostics = run_model(model, batches, texts["statistics"], arms, p=2, at=[0, 2, 3], lr=1e-3, seeds=2)
+    assert set(diagnostics) == {"zero", "default", "half"} and diagnostics["zero"]["step"] == 0
+    assert diagnostics["default"]["step"] > 0
+    assert diagnostics["half"]["step"] == pytest.approx(0.5 * diagnostics["default"]["step"])  # searched, halved
     for seed in range(2):
         assert results["zero"][seed][0] == pytest.approx(results["original"][seed][0], abs=1e-5)
         assert results["zero"][seed][3] == pytest.approx(results["original"][seed][3], abs=1e-3)

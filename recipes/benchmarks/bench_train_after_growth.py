@@ -8,8 +8,10 @@ negatives, scale 20), AdamW, batches of 16 pairs drawn in a seeded order, and is
 the test loss and by MRR@10 / NDCG@10 of retrieving each docstring's code among all 400 (cosine).
 
 Arms (``--arms``): ``original`` (fine-tuned as it is), ``zero`` (widened by p with the old function: step 0),
-``default`` (`grow_model` with its defaults), and growth options as ``name=json``, e.g. ``'rtol=1e-2={"rtol": 0.01}'``
-or ``'half={"step_size": 0.02}'`` (with ``"mode"``, `grow_in_training`'s, e.g. ``'append={"mode": "append"}'``). The statistics are collected once and shared by every grown arm; each growth is
+``default`` (`grow_model` with its defaults), and growth options as ``name=json``, e.g. ``'rtol=1e-2={"rtol": 0.01}'``,
+``'half={"step_size": 0.02}'`` or ``'x0.25={"step_scale": 0.25}'`` (a quarter of the step the line search chooses; an
+arm option of this script, not of the library); with ``"mode"``, `grow_in_training`'s, e.g.
+``'append={"mode": "append"}'``. The statistics are collected once and shared by every grown arm; each growth is
 deterministic and run once, each seed fine-tunes a copy. Per grown arm, diagnostics: the held-out loss the line
 search saw, the loss on the statistics' own pairs before and after growth, and the relative change of the scores
 (RMS of S_after - S_before over RMS of S_before on two test batches, mean over heads). ``--fine-tune-pairs``:
@@ -155,7 +157,13 @@ def grow(
 ) -> PreTrainedModel:
     """``original`` grown by ``p`` from ``statistics`` (collected on ``batches``) with the growth ``options``, the
     step line-searched on ``held_out``: by `grow_model`, or with a ``"mode"`` (e.g. ``"append"``: old Q/K kept,
-    rank-p new dims) by `grow_in_training` on a grown-type copy."""
+    rank-p new dims) by `grow_in_training` on a grown-type copy. With ``"step_scale": f``, the step is f times the
+    one the line search chooses with the other options (searched first, then taken as given)."""
+    options = dict(options)
+    if "step_scale" in options:
+        scale = options.pop("step_scale")
+        searched = grow(original, options, batches, held_out, statistics, p, loss_fn).growth_report.step_size
+        options["step_size"] = scale * searched
     common = dict(eval_dataloader=held_out, loss_fn=loss_fn, statistics=statistics)
     if "mode" in options:
         grown = hf_grow.to_grown_model(copy.deepcopy(original))
