@@ -174,8 +174,7 @@ def test_compact_line_search_chooses_the_exact_step_and_loss(wide_gpt2, stdlib_b
 
     compact_step, compact_loss = searched(problem.weights)
     exact_step, exact_loss = searched(lambda step: exact_weights(wide_gpt2, statistics, problem, step))
-    # the search's probes are parabola vertices, which move with the losses' last digits: the same step to 1e-3
-    assert compact_step == pytest.approx(exact_step, rel=1e-3) and exact_step > 0
+    assert compact_step == exact_step > 0
     assert compact_loss == pytest.approx(exact_loss, abs=1e-4)
     assert compact_loss < evaluate_loss(wide_gpt2, held_out, adapter)[0]
 

@@ -18,7 +18,7 @@ from hf_grow import (
     grow_model,
     inspect_growth,
 )
-from hf_grow.growth import best_step, search_step_size
+from hf_grow.growth import search_step_size
 
 from conftest import lm_batches, tiny_gpt2_config
 
@@ -324,49 +324,6 @@ def test_line_search_ranks_non_finite_losses_last():
     assert search_step_size(lambda step: 0.0 if step == 0 else float("nan"), start=0.03) == {
         **{0.03 / 4**k: math.inf for k in range(12)}, 0.0: 0.0
     }
-
-
-@pytest.mark.parametrize("optimum, evaluations", [(0.007, 5), (0.042, 5), (0.33, 5), (3.84, 6), (100.0, 7)])
-def test_the_line_search_moves_by_parabolas(optimum, evaluations):
-    """Near its minimum the loss is quadratic in the step: the parabola through step 0 and the first two steps
-    jumps to the minimum, one step on each side brackets it, and a vertex on the best step ends the search (a
-    quadratic loss 1 - t/opt + t^2/(2 opt^2), searched from 0.03 on a x4 grid with step 0: 5, 5, 5, 6, 7
-    evaluations, where walking the grid and refining twice by parabolas took 6, 6, 7, 8, 11, and halving the
-    bracket four times in log step 8, 8, 9, 10, 13). A bracket the parabola says nothing more about (here: a
-    loss of constant slope on its right) is still halved."""
-    evaluated: list[float] = []
-
-    def quadratic(step: float) -> float:
-        evaluated.append(step)
-        return 1 - step / optimum + step**2 / (2 * optimum**2)
-
-    losses = search_step_size(quadratic, start=0.03)
-    assert best_step(losses) == pytest.approx(optimum, rel=1e-9) and len(evaluated) == evaluations
-
-    def kinked(step: float) -> float:  # a minimum at 0.1 that no parabola through the grid points finds at once
-        return abs(step - 0.1) if step else 0.2
-
-    losses = search_step_size(kinked, start=0.03)
-    assert len(losses) == len(set(losses)) and 0.07 < best_step(losses) < 0.14
-
-
-@pytest.mark.parametrize(
-    "optimum, walked_loss, walked_evaluations",
-    [(0.007, 0.502558, 6), (0.042, 0.509206, 6), (0.33, 0.500054, 7), (3.84, 0.500097, 8), (100.0, 0.500004, 11)],
-)
-def test_a_jump_the_parabola_overshoots_is_bracketed_on_the_grid(optimum, walked_loss, walked_evaluations):
-    """Far from step 0 the loss is not quadratic: a quartic term moves its minimum from where the first parabola
-    points. The search still brackets its best step within a grid factor on each side before refining: a loss
-    no worse than walking the grid and refining twice by parabolas found (``walked_loss``, to 1e-6), in no more
-    evaluations (``walked_evaluations``, step 0 included)."""
-    evaluated: list[float] = []
-
-    def quartic(step: float) -> float:
-        evaluated.append(step)
-        return 1 - step / optimum + step**2 / (2 * optimum**2) + (step / optimum - 1) ** 4 / 4
-
-    losses = search_step_size(quartic, start=0.03)
-    assert losses[best_step(losses)] <= walked_loss + 1e-6 and len(evaluated) <= walked_evaluations
 
 
 def test_a_step_whose_loss_overflows_in_float16_is_never_taken(trained_gpt2, data):

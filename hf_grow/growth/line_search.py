@@ -111,28 +111,13 @@ def search_step_size(
     start: float,
     factor: float = 4.0,
     max_expansions: int = 12,
-    refinements: int = 2,
+    refinements: int = 4,
     known: Mapping[float, float] | None = None,
 ) -> dict[float, float]:
-    """Losses at the step sizes tried: 0, steps from ``start`` followed downhill until the least loss is bracketed,
-    then the bracket refined.
+    """Losses at the step sizes tried: 0, a log grid from ``start`` followed downhill, then a refined bracket.
 
-    Near its minimum the loss is quadratic in the step (the expansion the growth is solved from), so the search
-    moves by parabolas through the best step and its neighbours among those tried, step 0 included:
-
-    - until a step beats step 0, the step shrinks by ``factor``;
-    - while the best step is the largest tried, the next is the vertex of the parabola through the three largest,
-      kept between ``factor**0.5`` and ``factor**3`` times the best (``factor`` times where there is no vertex:
-      two points, or a concave fit): from a small start the first parabola lands near the minimum, where a grid
-      walks up to it one ``factor`` at a time;
-    - then, while the best step's neighbours are more than ``factor`` away, a step ``factor`` from it on that side
-      (at most ``max_expansions`` moves in all, so that the parabolas below fit a bracket of the grid's width;
-      step 0 is always that far);
-    - then up to ``refinements`` times, the vertex of the parabola through the best step and its two neighbours,
-      or, where that says nothing new, the geometric mean of the best step and its wider side. A vertex within
-      1% of the best step ends the search: near a quadratic minimum the loss there is within about 1e-4 of the
-      gain of the minimum.
-
+    The grid steps down until a step beats step 0, then moves by ``factor`` while the loss falls; the
+    bracket around the best grid point is then halved ``refinements`` times in log space (geometric means).
     A non-finite loss (a step that overflows in low precision) counts as +inf, so it is never the best.
     ``known`` losses (e.g. of the step already taken) are not evaluated again.
     """
@@ -152,45 +137,21 @@ def search_step_size(
     else:
         return losses
     for _ in range(max_expansions):
-        steps, best = sorted(losses), best_step(losses)
-        index = steps.index(best)
-        if index + 1 == len(steps):
-            vertex = _parabola_vertex(*steps[-3:], *(losses[s] for s in steps[-3:])) if index >= 2 else None
-            loss(best * factor if vertex is None else min(max(vertex, best * factor**0.5), best * factor**3))
-        elif steps[index - 1] < best / factor:
-            loss(best / factor)
-        elif steps[index + 1] > best * factor:
-            loss(best * factor)
+        if loss(step * factor) < loss(step):
+            step *= factor
+        elif loss(step / factor) < loss(step):
+            step /= factor
         else:
             break
+    low, best, high = step / factor, step, step * factor
     for _ in range(refinements):
-        steps, best = sorted(losses), best_step(losses)
-        index = steps.index(best)
-        if index + 1 == len(steps):
-            break  # the expansions ran out before the loss rose
-        low, high = steps[index - 1], steps[index + 1]
-        vertex = _parabola_vertex(low, best, high, losses[low], losses[best], losses[high])
-        if vertex is not None and low < vertex < high and abs(vertex - best) < 0.01 * best:
-            break
-        if vertex is None or not low < vertex < high:
-            low = low or best / factor  # halve toward step 0 in log step too
-            vertex = math.sqrt(best * high) if high / best >= best / low else math.sqrt(low * best)
-        loss(vertex)
+        probe = math.sqrt(best * high) if high / best >= best / low else math.sqrt(low * best)
+        if loss(probe) < loss(best):
+            low, high = (best, high) if probe > best else (low, best)
+            best = probe
+        else:
+            low, high = (low, probe) if probe > best else (probe, high)
     return losses
-
-
-def _parabola_vertex(
-    first: float, second: float, third: float, first_loss: float, second_loss: float, third_loss: float
-) -> float | None:
-    """The step at the vertex of the parabola through three (step, loss) points, steps increasing; None where it
-    has no minimum: an infinite loss, or a flat or concave fit."""
-    if not all(math.isfinite(value) for value in (first_loss, second_loss, third_loss)):
-        return None
-    left, right = (second - first) * (second_loss - third_loss), (second - third) * (second_loss - first_loss)
-    denominator = left - right  # < 0 where the parabola is convex
-    if denominator >= 0:
-        return None
-    return second - 0.5 * ((second - first) * left - (second - third) * right) / denominator
 
 
 def best_step(losses: Mapping[float, float]) -> float:
