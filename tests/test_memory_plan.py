@@ -13,7 +13,8 @@ from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_mod
 from hf_grow.cli import memory as cli_memory
 from hf_grow.statistics import collect as collect_module
 from hf_grow.growth.memory_plan import (
-    CUDA_PROCESS_BASELINE_BYTES, OFFLOAD_PLACEHOLDER, PROCESS_BASELINE_BYTES, activation_bytes, fitting_changes, plan_memory,
+    CUDA_PROCESS_BASELINE_BYTES, OFFLOAD_PLACEHOLDER, PROCESS_BASELINE_BYTES, activation_bytes, fitting_changes,
+    plan_memory,
 )
 from hf_grow.progress import format_bytes
 from hf_grow.statistics import layer_groups, statistics_bytes

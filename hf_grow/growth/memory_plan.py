@@ -272,8 +272,8 @@ def _named(terms: dict[str, int]) -> dict[str, int]:
 def _solved_bytes(
     mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int, at_ceiling: bool
 ) -> int:
-    """What the solve keeps for the steps (`layer_solve.LayerProblem`) beside the old weights: per head, the compact targets
-    (`compact.stored_bytes`) of each truncation ("refactor"), or the unit update of the added dims ("append").
+    """What the solve keeps for the steps (`layer_solve.LayerProblem`) beside the old weights: per head, the compact
+    targets (`compact.stored_bytes`) of each truncation ("refactor"), or the unit update of the added dims ("append").
 
     The compact rank is certified from each head's spectrum during the solve (`compact.certified_rank`), between
     `compact.compact_rank` and `compact.rank_ceiling`: ``at_ceiling`` counts the ceiling (flat spectra, such as

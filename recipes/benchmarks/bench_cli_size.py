@@ -249,7 +249,8 @@ def main() -> None:
                    "--output-dir", str(output), "--overwrite", "--device", args.device, *args.extra]
         print(f"# bench_cli_size {datetime.date.today()} torch {torch.__version__} "
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-              f"{psutil.virtual_memory().total / 2**30:.0f} GiB, {device_name(args.device)}; {name} shape ({parameters / 1e6:.0f}M "
+              f"{psutil.virtual_memory().total / 2**30:.0f} GiB, {device_name(args.device)}; {name} shape "
+              f"({parameters / 1e6:.0f}M "
               f"parameters, random weights), {args.max_tokens} + {args.eval_tokens} tokens at seq {args.seq_len}, "
               f"batch {args.batch_size}, p {args.p}", flush=True)
         print("$ hf-grow " + " ".join(command[3:]), flush=True)
