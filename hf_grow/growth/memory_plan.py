@@ -229,11 +229,13 @@ def plan_memory(
     # a process keeps the solved form of its own layers (each layer's M goes to its owner and is freed when solved)
     owners = plan_owners([solve_cost(heads, width)] * layers, processes)
     owned = max(owners.count(rank) for rank in range(processes))
-    # beside it, the layer's old Q/K weights in float64 (`LayerProblem.query`/``key``: 5.4 GB at Llama-3-8B)
-    old_qk = sum(weight.numel() for weight in adapter.read_qk(adapter.attention_modules(model)[0])) * 8
+    # beside it, each layer's old Q/K weights in float64 (`LayerProblem.query`/``key``: 5.4 GB at Llama-3-8B),
+    # counted at the widest layer's, as the solved form is (a model grown before may differ layer by layer)
+    old_qk = 8 * max(sum(weight.numel() for weight in adapter.read_qk(attention))
+                     for attention in adapter.attention_modules(model))
     solved = {at_ceiling: _solved_bytes(mode, config, owned, heads, width, max(qk_dims), at_ceiling) + owned * old_qk
               for at_ceiling in (True, False)}
-    # every process sums the group in flight, each group's freed once it is solved
+    # M on disk: the largest group's accumulators, one group at a time
     disk = max(len(group) for group in groups) * layer_bytes if offload else 0
     return MemoryPlan(
         (loading, *stages_after_loading(solved[True])), groups, on_device, layers, heads, width, batch_size,
