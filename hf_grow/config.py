@@ -5,6 +5,33 @@ Like peft's ``LoraConfig`` or transformers' ``TrainingArguments``: a dataclass w
 help text, validated once when it is made (before any data is read), saved with the grown model's report and
 card, and read back from JSON. The runtime objects of a growth (the model, the data, ``loss_fn``, precomputed
 statistics, an accelerator) are arguments of the functions, not options.
+
+Some options in more detail:
+
+- ``budget``: instead of ``p``, a total of dimensions added per head, summed over layers, allocated from the
+  statistics before the line search: greedily, ``multiple_of`` dimensions at a time, to the layer whose
+  next dimensions have the largest expected gain summed over its heads (in the metric of C, whatever the
+  ``truncation``). The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`) per unit of
+  the searched step size, each head at its own lam (``step_mode``). ``growth_report.budget`` records it.
+- ``step_size``: relative units, ``step_size = lam / lam_unit`` (see `hf_grow.growth`): 1 moves the scores
+  by about their own RMS size. ``0.0`` gives a grown model that computes exactly the old function.
+- ``search``: ``"exact"`` searches the rank-constrained update; ``"fast"`` first brackets the step with the
+  full-rank update Z - lam P (no SVD per step, also reported as an upper reference), then refines the
+  rank-constrained step from there.
+- ``solver``: how each head's direction is decomposed, once, for the compact solve (`hf_grow.compact`):
+  ``"subspace"`` (top singular directions by subspace iteration), ``"eigh"`` (eigendecomposition of A A^T),
+  ``"svd"`` (full SVD, several times slower), ``"auto"`` (eigh for "refactor" growth, measured never
+  slower than subspace iteration for its rank of about twice the grown width; for "append" growth,
+  subspace where the added dims plus 16 are at most a sixth of the hidden size); see
+  `hf_grow.linalg.decompose`. The line search's small cores use eigh (svd with ``"svd"``).
+- ``statistics_method``, ``compute_dtype``, ``accumulate_dtype``, ``query_block``, ``memory_budget``,
+  ``offload_dir``, ``max_batches``: how the statistics are collected; see `hf_grow.collect_statistics`. The
+  folder of ``offload_dir`` is checked where the statistics are collected (a config may be read on another
+  machine).
+- ``cross_fit``: M from a few batches is mostly noise, and the step solved from it fits those batches (issue
+  #35). With it, the statistics also sum M over the odd-numbered batches, and the solve keeps each half's
+  top directions at the value the other half gives them (`GrowthStatistics.cross_fitted_gradient`).
+  Precomputed statistics must be collected with ``cross_fit=True``.
 """
 
 from __future__ import annotations
@@ -15,7 +42,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional, TypeVar
 
 import torch
 
@@ -54,40 +81,55 @@ DEFAULT_STEP_MODE = "per_head"
 #: splits of six models, 0.98-1.25x per split).
 AUTO_CHOICES = {"truncation": (DEFAULT_TRUNCATION, "frobenius"), "step_mode": (DEFAULT_STEP_MODE, "per_layer")}
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_Config = TypeVar("_Config", bound="JsonConfigMixin")
+
+
+class JsonConfigMixin:
+    """``replace`` with checks, and the round trip through a dict and JSON, for a dataclass of options (as peft's
+    ``PeftConfigMixin``). ``from_dict`` reads what ``to_dict`` wrote; `_from_json_values` turns JSON's strings
+    back into what the options hold."""
+
+    def replace(self: _Config, **overrides: Any) -> _Config:
+        """A copy with ``overrides`` applied and checked; an unknown option is a TypeError naming the known ones."""
+        known = {option.name for option in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown growth option(s) {unknown}; {type(self).__name__} has {sorted(known)}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def to_json_file(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(self.to_json_string())
+
+    @classmethod
+    def from_dict(cls: type[_Config], values: Mapping[str, Any]) -> _Config:
+        """The config of `to_dict`, or of its JSON."""
+        return cls().replace(**cls._from_json_values(dict(values)))
+
+    @classmethod
+    def from_json_file(cls: type[_Config], path: str | os.PathLike) -> _Config:
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_dict(json.load(handle))
+
+    @classmethod
+    def _from_json_values(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` as read from JSON, made options again (here as they are)."""
+        return values
 
 
 @dataclass
-class GrowthConfig:
+class GrowthConfig(JsonConfigMixin):
     """How a model grows. Every option has the default `grow_model` has always had, but ``step_mode`` (measured).
 
     ``GrowthConfig(p=16, truncation="frobenius")``; ``config.replace(step_size=0.0)`` for a checked variant;
     ``config.to_json_file(path)`` / ``GrowthConfig.from_json_file(path)`` to keep it. Each field's help text
-    (also the command line's) says what it does; in more detail:
-
-    - ``budget``: instead of ``p``, a total of dimensions added per head, summed over layers, allocated from the
-      statistics before the line search: greedily, ``multiple_of`` dimensions at a time, to the layer whose
-      next dimensions have the largest expected gain summed over its heads (in the metric of C, whatever the
-      ``truncation``). The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`) per unit of
-      the searched step size, each head at its own lam (``step_mode``). ``growth_report.budget`` records it.
-    - ``step_size``: relative units, ``step_size = lam / lam_unit`` (see `hf_grow.growth`): 1 moves the scores
-      by about their own RMS size. ``0.0`` gives a grown model that computes exactly the old function.
-    - ``search``: ``"exact"`` searches the rank-constrained update; ``"fast"`` first brackets the step with the
-      full-rank update Z - lam P (no SVD per step, also reported as an upper reference), then refines the
-      rank-constrained step from there.
-    - ``solver``: how each head's direction is decomposed, once, for the compact solve (`hf_grow.compact`):
-      ``"subspace"`` (top singular directions by subspace iteration), ``"eigh"`` (eigendecomposition of A A^T),
-      ``"svd"`` (full SVD, several times slower), ``"auto"`` (eigh for "refactor" growth, measured never
-      slower than subspace iteration for its rank of about twice the grown width; for "append" growth,
-      subspace where the added dims plus 16 are at most a sixth of the hidden size); see
-      `hf_grow.linalg.decompose`. The line search's small cores use eigh (svd with ``"svd"``).
-    - ``statistics_method``, ``compute_dtype``, ``accumulate_dtype``, ``query_block``, ``memory_budget``,
-      ``offload_dir``, ``max_batches``: how the statistics are collected; see `hf_grow.collect_statistics`. The
-      folder of ``offload_dir`` is checked where the statistics are collected (a config may be read on another
-      machine).
-    - ``cross_fit``: M from a few batches is mostly noise, and the step solved from it fits those batches (issue
-      #35). With it, the statistics also sum M over the odd-numbered batches, and the solve keeps each half's
-      top directions at the value the other half gives them (`GrowthStatistics.cross_fitted_gradient`).
-      Precomputed statistics must be collected with ``cross_fit=True``.
+    (also the command line's) says what it does; the module's docstring says more of some.
     """
 
     #: The section of `hf-grow --help` that lists these options (`transformers.HfArgumentParser`).
@@ -199,51 +241,7 @@ class GrowthConfig:
             self.p = dict(self.p)  # a plain dict: to_dict copies it
         if isinstance(self.offload_dir, os.PathLike):
             self.offload_dir = os.fspath(self.offload_dir)  # a string: to_json_file writes it
-        self._check()
-
-    def _check(self) -> None:
-        """Today's errors for options no model or data is needed to refuse, raised before any work."""
-        if self.budget is not None:
-            if self.p is not None:
-                raise ValueError("give either p or budget, not both: a budget decides the dimensions added per layer.")
-            check_budget_chunks(self.budget, self.multiple_of)  # what the layers can take needs the model
-        elif self.multiple_of != 1:
-            raise ValueError("multiple_of applies to a budget allocation: pass budget=N with it, or leave it at 1.")
-        if self.p is not None:
-            check_p(self.p)  # which layers there are needs the model
-        _choose("truncation", self.truncation, (*linalg.TRUNCATIONS, "auto"))
-        _choose("solver", self.solver, linalg.SOLVERS)
-        _choose("search", self.search, SEARCHES)
-        _choose("step_mode", self.step_mode, (*STEP_MODES, "auto"))
-        if not 0 < self.confirm_fraction < 1:
-            raise ValueError(f"confirm_fraction must be in (0, 1), got {self.confirm_fraction}")
-        _choose("method", self.statistics_method, STATISTICS_METHODS)  # collect_statistics' name for it
-        if self.step_size is not None and (not math.isfinite(self.step_size) or self.step_size < 0):
-            raise ValueError(f"step_size must be a finite number >= 0, got {self.step_size}")
-        if not (math.isfinite(self.initial_step_size) and self.initial_step_size > 0):
-            raise ValueError(
-                f"initial_step_size must be a finite number > 0 (the first step tried), got {self.initial_step_size}"
-            )
-        linalg.check_rtol(self.rtol)
-        if not 0 < self.eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        invalid_count = isinstance(self.max_batches, bool) or not isinstance(self.max_batches, int)
-        if self.max_batches is not None and (invalid_count or self.max_batches < 1):
-            raise ValueError(f"max_batches must be a positive int (or None for all batches), got {self.max_batches!r}")
-        if self.memory_budget is not None:
-            parse_bytes(self.memory_budget)
-        _choose("compute_dtype", self.compute_dtype, tuple(COMPUTE_DTYPES))
-        _choose("accumulate_dtype", self.accumulate_dtype, tuple(COMPUTE_DTYPES))
-        if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
-            raise ValueError(f"offload_dir must be a folder's path, got {self.offload_dir!r}")
-        if not isinstance(self.cross_fit, bool):
-            raise ValueError(f"cross_fit must be True or False, got {self.cross_fit!r}")
-        if self.query_block is not None and self.query_block <= 0:
-            raise ValueError(f"query_block must be positive, got {self.query_block}")
-        if self.statistics_method == "triton" and self.compute_dtype != "float32":
-            raise ValueError(
-                "method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'."
-            )
+        _check_options(self)
 
     @property
     def torch_compute_dtype(self) -> torch.dtype:
@@ -265,36 +263,57 @@ class GrowthConfig:
         """The truncations among `candidates`, the simplest first."""
         return AUTO_CHOICES["truncation"] if self.truncation == "auto" else (self.truncation,)
 
-    def replace(self, **overrides: Any) -> GrowthConfig:
-        """A copy with ``overrides`` applied and checked; an unknown option is a TypeError naming the known ones."""
-        known = {option.name for option in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"unknown growth option(s) {unknown}; GrowthConfig has {sorted(known)}")
-        return dataclasses.replace(self, **overrides)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json_string(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-
-    def to_json_file(self, path: str | os.PathLike) -> None:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(self.to_json_string())
-
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> GrowthConfig:
-        """The config of `to_dict` (or of its JSON, whose layer keys of ``p`` are strings: they become ints)."""
-        values = dict(values)
+    def _from_json_values(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """JSON's layer keys of ``p`` are strings: they become ints."""
         if isinstance(values.get("p"), Mapping):
             values["p"] = {_layer(key): value for key, value in values["p"].items()}
-        return cls().replace(**values)
+        return values
 
-    @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> GrowthConfig:
-        with open(path, encoding="utf-8") as handle:
-            return cls.from_dict(json.load(handle))
+
+def _check_options(config: GrowthConfig) -> None:
+    """Today's errors for options no model or data is needed to refuse, raised before any work."""
+    if config.budget is not None:
+        if config.p is not None:
+            raise ValueError("give either p or budget, not both: a budget decides the dimensions added per layer.")
+        check_budget_chunks(config.budget, config.multiple_of)  # what the layers can take needs the model
+    elif config.multiple_of != 1:
+        raise ValueError("multiple_of applies to a budget allocation: pass budget=N with it, or leave it at 1.")
+    if config.p is not None:
+        check_p(config.p)  # which layers there are needs the model
+    _choose("truncation", config.truncation, (*linalg.TRUNCATIONS, "auto"))
+    _choose("solver", config.solver, linalg.SOLVERS)
+    _choose("search", config.search, SEARCHES)
+    _choose("step_mode", config.step_mode, (*STEP_MODES, "auto"))
+    if not 0 < config.confirm_fraction < 1:
+        raise ValueError(f"confirm_fraction must be in (0, 1), got {config.confirm_fraction}")
+    _choose("method", config.statistics_method, STATISTICS_METHODS)  # collect_statistics' name for it
+    if config.step_size is not None and (not math.isfinite(config.step_size) or config.step_size < 0):
+        raise ValueError(f"step_size must be a finite number >= 0, got {config.step_size}")
+    if not (math.isfinite(config.initial_step_size) and config.initial_step_size > 0):
+        raise ValueError(
+            f"initial_step_size must be a finite number > 0 (the first step tried), got {config.initial_step_size}"
+        )
+    linalg.check_rtol(config.rtol)
+    if not 0 < config.eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {config.eval_fraction}")
+    invalid_count = isinstance(config.max_batches, bool) or not isinstance(config.max_batches, int)
+    if config.max_batches is not None and (invalid_count or config.max_batches < 1):
+        raise ValueError(f"max_batches must be a positive int (or None for all batches), got {config.max_batches!r}")
+    if config.memory_budget is not None:
+        parse_bytes(config.memory_budget)
+    _choose("compute_dtype", config.compute_dtype, tuple(COMPUTE_DTYPES))
+    _choose("accumulate_dtype", config.accumulate_dtype, tuple(COMPUTE_DTYPES))
+    if config.offload_dir is not None and (not isinstance(config.offload_dir, str) or not config.offload_dir):
+        raise ValueError(f"offload_dir must be a folder's path, got {config.offload_dir!r}")
+    if not isinstance(config.cross_fit, bool):
+        raise ValueError(f"cross_fit must be True or False, got {config.cross_fit!r}")
+    if config.query_block is not None and config.query_block <= 0:
+        raise ValueError(f"query_block must be positive, got {config.query_block}")
+    if config.statistics_method == "triton" and config.compute_dtype != "float32":
+        raise ValueError(
+            "method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'."
+        )
 
 
 def check_p(p: Any) -> None:
