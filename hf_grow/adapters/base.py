@@ -8,18 +8,15 @@ type. Supporting a new architecture means writing one adapter and one grown mode
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from .building import GrownModelBuilder
 
-# Config entries that describe a checkpoint rather than the architecture, or that grown configs derive from their
-# query/key widths (`layer_types`, e.g. Qwen2's): the grown config sets its own.
-_CONFIG_KEYS_NOT_INHERITED = (
-    "model_type", "qk_head_dims", "architectures", "auto_map", "transformers_version", "layer_types"
-)
+
 
 
 def split_heads(columns: Tensor, bias: Tensor, num_heads: int) -> Tensor:
@@ -36,17 +33,12 @@ def merge_heads(augmented: Tensor) -> tuple[Tensor, Tensor]:
     return weight, augmented[:, -1, :].reshape(num_heads * qk_dim)
 
 
-class ArchitectureAdapter(ABC):
-    """Per-architecture knowledge. Subclasses set the class attributes and implement the abstract methods."""
+class ArchitectureAdapter(GrownModelBuilder, ABC):
+    """Per-architecture knowledge. Subclasses set the class attributes (also `GrownModelBuilder`'s) and implement the
+    abstract methods."""
 
     #: `config.model_type` values handled: the plain architecture and its grown counterpart.
     model_types: tuple[str, ...] = ()
-    #: The config class of the grown model type.
-    grown_config_class: type[PreTrainedConfig]
-    #: The base class of the grown model classes (a grown model grows into its own class).
-    grown_base_class: type[PreTrainedModel]
-    #: Plain model class -> grown model class.
-    grown_classes: Mapping[type[PreTrainedModel], type[PreTrainedModel]] = {}
     #: The growth modes the architecture supports (see `hf_grow.growth.problem.MODES`); the first is the default.
     growth_modes: tuple[str, ...] = ("refactor", "append")
     #: Why a mode outside `growth_modes` cannot work, for the error message.
@@ -131,43 +123,6 @@ class ArchitectureAdapter(ABC):
                     )
                 parameters[name].copy_(value)
 
-    def grown_config(self, config: PreTrainedConfig, qk_head_dims: Sequence[int]) -> PreTrainedConfig:
-        """The config of the grown model type with the given per-layer query/key widths."""
-        inherited = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_KEYS_NOT_INHERITED}
-        return self.grown_config_class(**inherited, qk_head_dims=list(qk_head_dims))
-
-    def grown_class(self, model: PreTrainedModel) -> type[PreTrainedModel]:
-        """The grown model class matching the class of ``model`` (its own class for grown models)."""
-        if isinstance(model, self.grown_base_class):
-            return type(model)
-        for cls in type(model).__mro__:
-            if cls in self.grown_classes:
-                return self.grown_classes[cls]
-        supported = ", ".join(cls.__name__ for cls in self.grown_classes)
-        raise ValueError(f"{type(model).__name__} cannot be grown; supported classes: {supported}.")
-
-    def grown_init_kwargs(self, model: PreTrainedModel) -> dict:
-        """Keyword arguments, beside the config, that build a grown model shaped like ``model``."""
-        return {}
-
-    def grown_state_dict(
-        self, model: PreTrainedModel, qk_weights: Mapping[int, tuple[Tensor, Tensor]]
-    ) -> dict[str, Tensor]:
-        """The state dict of ``model`` with new augmented Q/K weights for the given layers.
-
-        Its other entries are ``model``'s own tensors, to be copied from (`build_grown_model` loads them into
-        the grown model's storage): a clone would hold a third copy of the weights while the grown model is
-        filled (at the Llama-3.2-1B shape, 5.7 GiB more, tied embeddings cloned twice).
-        """
-        state_dict = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-        module_names = {module: name for name, module in model.named_modules()}
-        attentions = self.attention_modules(model)
-        for layer, (query, key) in qk_weights.items():
-            prefix = module_names[attentions[layer]]
-            for name, value in self.qk_parameters(attentions[layer], query, key).items():
-                state_dict[f"{prefix}.{name}"] = value
-        return state_dict
-
     def shifts_labels(self, model: PreTrainedModel) -> bool:
         """Whether the model's loss predicts token t+1 from position t (causal language modelling)."""
         return False
@@ -197,32 +152,3 @@ class ArchitectureAdapter(ABC):
                 return int(valid.sum())
         first = next(value for value in batch.values() if isinstance(value, Tensor))
         return int(first.shape[0])
-
-    def build_grown_model(
-        self, model: PreTrainedModel, qk_head_dims: Sequence[int], qk_weights: Mapping[int, tuple[Tensor, Tensor]]
-    ) -> PreTrainedModel:
-        """A new grown model: ``model``'s weights, with the given augmented Q/K weights per layer.
-
-        Built on the meta device and filled by copying from the state dict, so no time is spent on random
-        init, no storage is shared with ``model``, and no third copy of the weights is made.
-        """
-        config = self.grown_config(model.config, qk_head_dims)
-        config._attn_implementation_internal = model.config._attn_implementation
-        state_dict = self.grown_state_dict(model, qk_weights)
-        reference = next(model.parameters())
-        with torch.device("meta"):
-            grown = self.grown_class(model)(config, **self.grown_init_kwargs(model))
-        grown = grown.to_empty(device=reference.device).to(dtype=reference.dtype)
-        grown.load_state_dict(state_dict, strict=True)
-        # Non-persistent buffers (e.g. BERT's position_ids) are not in state dicts: copy them from the source.
-        source_buffers = dict(model.named_buffers())
-        with torch.no_grad():
-            for name, buffer in grown.named_buffers():
-                if name in state_dict:
-                    continue
-                if name not in source_buffers or source_buffers[name].shape != buffer.shape:
-                    raise RuntimeError(f"the grown model's buffer {name} has no counterpart in {type(model).__name__}")
-                buffer.copy_(source_buffers[name])
-        grown.tie_weights()
-        grown.train(model.training)
-        return grown

@@ -38,7 +38,8 @@ from ..models.grown_llama import (
     GrownLlamaModel,
     GrownLlamaPreTrainedModel,
 )
-from .base import _CONFIG_KEYS_NOT_INHERITED, ArchitectureAdapter
+from .base import ArchitectureAdapter
+from .building import CONFIG_KEYS_NOT_INHERITED
 
 
 def _head_dim(config: PreTrainedConfig) -> int:
@@ -132,7 +133,7 @@ class LlamaAdapter(ArchitectureAdapter):
         attention.k_proj.out_features = self.num_key_value_heads(config) * qk_head_dim
 
     def grown_config(self, config: PreTrainedConfig, qk_head_dims: Sequence[int]) -> PreTrainedConfig:
-        skipped = (*_CONFIG_KEYS_NOT_INHERITED, "qk_nope_dims", "qkv_bias", "head_dim")
+        skipped = (*CONFIG_KEYS_NOT_INHERITED, "qk_nope_dims", "qkv_bias", "head_dim")
         inherited = {k: v for k, v in config.to_dict().items() if k not in skipped}
         head_dim = _head_dim(config)
         qkv_bias = getattr(config, "qkv_bias", None)
