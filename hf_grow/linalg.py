@@ -17,9 +17,10 @@ All functions expect float64.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -78,7 +79,7 @@ def metric_from_second_moment(second_moment: Tensor, rtol: float = 1e-6) -> Metr
     if not torch.isfinite(second_moment).all():
         raise FloatingPointError("second moment contains NaN or Inf")
     symmetric = (second_moment + second_moment.mT) / 2
-    eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
+    eigenvalues, eigenvectors = batched_eigh(symmetric)
     eigenvalues = eigenvalues.clamp_min(0)
     largest = eigenvalues.amax(dim=-1, keepdim=True)
     if (largest <= 0).any():
@@ -90,17 +91,38 @@ def metric_from_second_moment(second_moment: Tensor, rtol: float = 1e-6) -> Metr
     return Metric(eigenvectors, eigenvalues, pinv_diag, root_diag, int(kept.sum(dim=-1).min()))
 
 
-def batched_eigh(symmetric: Tensor) -> tuple[Tensor, Tensor]:
-    """`torch.linalg.eigh` of a batch; on a CPU, the batch split across `torch.get_num_threads` threads. Each
-    matrix is decomposed alone either way (the same result, bit for bit), but a batched eigh runs LAPACK's
-    multithreaded reduction, whose barriers stall while another process holds a core: on the 2-core CPU shared
-    with other jobs, 144 eighs of 424^2 took 5-139 s batched and 5-7.5 s split (BENCHMARKS.md)."""
-    workers = min(torch.get_num_threads(), symmetric.shape[0] if symmetric.dim() > 2 else 1)
-    if symmetric.device.type != "cpu" or workers < 2:
-        return torch.linalg.eigh(symmetric)
+def per_matrix(decomposition: Callable[[Tensor], Any], matrices: Tensor) -> Any:
+    """``decomposition`` (a LAPACK routine: eigh, QR) of a matrix or a batch: a tensor as one batched call gives it,
+    or a tuple of its tensors. On a CPU with several torch threads the matrices are split across as many Python threads, each running
+    single-threaded LAPACK on its share. Each matrix is decomposed alone either way (the same result, bit for bit),
+    but LAPACK's multithreaded blocked algorithms synchronize their threads at every panel and stall while another
+    process holds a core: on the 2-core CPU beside other jobs, 144 eighs of 424^2 took 5-139 s batched and 5-7.5 s
+    split; 144 QRs of 769 x 424 130 s batched, 8.5 s split; 12 eighs of 769^2 (GPT-2 small's C) 73 s against 3.8 s
+    in one worker thread (BENCHMARKS.md). A single matrix runs in one worker thread for the same reason."""
+    if matrices.device.type != "cpu" or torch.get_num_threads() < 2:
+        return decomposition(matrices)
+    batch = matrices.flatten(0, -3) if matrices.dim() > 2 else matrices[None]
+    workers = min(torch.get_num_threads(), batch.shape[0])
     with ThreadPoolExecutor(workers) as pool:
-        parts = list(pool.map(torch.linalg.eigh, symmetric.flatten(0, -3).tensor_split(workers)))
-    return tuple(torch.cat(part).unflatten(0, symmetric.shape[:-2]) for part in zip(*parts))
+        parts = list(pool.map(decomposition, batch.tensor_split(workers)))
+    if isinstance(parts[0], Tensor):
+        return _unbatch(torch.cat(parts), matrices)
+    return tuple(_unbatch(torch.cat(part), matrices) for part in zip(*parts))
+
+
+def _unbatch(stacked: Tensor, matrices: Tensor) -> Tensor:
+    """Results stacked along one batch dimension, back to the batch shape of ``matrices`` (none for one matrix)."""
+    return stacked.unflatten(0, matrices.shape[:-2]) if matrices.dim() > 2 else stacked[0]
+
+
+def batched_eigh(symmetric: Tensor) -> tuple[Tensor, Tensor]:
+    """`torch.linalg.eigh` of a matrix or a batch, by `per_matrix`: (eigenvalues, eigenvectors)."""
+    return tuple(per_matrix(torch.linalg.eigh, symmetric))
+
+
+def orthonormal_columns(block: Tensor) -> Tensor:
+    """The Q of `torch.linalg.qr` (reduced) of a matrix or a batch, by `per_matrix`."""
+    return per_matrix(lambda part: torch.linalg.qr(part).Q, block)
 
 
 def bilinear_form(query_weight: Tensor, key_weight: Tensor, scaling: float) -> Tensor:
@@ -259,7 +281,7 @@ def decompose_whitened(
         raise FloatingPointError("the target to decompose holds NaN or Inf: check the step size and the statistics.")
     kept = slice(None, columns)
     if method == "svd":
-        left_vectors, singular_values, right_vectors_h = torch.linalg.svd(whitened)
+        left_vectors, singular_values, right_vectors_h = per_matrix(torch.linalg.svd, whitened)
         projected = right_vectors_h[..., kept, :].mT * singular_values[..., None, kept]
         return Decomposition(left_vectors[..., kept], projected, singular_values, metric)
     if method == "eigh":
@@ -438,7 +460,8 @@ def growth_gain_rates(bilinear: Tensor, direction: Tensor, metric: Metric, width
     right = right * kept[..., None, :]
     left_removed = step - left @ (left.mT @ step)
     perpendicular = left_removed - (left_removed @ right) @ right.mT
-    spectrum = torch.linalg.eigvalsh(perpendicular @ perpendicular.mT).flip(-1).clamp_min(0)  # s_j^2, largest first
+    # s_j^2, largest first
+    spectrum = per_matrix(torch.linalg.eigvalsh, perpendicular @ perpendicular.mT).flip(-1).clamp_min(0)
     spare = (width - kept.sum(dim=-1, keepdim=True)).clamp_min(0)  # current dimensions W leaves unused
     positions = torch.arange(size, device=spectrum.device)
     used = positions < spare

@@ -314,11 +314,42 @@ def test_cross_fitted_gradient_keeps_what_both_halves_agree_on():
     assert opposite.abs().max() < 1e-9 * signal.abs().max()
 
 
-@pytest.mark.parametrize("shape", [(7, 30, 30), (2, 3, 20, 20), (1, 12, 12), (12, 12)])
-def test_batched_eigh_split_across_threads_equals_torchs_bit_for_bit(shape):
+@pytest.mark.parametrize("shape", [(7, 30, 30), (2, 3, 20, 20), (1, 12, 12), (12, 12), (3, 200, 200)])
+def test_decompositions_split_across_threads_equal_torchs_bit_for_bit(shape):
+    """`linalg.per_matrix` (eigh, QR, SVD, eigvalsh in worker threads, one matrix alone included) gives what one
+    batched call of torch gives, bit for bit, whatever the threads."""
     generator = torch.Generator().manual_seed(0)
     matrix = torch.randn(*shape, generator=generator, dtype=torch.float64)
     symmetric = matrix @ matrix.mT
     expected = torch.linalg.eigh(symmetric)
     eigenvalues, eigenvectors = linalg.batched_eigh(symmetric)
     assert torch.equal(eigenvalues, expected.eigenvalues) and torch.equal(eigenvectors, expected.eigenvectors)
+    tall = matrix[..., : shape[-1] // 2]
+    assert torch.equal(linalg.orthonormal_columns(tall), torch.linalg.qr(tall).Q)
+    assert torch.equal(linalg.per_matrix(torch.linalg.eigvalsh, symmetric), torch.linalg.eigvalsh(symmetric))
+    for split, whole in zip(linalg.per_matrix(torch.linalg.svd, matrix), torch.linalg.svd(matrix)):
+        assert torch.equal(split, whole)
+
+
+def test_per_matrix_runs_in_as_many_threads_as_torch_has(monkeypatch):
+    """On a CPU with two torch threads a batch is split in two (each part a call of its own), one matrix runs in one
+    worker thread, and with one torch thread the batch is one call in the caller's thread."""
+    import threading
+
+    calls = []
+
+    def record(part):
+        calls.append((threading.current_thread() is threading.main_thread(), part.shape[0] if part.dim() > 2 else 1))
+        return part.clone()
+
+    batch = torch.randn(5, 4, 4, dtype=torch.float64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert torch.equal(linalg.per_matrix(record, batch), batch)
+    assert sorted(calls) == [(False, 2), (False, 3)]
+    calls.clear()
+    assert torch.equal(linalg.per_matrix(record, batch[0]), batch[0])
+    assert calls == [(False, 1)]
+    calls.clear()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    linalg.per_matrix(record, batch)
+    assert calls == [(True, 5)]
