@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from .. import compact, linalg
 from ..adapters import ArchitectureAdapter
 from ..config import DEFAULT_STEP_MODE, STEP_MODES
-from ..statistics import GrowthStatistics
+from ..statistics import GrowthStatistics, return_free_memory
 from .layer_solve import LayerProblem, decomposition_method, solve_layer
 from .sharding import Sharding
 from .step_scaling import StepScaling
@@ -198,8 +198,9 @@ class GrowthProblem(StepWeights):
         with torch.no_grad():
             for layer in layers:
                 query, key = self._adapter.read_qk(self._attentions[layer])
-                gradients = self.statistics.gradients[layer]
-                query, key = query.to(gradients.device), key.to(gradients.device)
+                # the device only: a reference to M kept here would outlive its release until the next layer
+                device = self.statistics.gradients[layer].device
+                query, key = query.to(device), key.to(device)
                 inputs = query.shape[-2]
                 second_moment = self.statistics.mean_second_moment(layer)[:inputs, :inputs]
                 part = LayerProblem(
@@ -223,6 +224,10 @@ class GrowthProblem(StepWeights):
                 self.layers[layer] = part
                 if self._release:
                     self.statistics.release(layer)
+                # The layer's transients (P, the whitened pair, the decompositions: about 0.3 GiB at GPT-2 small)
+                # and its M lie under glibc's mmap threshold: without this the heap kept them, and the stage
+                # grew by them layer after layer (BENCHMARKS.md).
+                return_free_memory()
 
     def _gradient_of(self, layer: int, part: LayerProblem) -> Callable[[slice], Tensor]:
         """M of the heads of ``layer`` over its inputs, as `solve_layer` asks for it: the mean over all batches, or
