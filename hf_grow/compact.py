@@ -88,10 +88,11 @@ class CompactTarget:
     """``Z - lam P`` of a layer's heads on fixed subspaces, for any per-head step lam (see the module doc).
 
     ``left_basis``/``right_basis`` (heads, d, k): the subspaces in model coordinates (orthonormal in the
-    truncation's norm), in `BASIS_DTYPE` (in float64 where the subspaces are everything: the exact solve). ``base_core``/``step_core`` (heads, k, k): W and Q there. ``gradient_core``: M there,
-    so that ``<M, basis_l X basis_r^T> = <gradient_core, X>``. ``left_gram``/``right_gram``: the bases' Gram
-    matrices in the metric of C (None where that is the identity: whitened truncation). ``step_sq``: ||Q||^2;
-    ``tail``: sigma_{s+1}(Q), zero where the subspaces are everything.
+    truncation's norm), in `BASIS_DTYPE` (in float64 where the subspaces are everything: the exact solve).
+    ``base_core``/``step_core`` (heads, k, k): W and Q there. ``gradient_core``: M there, so that
+    ``<M, basis_l X basis_r^T> = <gradient_core, X>``. ``left_gram``/``right_gram``: the bases' Gram matrices in the
+    metric of C (None where that is the identity: whitened truncation). ``step_sq``: ||Q||^2; ``tail``:
+    sigma_{s+1}(Q), zero where the subspaces are everything.
     """
 
     left_basis: Tensor

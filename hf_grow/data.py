@@ -77,7 +77,9 @@ def read_dataset(
     dataset = datasets.load_dataset(name, config, split=split, streaming=streaming)
     columns = dataset.column_names or []
     if columns and text_column not in columns:
-        raise KeyError(f"dataset {name!r} has no column {text_column!r}; columns: {', '.join(columns)} (use --text-column)")
+        raise KeyError(
+            f"dataset {name!r} has no column {text_column!r}; columns: {', '.join(columns)} (use --text-column)"
+        )
     for row in dataset:
         yield row[text_column]
 

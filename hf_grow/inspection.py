@@ -180,11 +180,11 @@ def inspect_growth(
     sets it (the same as `grow_model`'s, so that rankings agree). Needs no held-out data and leaves the model
     unchanged.
 
-    The statistics and solve options are those of a `GrowthConfig` (``config``, default ``GrowthConfig()``,
-    e.g. the one you grow with): its ``rtol``, ``step_mode``, ``max_batches``, ``compute_dtype``,
-    ``statistics_method``, ``query_block``, ``memory_budget`` and ``cross_fit``; the keywords of the same names, when not
-    None, replace them. The gains are in the metric of C whatever the ``truncation`` (as a budget allocates
-    them); the other options do not apply here.
+    The statistics and solve options are those of a `GrowthConfig` (``config``, default ``GrowthConfig()``, e.g. the
+    one you grow with): its ``rtol``, ``step_mode``, ``max_batches``, ``compute_dtype``, ``statistics_method``,
+    ``query_block``, ``memory_budget`` and ``cross_fit``; the keywords of the same names, when not None, replace
+    them. The gains are in the metric of C whatever the ``truncation`` (as a budget allocates them); the other
+    options do not apply here.
     """
     if isinstance(max_dims, bool) or not isinstance(max_dims, int) or max_dims <= 0:
         raise ValueError(f"max_dims must be a positive int, got {max_dims!r}")

@@ -93,12 +93,13 @@ def metric_from_second_moment(second_moment: Tensor, rtol: float = 1e-6) -> Metr
 
 def per_matrix(decomposition: Callable[[Tensor], Any], matrices: Tensor) -> Any:
     """``decomposition`` (a LAPACK routine: eigh, QR) of a matrix or a batch: a tensor as one batched call gives it,
-    or a tuple of its tensors. On a CPU with several torch threads the matrices are split across as many Python threads, each running
-    single-threaded LAPACK on its share. Each matrix is decomposed alone either way (the same result, bit for bit),
-    but LAPACK's multithreaded blocked algorithms synchronize their threads at every panel and stall while another
-    process holds a core: on the 2-core CPU beside other jobs, 144 eighs of 424^2 took 5-139 s batched and 5-7.5 s
-    split; 144 QRs of 769 x 424 130 s batched, 8.5 s split; 12 eighs of 769^2 (GPT-2 small's C) 73 s against 3.8 s
-    in one worker thread (BENCHMARKS.md). A single matrix runs in one worker thread for the same reason."""
+    or a tuple of its tensors. On a CPU with several torch threads the matrices are split across as many Python
+    threads, each running single-threaded LAPACK on its share. Each matrix is decomposed alone either way (the same
+    result, bit for bit), but LAPACK's multithreaded blocked algorithms synchronize their threads at every panel and
+    stall while another process holds a core: on the 2-core CPU beside other jobs, 144 eighs of 424^2 took 5-139 s
+    batched and 5-7.5 s split; 144 QRs of 769 x 424 130 s batched, 8.5 s split; 12 eighs of 769^2 (GPT-2 small's C)
+    73 s against 3.8 s in one worker thread (BENCHMARKS.md). A single matrix runs in one worker thread for the same
+    reason."""
     if matrices.device.type != "cpu" or torch.get_num_threads() < 2:
         return decomposition(matrices)
     batch = matrices.flatten(0, -3) if matrices.dim() > 2 else matrices[None]

@@ -145,7 +145,10 @@ def with_grown_model(sentence_model: nn.Module, grown: PreTrainedModel) -> nn.Mo
 
 
 def tokenize_pairs(
-    pairs: Sequence[tuple[str, str]], sentence_model: nn.Module, batch_size: int, columns: tuple[str, str] = ("anchor", "positive")
+    pairs: Sequence[tuple[str, str]],
+    sentence_model: nn.Module,
+    batch_size: int,
+    columns: tuple[str, str] = ("anchor", "positive"),
 ) -> list[dict]:
     """Batches ``{"anchor": features, "positive": features}`` of ``batch_size`` text pairs, tokenized by the
     model's own tokenizer (its maximum sequence length, padded per column)."""
@@ -153,7 +156,10 @@ def tokenize_pairs(
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
         batches.append(
-            {name: dict(sentence_model.preprocess([pair[index] for pair in chunk])) for index, name in enumerate(columns)}
+            {
+                name: dict(sentence_model.preprocess([pair[index] for pair in chunk]))
+                for index, name in enumerate(columns)
+            }
         )
     return batches
 
@@ -175,7 +181,9 @@ def read_pairs(
             raise ValueError(f"{source}: pairs are read from .tsv, .jsonl or .csv files (or a datasets name)")
         with open(path, encoding="utf-8", newline="") as file:
             if suffix == ".tsv":
-                rows = [(number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(file, 1) if line.strip()]
+                rows = [
+                    (number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(file, 1) if line.strip()
+                ]
                 pairs = [_pair(fields, 0, 1, f"{source} line {number}") for number, fields in rows]
             elif suffix == ".jsonl":
                 records = [(number, json.loads(line)) for number, line in enumerate(file, 1) if line.strip()]
@@ -189,7 +197,9 @@ def read_pairs(
         import datasets
 
         dataset = datasets.load_dataset(source, split=split, streaming=streaming)
-        pairs = [_column_pair(record, columns, f"{source} ({split}) row {number}") for number, record in enumerate(dataset)]
+        pairs = [
+            _column_pair(record, columns, f"{source} ({split}) row {number}") for number, record in enumerate(dataset)
+        ]
     if not pairs:
         raise ValueError(f"{source} holds no pairs")
     return pairs

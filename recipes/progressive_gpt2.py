@@ -67,7 +67,9 @@ class Variant:
     options: dict = field(default_factory=dict)
 
 
-def standard_variants(small: int, large: int, schedule: dict[int, int], names: Sequence[str] = VARIANT_NAMES) -> list[Variant]:
+def standard_variants(
+    small: int, large: int, schedule: dict[int, int], names: Sequence[str] = VARIANT_NAMES
+) -> list[Variant]:
     """The variants (a)-(e): fixed small, fixed large, and the schedule grown by hf_grow and the baselines."""
     modes = {"grown-refactor": "refactor", "grown-append": "append", "zero": "zero", "random": "random"}
     variants = {"fixed-small": Variant("fixed-small", small), "fixed-large": Variant("fixed-large", large)}
@@ -167,7 +169,8 @@ def training_flops(config: GrownGPT2Config, tokens: int, seq_len: int) -> float:
 
 def statistics_flops(config: GrownGPT2Config, tokens: int, seq_len: int) -> float:
     """`collect_statistics` over ``tokens``: forward, backward to the inputs (no weight gradients: about one
-    forward), and per layer C (2 d'^2 per token) and per head M = X'^T G X' (recomputed softmax, G, G X', X'^T (G X'))."""
+    forward), and per layer C (2 d'^2 per token) and per head M = X'^T G X' (recomputed softmax, G, G X',
+    X'^T (G X'))."""
     d_aug, heads, value_dim = config.n_embd + 1, config.n_head, config.n_embd // config.n_head
     keys = (seq_len + 1) / 2
     per_token = 2 * forward_flops_per_token(config, seq_len)
@@ -287,9 +290,15 @@ def stdlib_files() -> list[str]:
     return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
 
 
-def text_task(config: GrownGPT2Config, patterns: Sequence[str] | None, seq_len: int, batch_size: int, eval_batches: int) -> Task:
+def text_task(
+    config: GrownGPT2Config, patterns: Sequence[str] | None, seq_len: int, batch_size: int, eval_batches: int
+) -> Task:
     """Byte-level language modelling on text files, split by file (every 10th file held out)."""
-    files = sorted({path for pattern in patterns for path in glob.glob(pattern, recursive=True)}) if patterns else stdlib_files()
+    files = (
+        sorted({path for pattern in patterns for path in glob.glob(pattern, recursive=True)})
+        if patterns
+        else stdlib_files()
+    )
     if len(files) < 2:
         raise SystemExit(f"need at least 2 text files, found {len(files)} for {patterns}")
     held_out = files[::10]
@@ -322,17 +331,21 @@ def summary_table(runs: list[Run], target: str = "fixed-large") -> str:
     goal = reference.final_loss
     rows = [
         "| variant | final held-out loss | mean loss (AUC) | training GFLOPs | growth overhead GFLOPs | "
-        f"GFLOPs to reach {target}'s final loss ({goal:.4f}) | vs {target} | held-out loss before -> after each growth |",
+        f"GFLOPs to reach {target}'s final loss ({goal:.4f}) | vs {target} "
+        "| held-out loss before -> after each growth |",
         "|---|---|---|---|---|---|---|---|",
     ]
     total_reference = reference.training_flops + reference.overhead_flops
     for run in runs:
         reached = run.flops_to_reach(goal)
         ratio = "-" if reached is None else f"{reached / total_reference:.2f}x"
-        growths = "; ".join(f"{g.step}: {g.eval_loss_before:.4f} -> {g.eval_loss_after:.4f}" for g in run.growths) or "-"
+        growths = (
+            "; ".join(f"{g.step}: {g.eval_loss_before:.4f} -> {g.eval_loss_after:.4f}" for g in run.growths) or "-"
+        )
         rows.append(
             f"| {run.variant} | {run.final_loss:.4f} | {run.area_under_curve():.4f} | {run.training_flops / 1e9:.1f} | "
-            f"{run.overhead_flops / 1e9:.2f} | {'not reached' if reached is None else f'{reached / 1e9:.1f}'} | {ratio} | {growths} |"
+            f"{run.overhead_flops / 1e9:.2f} | {'not reached' if reached is None else f'{reached / 1e9:.1f}'} | "
+            f"{ratio} | {growths} |"
         )
     return "\n".join(rows)
 
@@ -394,7 +407,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"preset {args.preset}: n_embd {preset['n_embd']}, {preset['n_layer']} layers, {preset['n_head']} heads, "
         f"Q/K {preset['small']} -> {preset['large']} at {preset['schedule']}, {preset['steps']} steps of "
-        f"{preset['batch_size']}x{preset['seq_len']} tokens, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"{preset['batch_size']}x{preset['seq_len']} tokens, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
     )
     runs = []
     for variant in variants:
@@ -407,7 +421,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     print(summary_table(runs))
     with open(f"{args.output}.json", "w") as handle:
-        json.dump({"preset": args.preset, "settings": {k: v for k, v in preset.items()}, "runs": [asdict(run) for run in runs]}, handle, indent=1, default=str)
+        json.dump(
+            {
+                "preset": args.preset,
+                "settings": {k: v for k, v in preset.items()},
+                "runs": [asdict(run) for run in runs],
+            },
+            handle,
+            indent=1,
+            default=str,
+        )
     if plot(runs, f"{args.output}.png"):
         print(f"\nwrote {args.output}.png and {args.output}.json")
     else:

@@ -66,7 +66,9 @@ def pair_splits(tokenizer, counts: Mapping[str, int], batch_size: int = 16, max_
     for offset, (name, count) in enumerate(counts.items()):
         pairs = docstring_code_pairs(files[offset::3])
         random.Random(0).shuffle(pairs)
-        splits[name] = pair_batches(pairs[: batch_size * count], tokenizer, batch_size=batch_size, max_length=max_length)
+        splits[name] = pair_batches(
+            pairs[: batch_size * count], tokenizer, batch_size=batch_size, max_length=max_length
+        )
     return splits
 
 

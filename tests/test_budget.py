@@ -14,7 +14,10 @@ from conftest import lm_batches, outputs_of
 
 @pytest.fixture(scope="module")
 def data(stdlib_bytes):
-    return {"stats": lm_batches(stdlib_bytes["stats"], 6, seed=41), "eval": lm_batches(stdlib_bytes["eval"], 3, seed=42)}
+    return {
+        "stats": lm_batches(stdlib_bytes["stats"], 6, seed=41),
+        "eval": lm_batches(stdlib_bytes["eval"], 3, seed=42),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +106,11 @@ def test_bad_budgets_are_refused_before_reading_data(trained_gpt2):
 def test_saved_statistics_give_the_same_budget_growth(trained_gpt2, statistics, tmp_path):
     statistics.save(tmp_path / "stats.safetensors")
     loaded = GrowthStatistics.load(tmp_path / "stats.safetensors")
-    direct = grow_model(trained_gpt2, None, budget=16, statistics=statistics, step_size=0.02, measure_realized_gains=False)
-    reloaded = grow_model(trained_gpt2, None, budget=16, statistics=loaded, step_size=0.02, measure_realized_gains=False)
+    direct = grow_model(
+        trained_gpt2, None, budget=16, statistics=statistics, step_size=0.02, measure_realized_gains=False
+    )
+    reloaded = grow_model(
+        trained_gpt2, None, budget=16, statistics=loaded, step_size=0.02, measure_realized_gains=False
+    )
     assert direct.config.qk_head_dims == reloaded.config.qk_head_dims
     assert all(torch.equal(tensor, reloaded.state_dict()[name]) for name, tensor in direct.state_dict().items())

@@ -31,7 +31,9 @@ def model_folder(tmp_path_factory):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "hf_grow", *args], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "hf_grow", *args], capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 SMALL = ["--seq-len", "64", "--batch-size", "8", "--max-tokens", "6000", "--eval-tokens", "2000", "--quiet"]
@@ -122,7 +124,8 @@ def test_missing_tokenizer_and_unsupported_architecture(model_folder, tmp_path):
                              word_embed_proj_dim=32)).save_pretrained(opt)
     PreTrainedTokenizerFast.from_pretrained(model_folder).save_pretrained(opt)
     result = run_cli(str(opt), "--output-dir", str(tmp_path / "out"), "--data", "/nonexistent/never-read.txt", *SMALL)
-    assert result.returncode == 2 and "supported model types: gpt2" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2
+    assert "supported model types: gpt2" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,10 @@ def bad_inputs(model_folder, corpus, tmp_path):
     folder = tmp_path / "texts"
     folder.mkdir()
     return {
-        "truncated weights": ([str(truncated), "--data", str(corpus)], "weights file model.safetensors is damaged or incomplete"),
+        "truncated weights": (
+            [str(truncated), "--data", str(corpus)],
+            "weights file model.safetensors is damaged or incomplete",
+        ),
         "binary --data": ([str(model_folder), "--data", str(binary)], "binary.dat is not text: "),
         "UTF-16 --data": ([str(model_folder), "--data", str(utf16)], "utf16.txt is not text: "),
         "empty --data": ([str(model_folder), "--data", str(empty)], "the text is too short: it gives 0 sequence"),

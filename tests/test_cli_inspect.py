@@ -84,7 +84,9 @@ def test_bad_budget_options_are_one_line(model_folder, tmp_path, capsys, argumen
 
 def test_plot_without_matplotlib_is_refused_before_reading_data(model_folder, tmp_path, capsys, monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a)
+    )
     assert cli.main(["inspect", str(model_folder), "--data", "/nonexistent/never-read.txt", "--plot",
                      str(tmp_path / "x.png")]) == 2
     error = capsys.readouterr().err

@@ -55,7 +55,9 @@ def test_pairs_file_grows_a_sentence_transformer(pair_list, tmp_path, capsys, st
 
 
 def test_pair_files_of_each_format(pair_list, tmp_path):
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"query": d, "code": c, "id": 1}) + "\n" for d, c in pair_list[:3]))
+    (tmp_path / "p.jsonl").write_text(
+        "".join(json.dumps({"query": d, "code": c, "id": 1}) + "\n" for d, c in pair_list[:3])
+    )
     assert read_pairs(str(tmp_path / "p.jsonl")) == pair_list[:3]
     (tmp_path / "p.csv").write_text('id,doc,code\n1,"a, b",c\n2,"d","e ""f"""\n')
     assert read_pairs(str(tmp_path / "p.csv"), ["doc", "code"]) == [("a, b", "c"), ("d", 'e "f"')]

@@ -20,7 +20,9 @@ def random_problem(heads=3, size=40, width=4, decay=0.7, seed=0):
     second_moment = basis @ torch.diag(torch.logspace(0, -3, size, dtype=torch.float64)) @ basis.mT
     metric = linalg.metric_from_second_moment(second_moment)
     spectrum = decay ** torch.arange(size, dtype=torch.float64)
-    whitened_step = torch.linalg.qr(randn(heads, size, size)).Q * spectrum @ torch.linalg.qr(randn(heads, size, size)).Q.mT
+    whitened_step = (
+        torch.linalg.qr(randn(heads, size, size)).Q * spectrum @ torch.linalg.qr(randn(heads, size, size)).Q.mT
+    )
     root = metric.root_diag  # P such that whiten(P) = whitened_step, and M = C P C with it
     direction = metric.eigenvectors @ (whitened_step / root[:, None] / root[None, :]) @ metric.eigenvectors.mT
     gradient = second_moment @ direction @ second_moment

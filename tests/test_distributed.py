@@ -103,7 +103,9 @@ def test_two_processes_equal_one(trained_gpt2, stdlib_bytes, tmp_path):
         same_architecture.load_state_dict(result["state_dict"])
         with torch.no_grad():
             for batch in eval_batches:
-                torch.testing.assert_close(same_architecture(**batch).logits, alone(**batch).logits, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(
+                    same_architecture(**batch).logits, alone(**batch).logits, rtol=1e-4, atol=1e-4
+                )
     odd = collect_statistics(trained_gpt2, [batches[2], batches[3]], get_adapter(trained_gpt2))  # shards' second
     for result in results:
         half_gradients, half_loss_weight = result["halves"]

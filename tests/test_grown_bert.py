@@ -161,7 +161,10 @@ def test_padding_contributes_exactly_nothing():
     short = padded_batch(batch_size=2, seq_len=9, seed=3)
     short["attention_mask"].fill_(1)
     short["labels"] = short["input_ids"].clone()
-    padded = {key: torch.nn.functional.pad(value, (0, 5), value=-100 if key == "labels" else 0) for key, value in short.items()}
+    padded = {
+        key: torch.nn.functional.pad(value, (0, 5), value=-100 if key == "labels" else 0)
+        for key, value in short.items()
+    }
     padded["input_ids"][:, 9:] = 17  # junk behind the mask must not matter either
     first = collect_statistics(model, [short], adapter, compute_dtype=torch.float64)
     second = collect_statistics(model, [padded], adapter, compute_dtype=torch.float64)
@@ -304,4 +307,5 @@ def test_classification_labels_give_the_models_own_loss():
     assert report.eval_weight == 16  # one loss term per example
     expected = hf_grow.evaluate_loss(model, batches[4:])[0]
     assert report.eval_loss_before == pytest.approx(expected, abs=1e-6)
-    assert report.eval_loss_after <= report.eval_loss_before and report.statistics_tokens == sum(int(b["attention_mask"].sum()) for b in batches[:4])
+    assert report.eval_loss_after <= report.eval_loss_before
+    assert report.statistics_tokens == sum(int(b["attention_mask"].sum()) for b in batches[:4])

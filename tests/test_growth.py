@@ -81,7 +81,9 @@ def test_report_is_complete_and_consistent(trained_gpt2, grown_by_truncation, da
             assert len(head.marginal_gains) == 8 and head.lam > 0
             assert all(a >= b >= 0 for a, b in zip(head.marginal_gains, head.marginal_gains[1:]))
             # Growing adds the marginal gains of the added ranks to the same solve at the old rank.
-            assert head.expected_gain == pytest.approx(head.expected_gain_without_growth + sum(head.marginal_gains), rel=1e-6, abs=1e-9)
+            assert head.expected_gain == pytest.approx(
+                head.expected_gain_without_growth + sum(head.marginal_gains), rel=1e-6, abs=1e-9
+            )
     assert sum(layer.expected_gain for layer in report.layers) > 0
     # JSON round trip
     path = tmp_path / "report.json"
@@ -92,7 +94,9 @@ def test_report_is_complete_and_consistent(trained_gpt2, grown_by_truncation, da
 
 
 def test_fast_search_brackets_with_the_unconstrained_update(trained_gpt2, data):
-    grown = grow_model(trained_gpt2, data["stats"], p=8, eval_dataloader=data["eval"], search="fast", measure_realized_gains=False)
+    grown = grow_model(
+        trained_gpt2, data["stats"], p=8, eval_dataloader=data["eval"], search="fast", measure_realized_gains=False
+    )
     report = grown.growth_report
     kinds = {point.kind for point in report.line_search}
     assert kinds == {"unconstrained", "rank"}
@@ -101,7 +105,9 @@ def test_fast_search_brackets_with_the_unconstrained_update(trained_gpt2, data):
 
 
 def test_without_growth_the_same_solve_still_helps(trained_gpt2, data):
-    grown = grow_model(trained_gpt2, data["stats"], p={0: 0, 1: 0}, eval_dataloader=data["eval"], measure_realized_gains=False)
+    grown = grow_model(
+        trained_gpt2, data["stats"], p={0: 0, 1: 0}, eval_dataloader=data["eval"], measure_realized_gains=False
+    )
     assert grown.config.qk_head_dims == [16, 16]
     assert grown.growth_report.eval_loss_after < grown.growth_report.eval_loss_before
 
@@ -153,7 +159,9 @@ def test_peft_model_is_merged_into_a_copy(architecture, trained_gpt2, data, capl
         lora = LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False)
     else:
         torch.manual_seed(0)
-        base = BertForMaskedLM(BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64))
+        base = BertForMaskedLM(
+            BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+        )
         lora = LoraConfig(r=4, target_modules=["query", "value"], init_lora_weights=False)
     peft_model = get_peft_model(base, lora).eval()
     before = {name: tensor.clone() for name, tensor in peft_model.state_dict().items()}
@@ -210,7 +218,9 @@ def test_subspace_line_search_matches_eigh(trained_gpt2, data):
     assert subspace.step_size == eigh.step_size > 0
     assert evaluate_loss(runs["subspace"], data["eval"])[0] == pytest.approx(subspace.eval_loss_after, abs=1e-6)
     adapter = get_adapter(runs["eigh"])
-    for grown_eigh, grown_subspace in zip(*(adapter.attention_modules(runs[solver]) for solver in ("eigh", "subspace"))):
+    for grown_eigh, grown_subspace in zip(
+        *(adapter.attention_modules(runs[solver]) for solver in ("eigh", "subspace"))
+    ):
         # Factors are unique up to signs and rotations: compare the bilinear forms Q K^T of every head (the
         # subspace method stops within a relative 1e-7 of the optimal truncation error, not at exact vectors).
         forms = [query @ key.mT for query, key in (adapter.read_qk(grown_eigh), adapter.read_qk(grown_subspace))]
@@ -230,12 +240,17 @@ def test_statistics_round_trip_through_safetensors(trained_gpt2, data, tmp_path)
     assert (loaded.num_tokens, loaded.num_batches, loaded.model_type) == (statistics.num_tokens, 3, "gpt2")
     assert loaded.loss_weight == statistics.loss_weight == 3 * 16 * 63  # every shifted label of 3 full batches
     assert loaded.method == statistics.method == "reference"  # "auto" on a CPU at 64 tokens
-    assert all(torch.equal(a, b) for a, b in zip(loaded.gradients + loaded.second_moments, statistics.gradients + statistics.second_moments))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(loaded.gradients + loaded.second_moments, statistics.gradients + statistics.second_moments)
+    )
     direct = grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=statistics)
     reloaded = grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=loaded)
     assert reloaded.growth_report.statistics_method == "reference"
     assert all(torch.equal(tensor, reloaded.state_dict()[name]) for name, tensor in direct.state_dict().items())
-    bert = BertModel(BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64))
+    bert = BertModel(
+        BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    )
     with pytest.raises(ValueError, match="collected on a 'gpt2' model, not 'bert'"):
         grow_model(bert, None, p=8, step_size=0.0, statistics=loaded)
     (tmp_path / "weights.safetensors").write_bytes(b"not a safetensors file")
@@ -262,13 +277,18 @@ def test_batches_without_loss_terms_are_skipped_not_nan(trained_gpt2, data, capl
     empty["attention_mask"].zero_()
     empty["labels"].fill_(-100)
     with caplog.at_level("WARNING", logger="hf_grow"):
-        grown = grow_model(trained_gpt2, [data["stats"][1], empty, data["stats"][2]], p=8, eval_dataloader=[empty, *data["eval"][:1]])
+        grown = grow_model(
+            trained_gpt2, [data["stats"][1], empty, data["stats"][2]], p=8, eval_dataloader=[empty, *data["eval"][:1]]
+        )
     assert "skipped 1 batch" in caplog.text
     report = grown.growth_report
     assert report.statistics_batches == 2 and report.statistics_tokens == 2 * 16 * 64
     assert math.isfinite(report.eval_loss_before) and math.isfinite(report.eval_loss_after)
     assert all(torch.isfinite(tensor).all() for tensor in grown.state_dict().values() if tensor.is_floating_point())
-    one_token = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids} for ids in torch.randint(0, 256, (3, 4, 1))]
+    one_token = [
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        for ids in torch.randint(0, 256, (3, 4, 1))
+    ]
     with pytest.raises(ValueError, match="none of the 3 batches has a loss term"):
         grow_model(trained_gpt2, one_token, p=8, step_size=0.0)
 
@@ -370,7 +390,10 @@ def test_precomputed_statistics_are_checked_and_used_in_float64(trained_gpt2, da
 
 
 def test_same_inputs_give_bit_identical_growth(trained_gpt2, data):
-    runs = [grow_model(trained_gpt2, data["stats"][:4], p=8, eval_dataloader=data["eval"][:2], measure_realized_gains=False) for _ in range(2)]
+    runs = [
+        grow_model(trained_gpt2, data["stats"][:4], p=8, eval_dataloader=data["eval"][:2], measure_realized_gains=False)
+        for _ in range(2)
+    ]
     first, second = (run.state_dict() for run in runs)
     assert all(torch.equal(tensor, second[name]) for name, tensor in first.items())
     assert runs[0].growth_report.step_size == runs[1].growth_report.step_size
@@ -387,7 +410,9 @@ def test_a_corpus_of_one_repeated_token_keeps_everything_finite(trained_gpt2):
     report = grown.growth_report
     assert report.eval_loss_after <= report.eval_loss_before
     assert all(torch.isfinite(tensor).all() for tensor in grown.state_dict().values() if tensor.is_floating_point())
-    gains = [value for layer in report.layers for head in layer.heads for value in (head.expected_gain, *head.marginal_gains)]
+    gains = [
+        value for layer in report.layers for head in layer.heads for value in (head.expected_gain, *head.marginal_gains)
+    ]
     assert all(math.isfinite(gain) for gain in gains)
     unchanged = grow_model(trained_gpt2, None, p=8, statistics=statistics, step_size=0.0)
     with torch.no_grad():
@@ -398,7 +423,9 @@ def test_sequences_beyond_the_models_positions_are_a_clear_error(trained_gpt2, d
     positions = trained_gpt2.config.n_positions
     ids = torch.zeros(2, positions + 1, dtype=torch.long)
     too_long = {"input_ids": ids, "labels": ids}
-    with pytest.raises(ValueError, match=f"batch 1 holds sequences of {positions + 1} tokens, but the model has {positions} positions"):
+    with pytest.raises(
+        ValueError, match=f"batch 1 holds sequences of {positions + 1} tokens, but the model has {positions} positions"
+    ):
         grow_model(trained_gpt2, [data["stats"][0], too_long, data["stats"][1]], p=8, step_size=0.0)
     with pytest.raises(ValueError, match=f"batch 0 holds sequences of {positions + 1} tokens"):
         evaluate_loss(trained_gpt2, [too_long])
@@ -470,7 +497,9 @@ def test_held_out_passes_build_no_kv_cache_and_keep_the_config(gpt2_copy, stdlib
     adapter = get_adapter(gpt2_copy)
     asked = []
     for block in gpt2_copy.transformer.h:
-        block.register_forward_pre_hook(lambda module, args, kwargs: asked.append(kwargs["use_cache"]), with_kwargs=True)
+        block.register_forward_pre_hook(
+            lambda module, args, kwargs: asked.append(kwargs["use_cache"]), with_kwargs=True
+        )
     assert gpt2_copy.config.use_cache is True
     loss = evaluate_loss(gpt2_copy, held_out)[0]
     passes = HeldOutPasses(gpt2_copy, adapter, held_out, None, None)
@@ -510,7 +539,8 @@ def test_the_report_reads_the_line_searchs_decomposition_of_the_chosen_step(gpt2
     report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out).growth_report
     layers = len(report.layers)
     searched = [point.step_size for point in report.line_search if point.step_size > 0]
-    assert report.step_size > 0 and sorted(calls) == sorted((layer, step) for step in searched for layer in range(layers))
+    assert report.step_size > 0
+    assert sorted(calls) == sorted((layer, step) for step in searched for layer in range(layers))
     calls.clear()
     grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05, measure_realized_gains=False)
     assert calls == [(layer, 0.05) for layer in range(layers)]  # a given step: decomposed for its weights alone

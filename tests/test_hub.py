@@ -66,11 +66,14 @@ def grown(model_folder):
 def test_push_a_model_commits_everything_once(grown, model_folder, tmp_path):
     model, tokenizer = grown
     api = FakeApi()
-    commit = push_to_hub(model, "me/grown-gpt2", private=True, api=api, tokenizer=tokenizer, base_model="openai-community/gpt2")
+    commit = push_to_hub(
+        model, "me/grown-gpt2", private=True, api=api, tokenizer=tokenizer, base_model="openai-community/gpt2"
+    )
     assert commit.commit_url.startswith("https://huggingface.co/me/grown-gpt2")
     assert [call[0] for call in api.calls] == ["create_repo", "create_commit"]
     assert api.calls[0] == ("create_repo", "me/grown-gpt2", {"private": True, "exist_ok": True})
-    assert api.calls[1][2]["commit_message"] == "Upload a model grown by hf_grow" and api.calls[1][2]["revision"] is None
+    assert api.calls[1][2]["commit_message"] == "Upload a model grown by hf_grow"
+    assert api.calls[1][2]["revision"] is None
     assert set(api.files) == GROWN_FILES | TOKENIZER_FILES
     config = json.loads(api.files["config.json"])
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_grown_gpt2.GrownGPT2LMHeadModel"
@@ -156,16 +159,19 @@ def test_cli_pushes_the_output_folder(model_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
     output = tmp_path / "grown"
     code = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--p", "8",
-                     "--push-to-hub", "me/cli-grown", "--private", "--revision", "v1", "--commit-message", "first", *SMALL])
+                     "--push-to-hub", "me/cli-grown", "--private", "--revision", "v1", "--commit-message", "first",
+                     *SMALL])
     assert code == 0
     assert api.calls[0] == ("create_repo", "me/cli-grown", {"private": True, "exist_ok": True})
     assert api.calls[2][2] == {"commit_message": "first", "revision": "v1"}
-    assert set(api.files) == {path.name for path in output.iterdir()} and GROWN_FILES | TOKENIZER_FILES <= set(api.files)
+    assert set(api.files) == {path.name for path in output.iterdir()}
+    assert GROWN_FILES | TOKENIZER_FILES <= set(api.files)
     local, pushed = ModelCard.load(output / "README.md"), ModelCard(api.files["README.md"].decode())
     assert local.text == pushed.text and pushed.data.pipeline_tag == "text-generation"
     # The local card records the local base model; the Hub refuses local paths as metadata, so the pushed one has none.
     assert local.data.base_model == str(model_folder.resolve()) and pushed.data.base_model is None
-    assert str(model_folder) in pushed.text and "local text" in pushed.text and 'from_pretrained("me/cli-grown"' in pushed.text
+    assert str(model_folder) in pushed.text and "local text" in pushed.text
+    assert 'from_pretrained("me/cli-grown"' in pushed.text
     assert 'tokenizer = AutoTokenizer.from_pretrained("me/cli-grown", trust_remote_code=True)' in pushed.text
 
 

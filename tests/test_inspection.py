@@ -8,14 +8,25 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from hf_grow import GrowthInspection, GrowthStatistics, collect_statistics, get_adapter, grow_model, inspect_growth, linalg
+from hf_grow import (
+    GrowthInspection,
+    GrowthStatistics,
+    collect_statistics,
+    get_adapter,
+    grow_model,
+    inspect_growth,
+    linalg,
+)
 
 from conftest import lm_batches
 
 
 @pytest.fixture(scope="module")
 def data(stdlib_bytes):
-    return {"stats": lm_batches(stdlib_bytes["stats"], 8, seed=31), "eval": lm_batches(stdlib_bytes["eval"], 3, seed=32)}
+    return {
+        "stats": lm_batches(stdlib_bytes["stats"], 8, seed=31),
+        "eval": lm_batches(stdlib_bytes["eval"], 3, seed=32),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +39,10 @@ def test_gain_rates_are_the_small_step_limit_of_the_truncation():
     rates as lam -> 0, also for a head whose Z has lower rank than its width."""
     generator = torch.Generator().manual_seed(0)
     d, width, heads = 12, 3, 4
-    inputs = torch.randn(500, d, dtype=torch.float64, generator=generator) @ torch.randn(d, d, dtype=torch.float64, generator=generator)
+    inputs = (
+        torch.randn(500, d, dtype=torch.float64, generator=generator)
+        @ torch.randn(d, d, dtype=torch.float64, generator=generator)
+    )
     metric = linalg.metric_from_second_moment(inputs.T @ inputs / 500)
     query = torch.randn(heads, d, width, dtype=torch.float64, generator=generator)
     key = torch.randn(heads, d, width, dtype=torch.float64, generator=generator)
@@ -59,7 +73,9 @@ def test_inspection_matches_grow_model_at_a_small_step(trained_gpt2, statistics)
     for grown_layer, layer in zip(report.layers, inspection.layers):
         assert layer.qk_dim == 16 and len(layer.heads) == 4
         for grown_head, head in zip(grown_layer.heads, layer.heads):
-            assert torch.allclose(torch.tensor(grown_head.marginal_gains) / step, torch.tensor(head.marginal_gains), rtol=1e-2)
+            assert torch.allclose(
+                torch.tensor(grown_head.marginal_gains) / step, torch.tensor(head.marginal_gains), rtol=1e-2
+            )
             assert grown_head.expected_gain_without_growth / step == pytest.approx(head.gain_without_growth, rel=1e-2)
         assert layer.marginal_gains == pytest.approx([sum(g) for g in zip(*(h.marginal_gains for h in layer.heads))])
 
@@ -79,7 +95,9 @@ def test_inspection_ranks_heads_as_grow_model_does_at_its_step(trained_gpt2, sta
     first_order = [sum(head.marginal_gains) for layer in inspection.layers for head in layer.heads]
     correlation = torch.corrcoef(torch.stack([ranks(chosen), ranks(first_order)]))[0, 1]
     assert correlation > 0.8
-    by_layer = [sum(layer_gains) for layer_gains in ([sum(h.marginal_gains) for h in layer.heads] for layer in report.layers)]
+    by_layer = [
+        sum(layer_gains) for layer_gains in ([sum(h.marginal_gains) for h in layer.heads] for layer in report.layers)
+    ]
     assert ranks(by_layer).tolist() == ranks([layer.gain(8) for layer in inspection.layers]).tolist()
 
 
@@ -96,7 +114,9 @@ def test_inspection_table_json_and_plot(trained_gpt2, statistics, tmp_path):
 
 def test_inspection_collects_once_and_refuses_other_weights(trained_gpt2, statistics, data, tmp_path):
     direct = inspect_growth(trained_gpt2, data["stats"], max_dims=4)
-    assert dataclasses.asdict(direct) == dataclasses.asdict(inspect_growth(trained_gpt2, statistics=statistics, max_dims=4))
+    assert dataclasses.asdict(direct) == dataclasses.asdict(
+        inspect_growth(trained_gpt2, statistics=statistics, max_dims=4)
+    )
     statistics.save(tmp_path / "stats.safetensors")
     loaded = GrowthStatistics.load(tmp_path / "stats.safetensors")
     assert torch.equal(loaded.weights, statistics.weights)

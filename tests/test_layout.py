@@ -1,8 +1,10 @@
-"""The package's layering, read from its sources: no import cycles, pure linear algebra without transformers, and
-grown model files that import only what a `trust_remote_code` user has."""
+"""The package's layering, read from its sources: no import cycles, pure linear algebra without transformers,
+grown model files that import only what a `trust_remote_code` user has, and the style limits of pyproject.toml."""
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import hf_grow
 
 
 PACKAGE = Path(hf_grow.__file__).parent
+REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 def module_name(path: Path) -> str:
@@ -96,3 +99,13 @@ def test_copies_in_the_grown_model_folders_stay_the_same(gpt2, llama, differing)
     first, second = (shared_lines(PACKAGE / "models" / name) for name in (gpt2, llama))
     assert len(first) == len(second)
     assert [number for number, (a, b) in enumerate(zip(first, second), 1) if a != b and number not in differing] == []
+
+
+def test_sources_keep_the_style_limits():
+    """`ruff check` with pyproject.toml's settings (pycodestyle and pyflakes, lines of at most 120 characters)
+    passes on the package, the recipes and the tests."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "hf_grow", "recipes", "tests"],
+        cwd=REPOSITORY, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

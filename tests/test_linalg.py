@@ -153,7 +153,9 @@ def test_eigh_and_svd_methods_agree(generator, singular):
             torch.testing.assert_close(fast.singular_values / scale, exact.singular_values / scale, rtol=0, atol=1e-7)
             # Compared in the norm each truncation is optimal in (off the data's span the metric is floored).
             def norm(matrix):
-                squares = matrix.square().sum(dim=(-2, -1)) if chosen is None else linalg.whitened_norm_sq(matrix, metric)
+                squares = (
+                    matrix.square().sum(dim=(-2, -1)) if chosen is None else linalg.whitened_norm_sq(matrix, metric)
+                )
                 return squares.sqrt()
 
             for rank in (1, 5, 8, d):
@@ -221,13 +223,19 @@ def test_subspace_method_truncates_as_well_as_the_full_svd(generator, singular):
             fast = linalg.decompose(target, chosen, "subspace", rank=16, start=start)
             start = fast.basis
             assert fast.basis.shape == (4, d, 16 + subspace.SUBSPACE_OVERSAMPLING)
-            torch.testing.assert_close(fast.basis.mT @ fast.basis, torch.eye(fast.basis.shape[-1], dtype=torch.float64).expand(4, -1, -1))
+            torch.testing.assert_close(
+                fast.basis.mT @ fast.basis, torch.eye(fast.basis.shape[-1], dtype=torch.float64).expand(4, -1, -1)
+            )
             scale = exact.singular_values[..., :1]
-            torch.testing.assert_close(fast.singular_values[..., :16] / scale, exact.singular_values[..., :16] / scale, rtol=0, atol=1e-7)
+            torch.testing.assert_close(
+                fast.singular_values[..., :16] / scale, exact.singular_values[..., :16] / scale, rtol=0, atol=1e-7
+            )
             for rank in (1, 12, 16):
                 optimum = metric_error(target, exact.truncate(rank), chosen)
                 error = metric_error(target, fast.truncate(rank), chosen)
-                assert (error <= optimum * (1 + 1e-5) + 1e-12 * scale.squeeze(-1) ** 2).all(), (lam, rank, error / optimum - 1)
+                assert (error <= optimum * (1 + 1e-5) + 1e-12 * scale.squeeze(-1) ** 2).all(), (
+                    lam, rank, error / optimum - 1
+                )
     with pytest.raises(ValueError, match="needs the rank"):
         linalg.decompose(target, None, "subspace")
 

@@ -115,7 +115,9 @@ def test_lists_tuples_and_positional_masks(bert):
     statistics = collect_statistics(bert, [as_list], adapter, loss_fn=list_loss, compute_dtype=torch.float64)
     assert statistics.num_tokens == reference.num_tokens
     torch.testing.assert_close(statistics.gradients[1], reference.gradients[1], rtol=1e-10, atol=1e-12)
-    assert evaluate_loss(bert, [as_list], adapter, list_loss) == pytest.approx(evaluate_loss(bert, [batch], adapter, two_pass_loss))
+    assert evaluate_loss(bert, [as_list], adapter, list_loss) == pytest.approx(
+        evaluate_loss(bert, [batch], adapter, two_pass_loss)
+    )
 
 
 def test_evaluate_loss_weights_nested_batches_by_their_examples(bert):
@@ -142,14 +144,21 @@ def test_grow_model_with_a_two_pass_loss_is_exact_at_step_zero(bert):
 def test_unhandled_batch_structures_are_clear_errors(bert):
     adapter = get_adapter(bert)
     batch = column_batch(seed=11)
-    # the model's own loss cannot take a nested batch: it says to pass a loss_fn (was StopIteration / TypeError deep inside)
-    with pytest.raises(TypeError, match=r"batch of dict\(a: BatchEncoding, b: BatchEncoding\) cannot be passed as model\(\*\*batch\): pass loss_fn"):
+    # the model's own loss cannot take a nested batch: it says to pass a loss_fn (was StopIteration / TypeError deep
+    # inside)
+    with pytest.raises(
+        TypeError,
+        match=r"batch of dict\(a: BatchEncoding, b: BatchEncoding\) cannot be passed as model\(\*\*batch\): "
+        r"pass loss_fn",
+    ):
         collect_statistics(bert, [batch], adapter)
     # a batch without any tensor: no StopIteration, a ValueError saying what was found
     with pytest.raises(ValueError, match=r"batch of dict\(a: list, b: list\) holds no tensor"):
         collect_statistics(bert, [{"a": ["text"], "b": ["code"]}], adapter, loss_fn=two_pass_loss)
     with pytest.raises(TypeError, match=r"batch 0\['a'\]\['input_ids'\] is a numpy.ndarray"):
-        collect_statistics(bert, [{"a": {"input_ids": batch["a"]["input_ids"].numpy()}}], adapter, loss_fn=two_pass_loss)
+        collect_statistics(
+            bert, [{"a": {"input_ids": batch["a"]["input_ids"].numpy()}}], adapter, loss_fn=two_pass_loss
+        )
     with pytest.raises(TypeError, match="expects dict batches"):
         collect_statistics(bert, [torch.zeros(2, 4, dtype=torch.long)], adapter, loss_fn=two_pass_loss)
     with pytest.raises(ValueError, match="ran no forward pass of the model"):

@@ -150,7 +150,10 @@ def test_expected_gain_of_the_full_step_is_half_the_first_order_gain(problem, la
     assert (full >= -1e-9).all()
     target = problem.bilinear - lam * direction
     truncated = linalg.truncate(target, problem.qk_dim, problem.metric).product
-    assert (linalg.predicted_decrease(problem.gradient, truncated - problem.bilinear, problem.metric, lam) <= full + 1e-9 * full.abs().max() + 1e-12).all()
+    assert (
+        linalg.predicted_decrease(problem.gradient, truncated - problem.bilinear, problem.metric, lam)
+        <= full + 1e-9 * full.abs().max() + 1e-12
+    ).all()
 
 
 @given(problems(), st.floats(0.0, 1e3), st.integers(1, 11))

@@ -69,7 +69,9 @@ def test_statistics_of_a_model_with_an_embedding_above_2_24_entries_round_trip(t
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "hf_grow", *args], capture_output=True, text=True, env=env, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "hf_grow", *args], capture_output=True, text=True, env=env, timeout=900
+    )
 
 
 def assert_complete_model_folder(folder: Path) -> None:

@@ -23,7 +23,9 @@ def test_retrieval_labels_are_the_value_stored_under_the_query(task):
     steps: with GPT-2's scaled initialization of c_proj, which grown GPT-2s built from a config have had since
     ae14d91, this seed reaches 0.77 accuracy at 150 steps, 0.99 at 200 and 1.0 at 250.)"""
     torch.manual_seed(0)
-    run = train_variant(Variant("fixed-large", 8), task, steps=250, lr=3e-3, warmup=10, eval_every=250, log=lambda _: None)
+    run = train_variant(
+        Variant("fixed-large", 8), task, steps=250, lr=3e-3, warmup=10, eval_every=250, log=lambda _: None
+    )
     assert run.curve[-1].metrics["accuracy"] >= 0.9
     assert run.final_loss < 0.5 * run.curve[0].eval_loss
 
@@ -32,7 +34,9 @@ def test_retrieval_labels_are_the_value_stored_under_the_query(task):
 def test_growth_inside_train_variant_preserves_the_held_out_loss(task, mode):
     """zero-init widening keeps the function exactly; append's line search never takes a step that is worse on
     its own held-out batches (step 0 is among its candidates)."""
-    run = train_variant(Variant("grown", 2, mode, {10: 8}), task, steps=12, lr=3e-3, warmup=2, eval_every=6, log=lambda _: None)
+    run = train_variant(
+        Variant("grown", 2, mode, {10: 8}), task, steps=12, lr=3e-3, warmup=2, eval_every=6, log=lambda _: None
+    )
     (growth,) = run.growths
     assert growth.qk_dims == [8]
     if mode == "zero":
@@ -68,7 +72,9 @@ def test_steps_to_escape_is_the_first_scheduled_evaluation_below_the_threshold()
 
 def test_bench_bottleneck_runs_the_plateau_preset(tmp_path, capsys):
     output = str(tmp_path / "out")
-    bench_bottleneck.main(["--preset", "tiny", "--tasks", "plateau", "--seeds", "1", "--steps", "20", "--output", output])
+    bench_bottleneck.main(
+        ["--preset", "tiny", "--tasks", "plateau", "--seeds", "1", "--steps", "20", "--output", output]
+    )
     printed = capsys.readouterr().out
     assert "steps to escape" in printed
     assert "grown-append (new_moments=head_mean)" in printed

@@ -118,7 +118,8 @@ def test_a_two_pass_loss_fn_lowers_its_held_out_loss(minilm_st, pairs):
 def test_saved_folder_loads_both_ways(grown_st, tmp_path):
     folder = tmp_path / "grown-st"
     grown_st.save(str(folder))
-    assert {"modules.json", "1_Pooling", "2_Normalize", "growth_report.json", "modeling_grown_bert.py"} <= set(os.listdir(folder))
+    saved = set(os.listdir(folder))
+    assert {"modules.json", "1_Pooling", "2_Normalize", "growth_report.json", "modeling_grown_bert.py"} <= saved
     expected = grown_st.encode(TEXTS, convert_to_tensor=True)
     assert grown_st.growth_report.step_size == 0.01
     loaded = SentenceTransformer(str(folder), device="cpu")  # hf_grow is imported: the Auto classes know grown_bert
@@ -147,7 +148,7 @@ def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):
     with pytest.raises(ValueError, match=r"batch of dict\(anchor: list, positive: list\) holds no tensor"):
         grow_model(minilm_st, [{"anchor": ["some text"], "positive": ["other"]}], p=8, step_size=0.0)
     one_column = {k: v for k, v in pairs["stats"][0]["anchor"].items() if k != "modality"}
-    with pytest.raises(ValueError, match="needs batches of tokenized text columns.*got dict\(input_ids: Tensor"):
+    with pytest.raises(ValueError, match=r"needs batches of tokenized text columns.*got dict\(input_ids: Tensor"):
         grow_model(minilm_st, [one_column], p=8, step_size=0.0)
     with pytest.raises(TypeError, match="has no SentenceTransformer as its .model"):
         SentenceLoss(torch.nn.MSELoss())

@@ -35,10 +35,12 @@ def test_per_layer_steps_follow_each_layers_own_norms(trained_gpt2, statistics):
         for layer, part in enumerate(solved.layers):
             if truncation == "whitened":
                 scores, step = (
-                    float(linalg.whitened_norm_sq(matrix, part.metric).sum()) for matrix in (part.bilinear, direction(statistics, part, layer))
+                    float(linalg.whitened_norm_sq(matrix, part.metric).sum())
+                    for matrix in (part.bilinear, direction(statistics, part, layer))
                 )
             else:
-                scores, step = float(part.bilinear.square().sum()), float(direction(statistics, part, layer).square().sum())
+                scores = float(part.bilinear.square().sum())
+                step = float(direction(statistics, part, layer).square().sum())
             assert solved.lam(0.3, layer) == pytest.approx(0.3 * math.sqrt(scores / step), rel=1e-12)
         # the layers' ratios differ, so one lam would under-step some of them
         assert solved.layer_lam_units[0] != pytest.approx(solved.layer_lam_units[1], rel=1e-3)
@@ -219,7 +221,9 @@ def test_searched_steps_never_lose_held_out_loss_and_are_exact_at_step_zero(
     for layer, attention in zip(report.layers, adapter.attention_modules(grown)):
         query, key = one_lam.weights(layer.lam / one_lam.lam_unit)[layer.layer]
         grown_query, grown_key = adapter.read_qk(attention)
-        torch.testing.assert_close(grown_query @ grown_key.mT, (query @ key.mT).to(grown_query.dtype), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            grown_query @ grown_key.mT, (query @ key.mT).to(grown_query.dtype), rtol=1e-4, atol=1e-5
+        )
     # step 0 in every mode: exactly the old function
     unchanged = grow_model(trained_gpt2, None, p=8, statistics=statistics, step_size=0.0, step_mode=step_mode)
     batch = lm_batches(stdlib_bytes["test"], 1, seed=34)[0]

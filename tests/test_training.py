@@ -208,7 +208,9 @@ def test_clear_errors(trained_gpt2, trained):
         grow_in_training(trained_gpt2, optimizer, None, 8, mode="zero")
     model, _ = copied(trained)
     adagrad_like = torch.optim.Adamax(model.parameters())
-    model(**{"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4, dtype=torch.long)}).loss.backward()
+    model(
+        **{"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4, dtype=torch.long)}
+    ).loss.backward()
     adagrad_like.step()
     with pytest.raises(ValueError, match="cannot remap the Adamax state"):
         grow_in_training(model, adagrad_like, None, 8, mode="zero")
@@ -227,7 +229,9 @@ def test_append_mode_with_the_subspace_solver_matches_eigh(trained, stdlib_bytes
     reports = {}
     for solver in ("eigh", "subspace"):
         model, optimizer = copied(trained)
-        reports[solver] = grow_in_training(model, optimizer, stats, 8, mode="append", eval_dataloader=search, solver=solver)
+        reports[solver] = grow_in_training(
+            model, optimizer, stats, 8, mode="append", eval_dataloader=search, solver=solver
+        )
     eigh, subspace = reports["eigh"], reports["subspace"]
     assert (eigh.solver, subspace.solver) == ("eigh", "subspace")
     assert subspace.step_size == eigh.step_size > 0

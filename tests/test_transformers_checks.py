@@ -104,7 +104,9 @@ def test_left_padding_leaves_the_last_logits_unchanged(build, added):
     model, prompt = build(added), prompts()
     pad = torch.zeros((prompt.shape[0], 4), dtype=prompt.dtype)
     mask = torch.cat([torch.zeros_like(pad), torch.ones_like(prompt)], dim=1)
-    padded = model(torch.cat([pad, prompt], dim=1), attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    padded = model(
+        torch.cat([pad, prompt], dim=1), attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+    )
     torch.testing.assert_close(padded.logits[:, -1], model(prompt).logits[:, -1], atol=1e-5, rtol=1e-5)
 
 

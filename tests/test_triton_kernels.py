@@ -59,7 +59,9 @@ def test_triton_method_equals_the_reference(architecture):
     if architecture == "gpt2":
         model = GPT2LMHeadModel(tiny_gpt2_config(n_embd=32, n_head=2)).eval()
     else:
-        config = BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+        config = BertConfig(
+            vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+        )
         model = BertForMaskedLM(config).eval()
     batches = [masked_causal_batch(0, batch_size=3, seq_len=18), left_padded_batch_with_every_label(1)]
     adapter = get_adapter(model)
@@ -107,7 +109,9 @@ for tuned in (triton_kernels._softmax_rows, triton_kernels._gradient_times_input
     kernel, config = tuned.fn, tuned.configs[0]
     variants = [((0, True), ("bf16", "tf32")), ((1, False), ("bf16", "tf32")), ((2, False), ("bf16", "tf32"))]
     for (mask_kind, causal), (dtype, precision) in variants + [((0, False), ("fp32", "ieee"))]:
-        constants = dict(QK_BLOCK=64, V_BLOCK=64, MASK_KIND=mask_kind, CAUSAL=causal, PRECISION=precision, **config.kwargs)
+        constants = dict(
+            QK_BLOCK=64, V_BLOCK=64, MASK_KIND=mask_kind, CAUSAL=causal, PRECISION=precision, **config.kwargs
+        )
         signature = {}
         for name in kernel.arg_names:
             if name in constants:

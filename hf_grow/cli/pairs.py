@@ -62,7 +62,9 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         model = SentenceTransformer(args.model, device=args.device, model_kwargs={"dtype": DTYPES[args.dtype]})
         transformer_module(model)  # exactly one transformers model inside, or a ValueError saying so
     except (OSError, ValueError) as error:
-        raise CommandError(f"cannot load {args.model!r} as a SentenceTransformer: {str(error).splitlines()[0]}") from None
+        raise CommandError(
+            f"cannot load {args.model!r} as a SentenceTransformer: {str(error).splitlines()[0]}"
+        ) from None
     if args.seq_len:
         model.max_seq_length = args.seq_len
     statistics = _load_statistics(args.stats) if args.stats else None

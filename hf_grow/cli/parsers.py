@@ -115,7 +115,8 @@ def build_parser() -> HfArgumentParser:
     run = _add_run_arguments(parser)
     run.add_argument("--report", help="also write the JSON growth report to this file")
     run.add_argument("--dry-run", action="store_true",
-                     help="print the memory plan (predicted peak memory per stage) and exit, reading no data or weights")
+                     help="print the memory plan (predicted peak memory per stage) and exit, reading no data or "
+                     "weights")
     run.add_argument("--max-memory", metavar="SIZE",
                      help="plan for at most this much memory (e.g. 16GB; host on a CPU, the device's on a GPU), "
                      "when less than is free")

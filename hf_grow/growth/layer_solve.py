@@ -150,7 +150,9 @@ def solve_layer(
             part["rates"] = _rates(problem, selected, direction, whitened_step, mode, per_group)
         parts.append(part)
         del gradient, direction, whitened_step, coordinates
-    problem.norms = {name: tuple(torch.cat([p[name][i] for p in parts]) for i in range(2)) for name in linalg.TRUNCATIONS}
+    problem.norms = {
+        name: tuple(torch.cat([p[name][i] for p in parts]) for i in range(2)) for name in linalg.TRUNCATIONS
+    }
     if mode == "refactor":
         problem.targets = {t: _cat_targets([p[t, "target"] for p in parts]) for t in truncations}
     else:
@@ -197,7 +199,8 @@ def _append_update(
     left, right = unit.left, unit.right
     gradient_trace = torch.einsum("hdj,hde,hej->hj", left, gradient, right).cumsum(dim=-1)
     root = problem.metric.root_diag[..., :, None]
-    left_root, right_root = root * (problem.metric.eigenvectors.mT @ left), root * (problem.metric.eigenvectors.mT @ right)
+    left_root = root * (problem.metric.eigenvectors.mT @ left)
+    right_root = root * (problem.metric.eigenvectors.mT @ right)
     left_gram, right_gram = left_root.mT @ left_root, right_root.mT @ right_root
     # ||C^1/2 L_:j R_:j^T C^1/2||^2 = sum_{a, b < j} Gl_ab Gr_ab: cumulative over both indices (leading minors)
     products = left_gram * right_gram

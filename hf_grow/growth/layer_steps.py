@@ -60,7 +60,9 @@ def layer_blocks(model: nn.Module, adapter: ArchitectureAdapter) -> list[nn.Modu
     attentions = adapter.attention_modules(model)
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == len(attentions):
-            if all(any(inner is attention for inner in block.modules()) for block, attention in zip(module, attentions)):
+            if all(
+                any(inner is attention for inner in block.modules()) for block, attention in zip(module, attentions)
+            ):
                 return list(module)
     return None
 

@@ -40,7 +40,8 @@ CUDA_PROCESS_BASELINE_BYTES = int(1.6 * 2**30)
 ACTIVATION_OVERHEAD = 1.5
 #: The held-out passes' no-grad forwards leave about this share of a statistics batch's saved activations resident
 #: (the allocator's heap keeps tensors under its mmap threshold), measured on GPT-2 small. They build no key/value
-#: cache (`without_kv_cache`): without it GPT-2 small's line search peaked at 4.04 GiB against 4.16 with it (planned 4.23).
+#: cache (`without_kv_cache`): without it GPT-2 small's line search peaked at 4.04 GiB against 4.16 with it
+#: (planned 4.23).
 HELD_OUT_FORWARD = 0.3
 #: (heads, d, d) float64 tensors alive at once while a chunk of heads is solved: M, the direction, its whitened
 #: form, and the decomposition's input, vectors and workspace.
@@ -253,7 +254,8 @@ def _held_m_and_solved(
     A pass holds its group's M beside the earlier groups' compact solve. A group's solve turns M into compact
     targets layer by layer and frees each layer's M after it (`GrowthProblem.solve_layers`): beside the earlier
     groups' targets it holds at most the whole group's M and one layer's targets (at its first layer), or one
-    layer's M and the whole group's targets (at its last), whichever is more; not both whole. ``layer_m``: one layer's M (with its half under cross-fitting), 0 where M is on disk.
+    layer's M and the whole group's targets (at its last), whichever is more; not both whole. ``layer_m``: one
+    layer's M (with its half under cross-fitting), 0 where M is on disk.
     """
     statistics, solve = (0, 0), (0, 0)
     before = 0  # layers solved in earlier groups

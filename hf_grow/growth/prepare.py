@@ -132,9 +132,10 @@ def collect_configured_statistics(
     on_group: Callable[[GrowthStatistics, list[int]], None] | None = None,
     sharding: Sharding | None = None,
 ) -> GrowthStatistics:
-    """`collect_statistics` with the statistics options of ``config`` (``max_batches``, ``compute_dtype``, ``accumulate_dtype``,
-    ``statistics_method``, ``query_block``, ``memory_budget``, ``offload_dir``, ``cross_fit``): one place for
-    `prepare_growth` and `inspect_growth`. With ``sharding``, each layer's M is reduced to its owner only."""
+    """`collect_statistics` with the statistics options of ``config`` (``max_batches``, ``compute_dtype``,
+    ``accumulate_dtype``, ``statistics_method``, ``query_block``, ``memory_budget``, ``offload_dir``,
+    ``cross_fit``): one place for `prepare_growth` and `inspect_growth`. With ``sharding``, each layer's M is
+    reduced to its owner only."""
     return collect_statistics(
         model,
         dataloader,

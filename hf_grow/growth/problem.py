@@ -160,7 +160,8 @@ class GrowthProblem(StepWeights):
         self.mode = mode
         #: The decomposition methods the solver ran (``"auto"`` resolves per size).
         self.methods_used: set[str] = set()
-        self._model, self._adapter, self._rtol, self._with_rates, self._release = model, adapter, rtol, with_rates, release
+        self._model, self._adapter, self._rtol = model, adapter, rtol
+        self._with_rates, self._release = with_rates, release
         self.cross_fit = cross_fit
         self.sharding = sharding
         self._requested: list[int] = []  # the layers asked for, in order: shared once every layer is

@@ -47,7 +47,9 @@ GROWN_PACKAGES: tuple[ModuleType, ...] = (grown_gpt2, grown_bert, grown_llama)
 
 
 def _register(package: ModuleType) -> None:
-    classes = {auto_name: getattr(package, reference.split(".")[-1]) for auto_name, reference in package.AUTO_MAP.items()}
+    classes = {
+        auto_name: getattr(package, reference.split(".")[-1]) for auto_name, reference in package.AUTO_MAP.items()
+    }
     config_class = classes.pop("AutoConfig")
     transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     for auto_name, model_class in classes.items():

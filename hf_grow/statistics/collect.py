@@ -92,10 +92,10 @@ def collect_statistics(
 ) -> GrowthStatistics:
     """Accumulate C and M over ``dataloader`` (at most ``max_batches``), leaving the model as it was.
 
-    ``compute_dtype`` is the precision of the per-batch products (float32 or float64, whatever the model
-    dtype or autocast); ``accumulate_dtype`` that of M's sums over batches (float32 halves the largest
-    tensors; BENCHMARKS.md measures what it costs in accuracy). C is summed in float64 always. Backward runs on each batch's loss times its loss terms
-    (see `GrowthStatistics`), so a float16 model's score gradients do not underflow.
+    ``compute_dtype`` is the precision of the per-batch products (float32 or float64, whatever the model dtype or
+    autocast); ``accumulate_dtype`` that of M's sums over batches (float32 halves the largest tensors; BENCHMARKS.md
+    measures what it costs in accuracy). C is summed in float64 always. Backward runs on each batch's loss times its
+    loss terms (see `GrowthStatistics`), so a float16 model's score gradients do not underflow.
 
     ``method`` is ``"chunked"`` (sdpa attention, M block by block in backward; ``query_block`` queries per
     block, by default `default_query_block`: 8 MiB per float32 block tensor on a CPU, 256 MiB on a GPU, at

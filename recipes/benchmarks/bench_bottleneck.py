@@ -361,8 +361,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if "fixed-large" in runs:  # the target of the table (a part without it is merged later)
             print("\n" + summary(task_name, runs, escape_loss(task_name, settings)), flush=True)
     with open(f"{args.output}.json", "w") as handle:
-        serialized = {task: {v: [asdict(run) for run in rs] for v, rs in runs.items()} for task, runs in results.items()}
-        json.dump({"preset": args.preset, "seeds": seeds, "settings": used_settings, "results": serialized}, handle, indent=1, default=str)
+        serialized = {
+            task: {v: [asdict(run) for run in rs] for v, rs in runs.items()} for task, runs in results.items()
+        }
+        json.dump(
+            {"preset": args.preset, "seeds": seeds, "settings": used_settings, "results": serialized},
+            handle,
+            indent=1,
+            default=str,
+        )
     plotted = not args.variants and plot(results, f"{args.output}.png")
     written = [f"{args.output}.json"] + ([f"{args.output}.png"] if plotted else [])
     print(f"\nwrote {', '.join(written)}")

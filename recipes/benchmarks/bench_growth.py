@@ -219,8 +219,8 @@ def grow_row(
 
 def fmt_table(rows: list[dict]) -> str:
     lines = [
-        "| p | truncation | step mode | held-out before | held-out after | held-out decrease | test before | test after "
-        "| test decrease | step size |",
+        "| p | truncation | step mode | held-out before | held-out after | held-out decrease "
+        "| test before | test after | test decrease | step size |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -270,7 +270,10 @@ def main() -> None:
     results = []
     started = time.perf_counter()
     for seed, n_embd, n_layer, n_head, steps in models:
-        name = f"seed {seed}, n_embd {n_embd}, n_layer {n_layer}, n_head {n_head} (d_k {n_embd // n_head}), {steps} steps"
+        name = (
+            f"seed {seed}, n_embd {n_embd}, n_layer {n_layer}, n_head {n_head} (d_k {n_embd // n_head}), "
+            f"{steps} steps"
+        )
         print(f"\n## model: {name}", flush=True)
         model = make_model(n_embd, n_layer, n_head, seq_len, seed)
         tick = time.perf_counter()

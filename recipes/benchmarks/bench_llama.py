@@ -139,11 +139,14 @@ def speed_run(speed: dict, data: dict[str, torch.Tensor], variant: str, seed: in
 def learning_speed(preset: dict, data: dict[str, torch.Tensor]) -> list[dict]:
     speed = preset["speed"]
     rows = []
+
+    def spread(values: list[float]) -> float:
+        return pystats.stdev(values) if len(values) > 1 else 0.0
+
     for variant in ("fixed-small", "fixed-large", "append", "zero", "random"):
         curves = [speed_run(speed, data, variant, seed) for seed in range(speed["seeds"])]
         finals = [curve[-1] for curve in curves]
         areas = [sum(curve) / len(curve) for curve in curves]
-        spread = (lambda values: pystats.stdev(values) if len(values) > 1 else 0.0)
         rows.append(dict(variant=variant, final=pystats.mean(finals), final_std=spread(finals),
                          auc=pystats.mean(areas), auc_std=spread(areas)))
         print(rows[-1], flush=True)

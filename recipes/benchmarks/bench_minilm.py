@@ -45,13 +45,19 @@ def main() -> None:
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
     batches = pair_splits(tokenizer, sizes)
 
-    print(f"# all-MiniLM-L6-v2 (6 layers, 12 heads, d_k 32), {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"# all-MiniLM-L6-v2 (6 layers, 12 heads, d_k 32), {datetime.date.today()}, "
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"# pairs of 16 x batches: {sizes}; max_length 64; loss: in-batch contrastive (scale 20)")
     tick = time.perf_counter()
     statistics = hf_grow.collect_statistics(model, batches["stats"], hf_grow.get_adapter(model), contrastive_loss)
     print(f"# statistics: {time.perf_counter() - tick:.1f} s")
     test_before = hf_grow.evaluate_loss(model, batches["test"], loss_fn=contrastive_loss)[0]
-    header = f"{'p':>3} {'truncation':<10} {'step':>8} {'eval before':>11} {'eval after':>10} {'test before':>11} {'test after':>10} {'test gain':>9} {'expected':>9} {'params+':>8} {'s':>5}"
+    header = (
+        f"{'p':>3} {'truncation':<10} {'step':>8} {'eval before':>11} {'eval after':>10} {'test before':>11} "
+        f"{'test after':>10} {'test gain':>9} {'expected':>9} {'params+':>8} {'s':>5}"
+    )
     print(header)
     print("-" * len(header))
     for p, truncation in settings:
@@ -71,7 +77,8 @@ def main() -> None:
         test_after = hf_grow.evaluate_loss(grown, batches["test"], loss_fn=contrastive_loss)[0]
         expected = sum(layer.expected_gain for layer in report.layers)
         print(
-            f"{p:>3} {truncation:<10} {report.step_size:>8.4f} {report.eval_loss_before:>11.4f} {report.eval_loss_after:>10.4f} "
+            f"{p:>3} {truncation:<10} {report.step_size:>8.4f} {report.eval_loss_before:>11.4f} "
+            f"{report.eval_loss_after:>10.4f} "
             f"{test_before:>11.4f} {test_after:>10.4f} {test_before - test_after:>9.4f} {expected:>9.4f} "
             f"{report.parameters_added:>8,} {time.perf_counter() - tick:>5.0f}",
             flush=True,

@@ -40,8 +40,14 @@ from hf_grow.statistics import METHODS, collect_statistics, triton_available
 
 
 PRESETS = {
-    "cpu": dict(n_embd=256, n_layer=4, n_head=8, vocab_size=2048, batch_size=2, seq_lens=[256, 1024, 2048, 4096], dtype="float32", rounds=2),
-    "gpu": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, batch_size=8, seq_lens=[256, 1024, 2048, 4096], dtype="bfloat16", rounds=5),
+    "cpu": dict(
+        n_embd=256, n_layer=4, n_head=8, vocab_size=2048, batch_size=2, seq_lens=[256, 1024, 2048, 4096],
+        dtype="float32", rounds=2,
+    ),
+    "gpu": dict(
+        n_embd=768, n_layer=12, n_head=12, vocab_size=50257, batch_size=8, seq_lens=[256, 1024, 2048, 4096],
+        dtype="bfloat16", rounds=5,
+    ),
 }
 
 
@@ -106,7 +112,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq-lens", type=int, nargs="+", help="override the preset's sequence lengths")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, help="default: chunked, reference and, where it runs, triton")
+    parser.add_argument("--methods", nargs="+", choices=METHODS,
+                        help="default: chunked, reference and, where it runs, triton")
     parser.add_argument("--query-blocks", type=int, nargs="+", default=[],
                         help="also time the chunked method with these queries per block (default: by device)")
     parser.add_argument("--batch-size", type=int, help="override the preset's batch size")
@@ -129,7 +136,8 @@ def main() -> None:
     device = torch.device("cuda" if args.preset == "gpu" else "cpu")
     dtype = getattr(torch, preset["dtype"])
     config = GPT2Config(
-        n_embd=preset["n_embd"], n_layer=preset["n_layer"], n_head=preset["n_head"], n_positions=max(preset["seq_lens"] + (args.seq_lens or [])),
+        n_embd=preset["n_embd"], n_layer=preset["n_layer"], n_head=preset["n_head"],
+        n_positions=max(preset["seq_lens"] + (args.seq_lens or [])),
         vocab_size=preset["vocab_size"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     torch.manual_seed(0)
@@ -139,8 +147,12 @@ def main() -> None:
     methods = args.methods or ["chunked", "reference"] + (["triton"] if triton_available(device) else [])
     name = torch.cuda.get_device_name() if device.type == "cuda" else (platform.processor() or platform.machine())
     print(f"# {datetime.date.today()}, {name}, torch {torch.__version__}, {preset['dtype']}, "
-          f"GPT-2 n_embd {config.n_embd} x {config.n_layer} layers x {config.n_head} heads, batch {preset['batch_size']}")
-    header = f"{'seq':>5} {'method':<14} {'train s':>8} {'stats s':>8} {'time x':>7} {'floor x':>7} {'meas/floor':>10} {'train GiB':>9} {'stats GiB':>9} {'mem x':>6}"
+          f"GPT-2 n_embd {config.n_embd} x {config.n_layer} layers x {config.n_head} heads, "
+          f"batch {preset['batch_size']}")
+    header = (
+        f"{'seq':>5} {'method':<14} {'train s':>8} {'stats s':>8} {'time x':>7} {'floor x':>7} {'meas/floor':>10} "
+        f"{'train GiB':>9} {'stats GiB':>9} {'mem x':>6}"
+    )
     print(header)
     print("-" * len(header))
     for seq_len in [] if args.solve_only else args.seq_lens or preset["seq_lens"]:
@@ -173,8 +185,12 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 continue
             ratio = stats_time / train_time
-            memory = "" if train_memory is None else f"{train_memory:>9.2f} {stats_memory:>9.2f} {stats_memory / train_memory:>6.2f}"
-            print(f"{seq_len:>5} {label:<14} {train_time:>8.3f} {stats_time:>8.3f} {ratio:>7.2f} {floor:>7.2f} {ratio / floor:>10.2f} {memory}", flush=True)
+            memory = (
+                "" if train_memory is None
+                else f"{train_memory:>9.2f} {stats_memory:>9.2f} {stats_memory / train_memory:>6.2f}"
+            )
+            print(f"{seq_len:>5} {label:<14} {train_time:>8.3f} {stats_time:>8.3f} {ratio:>7.2f} {floor:>7.2f} "
+                  f"{ratio / floor:>10.2f} {memory}", flush=True)
 
     if not args.solve_only:
         accuracy_benchmark(model, adapter, methods, (args.seq_lens or preset["seq_lens"])[0], device)
@@ -188,13 +204,16 @@ def main() -> None:
     generator = torch.Generator(device=device).manual_seed(1)
     batches = []
     for _ in range(4):
-        input_ids = torch.randint(0, config.vocab_size, (preset["batch_size"], seq_len), device=device, generator=generator)
+        input_ids = torch.randint(
+            0, config.vocab_size, (preset["batch_size"], seq_len), device=device, generator=generator
+        )
         batches.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids})
     statistics = hf_grow.collect_statistics(model, batches[:2], adapter)
     print(f"\n# grow_model at seq {seq_len}, 2 statistics + 2 held-out batches, p=8")
     for solver in ("eigh", "subspace", "svd"):
         grown = hf_grow.grow_model(
-            model, None, p=8, statistics=statistics, eval_dataloader=batches[2:], solver=solver, measure_realized_gains=False
+            model, None, p=8, statistics=statistics, eval_dataloader=batches[2:], solver=solver,
+            measure_realized_gains=False,
         )
         report = grown.growth_report
         seconds = report.seconds
@@ -216,7 +235,8 @@ def accuracy_benchmark(model: GPT2LMHeadModel, adapter, methods: list[str], seq_
     mask[2, : seq_len // 3] = 0
     batch = {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
     exact = collect_statistics(model, [batch], adapter, method="reference", compute_dtype=torch.float64)
-    print(f"\n# accuracy at seq {seq_len} (batch 4, padding): relative Frobenius difference of M to the reference in float64")
+    print(f"\n# accuracy at seq {seq_len} (batch 4, padding): relative Frobenius difference of M to the reference "
+          "in float64")
     for method in methods:
         statistics = collect_statistics(model, [batch], adapter, method=method)
         errors = [

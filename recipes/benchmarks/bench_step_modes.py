@@ -118,12 +118,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message="query/key widths .* are not multiples of 8")
-    print(f"# bench_step_modes {datetime.date.today()} torch {torch.__version__} {platform.processor() or platform.machine()}"
-          f", {args.threads} thread(s); p = {args.p}, {args.splits} splits of each held-out pool (1/3 line search, "
-          "2/3 test)", flush=True)
+    print(f"# bench_step_modes {datetime.date.today()} torch {torch.__version__} "
+          f"{platform.processor() or platform.machine()}, {args.threads} thread(s); p = {args.p}, "
+          f"{args.splits} splits of each held-out pool (1/3 line search, 2/3 test)", flush=True)
     header = f"{'model':<22}{'split':>6}" + "".join(f"{name:>24}" for name in variants)
     rows = []
-    setups = {"gpt2": lambda: gpt2_setups(args.quick, args.cache, args.gpt2), "minilm": lambda: minilm_setup(args.quick)}
+    setups = {
+        "gpt2": lambda: gpt2_setups(args.quick, args.cache, args.gpt2),
+        "minilm": lambda: minilm_setup(args.quick),
+    }
     for setup in (setups[model]() for model in args.models):
         for name, model, stats_batches, pool, loss_fn in setup:
             tick = time.perf_counter()
@@ -147,14 +150,16 @@ def main() -> None:
                     decreases[variant] = test_before - hf_grow.evaluate_loss(grown, test_batches, loss_fn=loss_fn)[0]
                 rows.append((name, split, decreases, held_out, passes))
                 print(f"# {name} split {split}: " + ", ".join(
-                    f"{k} {v:.5f} (held-out {held_out_before - held_out[k]:.5f}, {passes[k]:.1f} passes)" for k, v in decreases.items()
+                    f"{k} {v:.5f} (held-out {held_out_before - held_out[k]:.5f}, {passes[k]:.1f} passes)"
+                    for k, v in decreases.items()
                 ), flush=True)
     print("\nTest-loss decrease (nats) per variant; in brackets, its ratio to the notes' formula:")
     print(header)
     for name, split, decreases, _, _ in rows:
         notes = decreases["notes"]
         cells = "".join(
-            f"{value:>15.5f} ({value / notes:>5.2f})" if notes > 0 else f"{value:>24.5f}" for value in decreases.values()
+            f"{value:>15.5f} ({value / notes:>5.2f})" if notes > 0 else f"{value:>24.5f}"
+            for value in decreases.values()
         )
         print(f"{name:<22}{split:>6}{cells}")
     print("\nPer variant: mean ratio to the notes' formula where it gained (least ratio), rows with less test decrease")

@@ -55,7 +55,9 @@ def answer_accuracy(
     return accuracy
 
 
-def retrieval_task(keys: int, values: int, pairs: int, n_embd: int, n_head: int, batch_size: int, eval_batches: int) -> Task:
+def retrieval_task(
+    keys: int, values: int, pairs: int, n_embd: int, n_head: int, batch_size: int, eval_batches: int
+) -> Task:
     """Key -> value retrieval in one attention layer (see the module docstring), given as ``inputs_embeds``.
 
     Sequences: ``pairs`` stored (key, value) positions with distinct keys, the query position, and one more
@@ -80,7 +82,11 @@ def retrieval_task(keys: int, values: int, pairs: int, n_embd: int, n_head: int,
         rows = torch.arange(count)
         query, answer = stored[rows, picked], stored_values[rows, picked]
         embeddings = torch.cat(
-            [key_table[stored] + value_table[stored_values], (key_table[query] + query_marker)[:, None], torch.zeros(count, 1, n_embd)],
+            [
+                key_table[stored] + value_table[stored_values],
+                (key_table[query] + query_marker)[:, None],
+                torch.zeros(count, 1, n_embd),
+            ],
             dim=1,
         )
         labels = torch.full((count, pairs + 2), -100)
