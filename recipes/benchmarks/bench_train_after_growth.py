@@ -12,9 +12,11 @@ Arms (``--arms``): ``original`` (fine-tuned as it is), ``zero`` (widened by p wi
 ``'half={"step_size": 0.02}'`` or ``'x0.25={"step_scale": 0.25}'`` (a quarter of the step the line search chooses; an
 arm option of this script, not of the library); with ``"mode"``, `grow_in_training`'s, e.g.
 ``'append={"mode": "append"}'``. The statistics are collected once and shared by every grown arm; each growth is
-deterministic and run once, each seed fine-tunes a copy. Per grown arm, diagnostics: the held-out loss the line
-search saw, the loss on the statistics' own pairs before and after growth, and the relative change of the scores
-(RMS of S_after - S_before over RMS of S_before on two test batches, mean over heads). ``--fine-tune-pairs``:
+deterministic and run once, each seed fine-tunes a copy; every arm's scores are also printed minus the original's on
+the same seed (the same batches in the same order), which removes the order's share of the spread. Per grown arm,
+diagnostics: the held-out loss the line search saw, the loss on the statistics' own pairs before and after growth,
+and the relative change of the scores (RMS of S_after - S_before over RMS of S_before on two test batches, mean over
+heads). ``--fine-tune-pairs``:
 fine-tune on the statistics' pairs (what a user who grows on their training data, then trains on it, does), on 320
 other pairs of the same files (``disjoint``), or on 320 pairs of the line-search files that the line search does
 not use (``other-files``). ``--statistics-pairs``: how many pairs the statistics come from (320; at most 640 with
@@ -180,6 +182,11 @@ def parse_arm(text: str) -> tuple[str, dict | None]:
     return name, json.loads(brace[1:] + options)
 
 
+def spread(values: list[float]) -> str:
+    """``mean ± std`` of ``values`` (std 0 for one value)."""
+    return f"{pystats.mean(values):.4f} ± {pystats.stdev(values) if len(values) > 1 else 0.0:.4f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arms", nargs="+", default=["original", "zero", "default"])
@@ -258,17 +265,19 @@ def main() -> None:
     for name, row in diagnostics.items():
         print(f"| {name} | {row['step']:.4g} | {row['held_out'][0]:.4f} -> {row['held_out'][1]:.4f} | "
               f"{row['statistics_pairs'][0]:.4f} -> {row['statistics_pairs'][1]:.4f} | {row['scores']:.3f} |")
+    header = "| arm | " + " | ".join(str(step) for step in at) + " |\n|---|" + "---|" * len(at)
     for index, metric in enumerate(("test loss", "MRR@10", "NDCG@10")):
-        print(f"\n{metric} after fine-tuning steps\n")
-        print("| arm | " + " | ".join(str(step) for step in at) + " |")
-        print("|---|" + "---|" * len(at))
+        print(f"\n{metric} after fine-tuning steps (mean ± std over seeds)\n\n{header}")
         for name, runs in results.items():
-            cells = []
-            for step in at:
-                values = [run[step][index] for run in runs]
-                spread = pystats.stdev(values) if len(values) > 1 else 0.0
-                cells.append(f"{pystats.mean(values):.4f} ± {spread:.4f}")
-            print(f"| {name} | " + " | ".join(cells) + " |")
+            print(f"| {name} | " + " | ".join(spread([run[step][index] for run in runs]) for step in at) + " |")
+        if "original" in results and len(results) > 1:
+            print(f"\n{metric}: arm − original on the same seed (the same batches; mean ± std)\n\n{header}")
+            for name, runs in results.items():
+                if name != "original":
+                    differences = lambda step: [  # noqa: E731
+                        run[step][index] - base[step][index] for run, base in zip(runs, results["original"])]
+                    print(f"| {name} | " + " | ".join(spread(differences(step)) for step in at) + " |")
+    print("\n# per seed (test loss, MRR@10, NDCG@10 by step count):", json.dumps(results))
 
 
 if __name__ == "__main__":
