@@ -200,11 +200,12 @@ def capped_growth(
     for layer, part in enumerate(problem.layers):
         if problem.mode != "refactor":
             raise ValueError("max_change bounds refactored heads; it cannot be combined with \"mode\"")
-        for _ in range(4):  # the truncation makes the change a little less than linear in each head's lam
+        chosen, bound = problem.head_factors[layer], cap * part.bilinear.flatten(1).norm(dim=1)
+        for _ in range(8):  # the truncation makes the change not quite linear in each head's lam: a fixed point
             query, key = problem.layer_weights(layer, step)
             change = (part.scaling_after * query @ key.mT - part.bilinear).flatten(1).norm(dim=1)
-            shrink = (cap * part.bilinear.flatten(1).norm(dim=1) / change).clamp(max=1.0)
-            problem.head_factors[layer] = problem.head_factors[layer] * shrink
+            shrunk = problem.head_factors[layer] * bound / change.clamp_min(torch.finfo(change.dtype).tiny)
+            problem.head_factors[layer] = torch.minimum(shrunk, chosen)
     grown = prepared.adapter.build_grown_model(original, prepared.qk_after, problem.weights(step))
     grown.growth_report = dataclasses.replace(searched.growth_report, eval_loss_after=mean_loss(grown, held_out))
     return grown
