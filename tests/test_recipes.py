@@ -125,3 +125,32 @@ def test_bench_train_after_growth_lm_splits_texts_and_trains_every_arm_on_the_sa
         assert results["zero"][seed][3] == pytest.approx(results["original"][seed][3], abs=1e-3)
     assert results["original"][0][3] != results["original"][1][3]  # the seed draws the batches
     assert "| zero | 0.0000 ± 0.0000 |" in tables(results, diagnostics, [0, 2, 3])
+
+
+def test_bench_train_after_growth_caps_each_heads_change_of_its_old_form():
+    """A "max_change" arm takes the step chosen with the other options and shrinks only the heads whose Z would
+    change by more than the cap (to the cap, up to the float32 weights' rounding); a cap no head reaches changes
+    nothing."""
+    from bench_train_after_growth import grow, head_changes
+    from sentence_pairs import contrastive_loss
+    from transformers import BertConfig, BertModel
+
+    import hf_grow
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=32)
+    model = BertModel(config).eval()
+    batches = [{"input_ids": torch.randint(0, 64, (8, 12)), "attention_mask": torch.ones(8, 12, dtype=torch.long)}
+               for _ in range(6)]
+    statistics = hf_grow.collect_statistics(model, batches[:4], hf_grow.get_adapter(model), loss_fn=contrastive_loss)
+    arm = lambda options: grow(model, options, batches[:4], batches[4:], statistics, 2, contrastive_loss)  # noqa: E731
+    default = head_changes(model, arm({"step_size": 0.2}))
+    assert default.min() > 0.01
+    uncapped = arm({"step_size": 0.2, "max_change": 1e9})
+    assert head_changes(model, uncapped).equal(default)
+    cap = default.median().item()
+    capped = head_changes(model, arm({"step_size": 0.2, "max_change": cap}))
+    below = default <= cap
+    assert capped[below].equal(default[below])  # those heads keep the step
+    assert (capped[~below] <= cap * (1 + 1e-5)).all() and (capped[~below] > (1 - 1e-3) * cap).all()

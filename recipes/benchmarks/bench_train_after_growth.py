@@ -12,15 +12,20 @@ Arms (``--arms``): ``original`` (fine-tuned as it is), ``zero`` (widened by p wi
 ``'half={"step_size": 0.02}'`` or ``'x0.25={"step_scale": 0.25}'`` (a quarter of the step the line search chooses; an
 arm option of this script, not of the library); with ``"mode"``, `grow_in_training`'s, e.g.
 ``'append={"mode": "append"}'``. The statistics are collected once and shared by every grown arm; each growth is
-deterministic and run once, each seed fine-tunes a copy. Per grown arm, diagnostics: the held-out loss the line
-search saw, the loss on the statistics' own pairs before and after growth, and the relative change of the scores
-(RMS of S_after - S_before over RMS of S_before on two test batches, mean over heads). ``--fine-tune-pairs``:
-fine-tune on the statistics' pairs (what a user who grows on their training data, then trains on it, does), on 320
-other pairs of the same files (``disjoint``), or on 320 pairs of the line-search files that the line search does
-not use (``other-files``). ``--statistics-pairs``: how many pairs the statistics come from (320; at most 640 with
-``disjoint``, 829 otherwise). An arm's ``"cross_fit": true`` solves from M kept to what the statistics' two halves
-agree on (`hf_grow.linalg.cross_fitted_gradient`: each half's top singular directions in the metric of C, valued
-by the other half).
+deterministic and run once, each seed fine-tunes a copy; every arm's scores are also printed minus the original's on
+the same seed (the same batches in the same order), which removes the order's share of the spread. Per grown arm,
+diagnostics: the held-out loss the line search saw, the loss on the statistics' own pairs before and after growth,
+the relative change of the scores (RMS of S_after - S_before over RMS of S_before on two test batches, mean over
+heads) and of each head's Z = scaling W_Q W_K^T (||Z_after - Z_before|| / ||Z_before||, plain Frobenius norm; median
+and largest over heads). ``--fine-tune-pairs``: fine-tune on the statistics' pairs (what a user who grows on their
+training data, then trains on it, does), on 320 other pairs of the same files (``disjoint``), or on 320 pairs of
+the line-search files that the line search does not use (``other-files``). ``--statistics-pairs``: how many pairs
+the statistics come from (320; at most 640 with ``disjoint``, 829 otherwise). An arm's ``"cross_fit": true`` solves
+from M kept to what the statistics' two halves agree on (`hf_grow.linalg.cross_fitted_gradient`: each half's top
+singular directions in the metric of C, valued by the other half). An arm's ``"max_change": c`` (an arm option of
+this script) takes the step the line search chooses with the other options, then shrinks each head's lam until its
+Z changes by at most c of the old Z (plain Frobenius norm): a step bounded relative to the old weights, e.g.
+``'cap0.25={"max_change": 0.25}'``.
 
     python recipes/benchmarks/bench_train_after_growth.py                 # 3 seeds, ~30 min on 2 CPU cores
     python recipes/benchmarks/bench_train_after_growth.py --quick         # smoke test
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -51,6 +57,8 @@ from sentence_pairs import contrastive_loss, mean_pooled, pair_batches  # noqa: 
 import hf_grow  # noqa: E402
 from bench_st_retrieval import split_pairs  # noqa: E402
 from hf_grow import compact, linalg  # noqa: E402
+from hf_grow.config import resolve_config  # noqa: E402
+from hf_grow.growth.prepare import prepare_growth  # noqa: E402
 from hf_grow.statistics import GrowthStatistics  # noqa: E402
 
 
@@ -160,6 +168,8 @@ def grow(
     rank-p new dims) by `grow_in_training` on a grown-type copy. With ``"step_scale": f``, the step is f times the
     one the line search chooses with the other options (searched first, then taken as given)."""
     options = dict(options)
+    if "max_change" in options:
+        return capped_growth(original, options, batches, held_out, statistics, p, loss_fn)
     if "step_scale" in options:
         scale = options.pop("step_scale")
         searched = grow(original, options, batches, held_out, statistics, p, loss_fn).growth_report.step_size
@@ -172,12 +182,58 @@ def grow(
     return hf_grow.grow_model(original, batches, p, measure_realized_gains=False, **common, **options)
 
 
+def capped_growth(
+    original: PreTrainedModel, options: dict, batches: list[dict], held_out: list[dict],
+    statistics: hf_grow.GrowthStatistics, p: int, loss_fn: Callable | None,
+) -> PreTrainedModel:
+    """``grow`` at the step chosen with the other ``options``, each head's step then shrunk so that its Z =
+    scaling W_Q W_K^T changes by at most ``options["max_change"]`` of the old Z (plain Frobenius norm): a step
+    bounded relative to the old weights. The line search bounds the change in the metric of C only, where the
+    statistics' directions of little variance weigh little. ``"refactor"`` growth only (no ``"mode"``)."""
+    options = dict(options)
+    cap = options.pop("max_change")
+    searched = grow(original, options, batches, held_out, statistics, p, loss_fn)
+    config = resolve_config(None, {**options, "p": p, "step_size": searched.growth_report.step_size})
+    prepared = prepare_growth(original, batches, config, mode=None, eval_dataloader=held_out, loss_fn=loss_fn,
+                              statistics=statistics, accelerator=None, progress=False)
+    problem, step = prepared.problem, config.step_size
+    for layer, part in enumerate(problem.layers):
+        if problem.mode != "refactor":
+            raise ValueError("max_change bounds refactored heads; it cannot be combined with \"mode\"")
+        chosen, bound = problem.head_factors[layer], cap * part.bilinear.flatten(1).norm(dim=1)
+        for _ in range(8):  # the truncation makes the change not quite linear in each head's lam: a fixed point
+            query, key = problem.layer_weights(layer, step)
+            change = (part.scaling_after * query @ key.mT - part.bilinear).flatten(1).norm(dim=1)
+            shrunk = problem.head_factors[layer] * bound / change.clamp_min(torch.finfo(change.dtype).tiny)
+            problem.head_factors[layer] = torch.minimum(shrunk, chosen)
+    grown = prepared.adapter.build_grown_model(original, prepared.qk_after, problem.weights(step))
+    grown.growth_report = dataclasses.replace(searched.growth_report, eval_loss_after=mean_loss(grown, held_out))
+    return grown
+
+
+def head_changes(original: PreTrainedModel, grown: PreTrainedModel) -> torch.Tensor:
+    """Each head's ||Z_grown - Z_original|| / ||Z_original|| (Z = scaling W_Q W_K^T, augmented by the bias; plain
+    Frobenius norm), all layers."""
+    adapter = hf_grow.get_adapter(original)
+    changes = []
+    for before, after in zip(adapter.attention_modules(original), adapter.attention_modules(grown)):
+        forms = [query.double() @ key.double().mT / query.shape[-1] ** 0.5
+                 for query, key in (adapter.read_qk(before), adapter.read_qk(after))]
+        changes.append((forms[1] - forms[0]).flatten(1).norm(dim=1) / forms[0].flatten(1).norm(dim=1))
+    return torch.cat(changes)
+
+
 def parse_arm(text: str) -> tuple[str, dict | None]:
     """An ``--arms`` entry as (name, growth options): ``None`` for the original, step 0 for ``zero``."""
     if text in ("original", "zero", "default"):
         return text, {"original": None, "zero": {"step_size": 0.0}, "default": {}}[text]
     name, brace, options = text.partition("={")
     return name, json.loads(brace[1:] + options)
+
+
+def spread(values: list[float]) -> str:
+    """``mean ± std`` of ``values`` (std 0 for one value)."""
+    return f"{pystats.mean(values):.4f} ± {pystats.stdev(values) if len(values) > 1 else 0.0:.4f}"
 
 
 def main() -> None:
@@ -191,8 +247,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--fine-tune-pairs", choices=("same", "disjoint", "other-files"), default="same",
-                        help="fine-tune on the statistics' pairs, on 320 other pairs of the same files, or on 320 pairs "
-                        "of the line-search files the line search does not use")
+                        help="fine-tune on the statistics' pairs, on 320 other pairs of the same files, or on 320 "
+                        "pairs of the line-search files the line search does not use")
     parser.add_argument("--statistics-pairs", type=int, default=320)
     parser.add_argument("--quick", action="store_true", help="few pairs, steps and seeds")
     args = parser.parse_args()
@@ -240,7 +296,7 @@ def main() -> None:
             report = start.growth_report
             diagnostics[name] = dict(
                 step=report.step_size, held_out=(report.eval_loss_before, report.eval_loss_after),
-                scores=score_change(original, start, test[:2]),
+                scores=score_change(original, start, test[:2]), changes=head_changes(original, start),
                 statistics_pairs=(mean_loss(original, train), mean_loss(start, train)),
             )
         results[name] = [
@@ -253,22 +309,26 @@ def main() -> None:
           f"pairs, {len(pairs['test'])} test pairs, statistics from {statistics_pairs} pairs, fine-tuned on the "
           f"{args.fine_tune_pairs} pairs, "
           f"{seeds} seeds (mean ± std)")
-    print("\n| arm | step size | held-out loss (line search) | statistics pairs' loss | score change |")
-    print("|---|---|---|---|---|")
+    print("\n| arm | step size | held-out loss (line search) | statistics pairs' loss | score change | "
+          "head's Z change: median / largest |")
+    print("|---|---|---|---|---|---|")
     for name, row in diagnostics.items():
         print(f"| {name} | {row['step']:.4g} | {row['held_out'][0]:.4f} -> {row['held_out'][1]:.4f} | "
-              f"{row['statistics_pairs'][0]:.4f} -> {row['statistics_pairs'][1]:.4f} | {row['scores']:.3f} |")
+              f"{row['statistics_pairs'][0]:.4f} -> {row['statistics_pairs'][1]:.4f} | {row['scores']:.3f} | "
+              f"{row['changes'].median():.3f} / {row['changes'].max():.3f} |")
+    header = "| arm | " + " | ".join(str(step) for step in at) + " |\n|---|" + "---|" * len(at)
     for index, metric in enumerate(("test loss", "MRR@10", "NDCG@10")):
-        print(f"\n{metric} after fine-tuning steps\n")
-        print("| arm | " + " | ".join(str(step) for step in at) + " |")
-        print("|---|" + "---|" * len(at))
+        print(f"\n{metric} after fine-tuning steps (mean ± std over seeds)\n\n{header}")
         for name, runs in results.items():
-            cells = []
-            for step in at:
-                values = [run[step][index] for run in runs]
-                spread = pystats.stdev(values) if len(values) > 1 else 0.0
-                cells.append(f"{pystats.mean(values):.4f} ± {spread:.4f}")
-            print(f"| {name} | " + " | ".join(cells) + " |")
+            print(f"| {name} | " + " | ".join(spread([run[step][index] for run in runs]) for step in at) + " |")
+        if "original" in results and len(results) > 1:
+            print(f"\n{metric}: arm − original on the same seed (the same batches; mean ± std)\n\n{header}")
+            for name, runs in results.items():
+                if name != "original":
+                    differences = lambda step: [  # noqa: E731
+                        run[step][index] - base[step][index] for run, base in zip(runs, results["original"])]
+                    print(f"| {name} | " + " | ".join(spread(differences(step)) for step in at) + " |")
+    print("\n# per seed (test loss, MRR@10, NDCG@10 by step count):", json.dumps(results))
 
 
 if __name__ == "__main__":
