@@ -13,8 +13,8 @@ Some options in more detail:
   next dimensions have the largest expected gain summed over its heads (in the metric of C, whatever the
   ``truncation``). The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`) per unit of
   the searched step size, each head at its own lam (``step_mode``). ``growth_report.budget`` records it.
-- ``step_size``: relative units, ``step_size = lam / lam_unit`` (see `hf_grow.growth`): 1 moves the scores
-  by about their own RMS size. ``0.0`` gives a grown model that computes exactly the old function.
+- ``step_size``: relative units, ``step_size = lam / lam_unit`` (see `hf_grow.growth`): at 1 the update is as
+  large as Z in the truncation's norm. ``0.0`` gives a grown model that computes exactly the old function.
 - ``search``: ``"exact"`` searches the rank-constrained update; ``"fast"`` first brackets the step with the
   full-rank update Z - lam P (no SVD per step, also reported as an upper reference), then refines the
   rank-constrained step from there.

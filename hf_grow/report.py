@@ -90,7 +90,7 @@ class GrowthReport:
     model_type: str
     truncation: str
     search: str
-    #: The chosen step in relative units: 1 moves the scores by their own RMS size (see `grow_model`); with
+    #: The chosen step in relative units: at 1 the update is as large as Z (see `hf_grow.growth`); with
     #: ``step_mode="layer_search"``, the multiplier of the layers' own steps.
     step_size: float
     #: The steps in absolute units of the mean statistics, Z_new = Z - lam * P: the root mean square of the

@@ -128,7 +128,8 @@ def spread(values: list[float]) -> str:
 def tables(results: dict[str, list[dict[int, float]]], diagnostics: dict[str, dict], at: list[int]) -> str:
     """Markdown: the diagnostics per grown arm, the test loss per arm and step count (mean ± std over seeds), and
     each arm's test loss minus the original's on the same seed (the same batches)."""
-    lines = ["| arm | step size | line-search loss | statistics text's loss | other text's loss |", "|---|---|---|---|---|"]
+    lines = ["| arm | step size | line-search loss | statistics text's loss | other text's loss |",
+             "|---|---|---|---|---|"]
     for name, row in diagnostics.items():
         cells = " | ".join(f"{row[text][0]:.4f} -> {row[text][1]:.4f}" for text in ("search", "statistics", "other"))
         lines.append(f"| {name} | {row['step']:.4g} | {cells} |")
@@ -147,7 +148,8 @@ def tables(results: dict[str, list[dict[int, float]]], diagnostics: dict[str, di
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=("bpe-en", "bytes-en", "llama-en"), default=["bpe-en", "llama-en"])
+    parser.add_argument("--models", nargs="+", choices=("bpe-en", "bytes-en", "llama-en"),
+                        default=["bpe-en", "llama-en"])
     parser.add_argument("--arms", nargs="+", default=["original", "zero", "default"])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--at", type=int, nargs="+", default=[0, 25, 50, 100, 150], help="step counts scored")
