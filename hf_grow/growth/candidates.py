@@ -79,7 +79,7 @@ def search_and_report(
     outcome = search.line_search(
         prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size,
         record_step_zero=measure_realized_gains, before=None if measure_realized_gains else old.on_all(),
-        near_loss=old.combined(kept.search_loss, kept.confirm_loss),
+        near_loss=old.combined(kept.search_loss, kept.confirm_loss), known_part=old.known_part(searched),
     )
     # every pass but the one at step 0 over all the held-out batches that any growth makes
     outcome.passes += passes + old.passes + measure_realized_gains - 1
@@ -138,6 +138,13 @@ class OldFunction:
         """The old function's loss and weight on all the held-out batches, from those of both parts."""
         search_loss, confirm_loss = self.loss("search")[0], self.loss("confirm")[0]
         return self.combined(search_loss, confirm_loss), sum(self.part_weights.values())
+
+    def known_part(self, searched: search.SearchOutcome) -> search.KnownPart:
+        """The search batches' losses at the steps the kept candidate's search evaluated (the same weights there):
+        the final search on all the batches evaluates only the confirmation batches at those steps."""
+        losses = {point.step_size: point.loss for point in searched.points
+                  if point.kind == "rank" and point.step_size > 0 and point.loss is not None}
+        return search.KnownPart(losses, self.batches["confirm"], self.combined, self.share("confirm"))
 
     def combined(self, search_loss: float, confirm_loss: float) -> float:
         """A loss on all the held-out batches from its losses on the search and the confirmation batches (once

@@ -56,6 +56,23 @@ class SearchOutcome:
     layer_scales: list[float] = field(default_factory=list)
 
 
+@dataclass
+class KnownPart:
+    """The losses of some steps of the problem being searched, known on a part of the held-out batches (a
+    candidate's search batches, evaluated with the same weights by its search): at those steps a search on all
+    the batches evaluates only the ``rest`` and combines the two (`evaluate_loss`'s mean, weight by weight)."""
+
+    losses: dict[float, float]
+    rest: list[dict[str, Tensor]]
+    combine: Callable[[float, float], float]
+    #: What a pass over ``rest`` costs in full passes over all the held-out batches.
+    share: float
+
+    def loss_at(self, step: float) -> float | None:
+        """The known part's loss at ``step`` (a step computed another way, equal to roundoff, counts), or None."""
+        return next((loss for known, loss in self.losses.items() if math.isclose(known, step, rel_tol=1e-12)), None)
+
+
 def search_and_report(
     prepared: PreparedGrowth,
     target: PreTrainedModel,
@@ -89,6 +106,7 @@ def line_search(
     record_step_zero: bool = False,
     before: tuple[float, int] | None = None,
     near_loss: float | None = None,
+    known_part: KnownPart | None = None,
 ) -> SearchOutcome:
     """Search ``problem``'s step on ``eval_batches`` (or take the config's ``step_size``) in ``target``, which
     computes the old function on entry; on exit it holds the chosen step's weights. ``near``: a step already
@@ -97,7 +115,8 @@ def line_search(
     realized gains to replay; only where they will be measured, since the records hold up to `CACHE_BYTES`.
     ``before``: the held-out loss and weight (`evaluate_loss`) of the old function on ``eval_batches``, known
     already (the candidates of "auto" options share it), so that it is not evaluated again; ``near_loss``:
-    likewise the loss at ``near``."""
+    likewise the loss at ``near``; ``known_part``: losses known on part of ``eval_batches`` at some steps, where
+    only the rest is evaluated."""
     model, adapter = prepared.model, prepared.adapter
     accelerator = prepared.accelerator
     config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
@@ -116,7 +135,13 @@ def line_search(
     def evaluate_step(step: float) -> float:
         decompositions: Decompositions = {}
         write_weights(adapter, target, problem.weights(step, decompositions))
-        loss = evaluate(target)
+        part = None if known_part is None else known_part.loss_at(step)
+        if part is None:
+            loss = evaluate(target)
+        else:
+            rest = evaluate_loss(target, known_part.rest, adapter, loss_fn, accelerator)[0]
+            loss = known_part.combine(part, rest)
+            passes.passes += known_part.share
         if not evaluated or loss < evaluated["loss"]:
             evaluated.update(loss=loss, step=step, decompositions=decompositions)
         return loss
