@@ -103,6 +103,7 @@ def line_search(
     *,
     progress: bool,
     near: float | None = None,
+    near_grid: tuple[float, int] = (2.0, 2),
     record_step_zero: bool = False,
     before: tuple[float, int] | None = None,
     near_loss: float | None = None,
@@ -110,7 +111,7 @@ def line_search(
 ) -> SearchOutcome:
     """Search ``problem``'s step on ``eval_batches`` (or take the config's ``step_size``) in ``target``, which
     computes the old function on entry; on exit it holds the chosen step's weights. ``near``: a step already
-    searched on some of the batches, from which a shorter search starts (factor 2, two refinements).
+    searched on some of the batches, from which a shorter search starts (``near_grid``: its factor and refinements).
     ``record_step_zero``: keep every block's outputs from the step-0 pass (``SearchOutcome.step_zero``) for the
     realized gains to replay; only where they will be measured, since the records hold up to `CACHE_BYTES`.
     ``before``: the held-out loss and weight (`evaluate_loss`) of the old function on ``eval_batches``, known
@@ -196,7 +197,10 @@ def line_search(
             if near:
                 known = {} if near_loss is None else {near: near_loss}
                 points += [LineSearchPoint(step, loss, "rank") for step, loss in known.items()]
-                losses = search_step_size(tracked("rank", evaluate_step), near, factor=2.0, refinements=2, known=known)
+                factor, refinements = near_grid
+                losses = search_step_size(
+                    tracked("rank", evaluate_step), near, factor=factor, refinements=refinements, known=known
+                )
             elif problem.step_mode == "layer_search":
                 gains = search_layers_alone(problem, passes, adapter, target, start, loss_before, tracked)
                 # each layer at its own best step alone, then one multiplier t of all of them
