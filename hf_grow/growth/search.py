@@ -103,7 +103,8 @@ def line_search(
     *,
     progress: bool,
     near: float | None = None,
-    near_grid: tuple[float, int] = (2.0, 2),
+    grid: tuple[float, int] | None = None,
+    known: dict[float, float] | None = None,
     record_step_zero: bool = False,
     before: tuple[float, int] | None = None,
     near_loss: float | None = None,
@@ -111,7 +112,10 @@ def line_search(
 ) -> SearchOutcome:
     """Search ``problem``'s step on ``eval_batches`` (or take the config's ``step_size``) in ``target``, which
     computes the old function on entry; on exit it holds the chosen step's weights. ``near``: a step already
-    searched on some of the batches, from which a shorter search starts (``near_grid``: its factor and refinements).
+    searched on some of the batches, from which a shorter search starts. ``grid``: the factor and the refinements
+    of the search (`search_step_size`) from ``near`` or, in the steps' own search (step modes but those searched
+    per layer), from the start; None: factor 2 refined twice, factor 4 refined four times. ``known``: for those
+    searches, losses on ``eval_batches`` known at some steps (from a search of the same problem), not evaluated.
     ``record_step_zero``: keep every block's outputs from the step-0 pass (``SearchOutcome.step_zero``) for the
     realized gains to replay; only where they will be measured, since the records hold up to `CACHE_BYTES`.
     ``before``: the held-out loss and weight (`evaluate_loss`) of the old function on ``eval_batches``, known
@@ -194,10 +198,14 @@ def line_search(
                 return run
 
             start = config.initial_step_size
+            known = dict(known or {})
+            if near and near_loss is not None:
+                known[near] = near_loss
+            points += [
+                LineSearchPoint(step, loss if math.isfinite(loss) else None, "rank") for step, loss in known.items()
+            ]
             if near:
-                known = {} if near_loss is None else {near: near_loss}
-                points += [LineSearchPoint(step, loss, "rank") for step, loss in known.items()]
-                factor, refinements = near_grid
+                factor, refinements = grid or (2.0, 2)
                 losses = search_step_size(
                     tracked("rank", evaluate_step), near, factor=factor, refinements=refinements, known=known
                 )
@@ -221,7 +229,10 @@ def line_search(
                 # The rank-constrained optimum sits near the unconstrained one: a finer, shorter search.
                 losses = search_step_size(tracked("rank", evaluate_step), bracketed or start, factor=2.0, refinements=2)
             else:
-                losses = search_step_size(tracked("rank", evaluate_step), start)
+                factor, refinements = grid or (4.0, 4)
+                losses = search_step_size(
+                    tracked("rank", evaluate_step), start, factor=factor, refinements=refinements, known=known
+                )
             step_size = best_step(losses)
             loss_after = loss_before if step_size == 0 else losses[step_size]
             if problem.step_mode == "coordinate" and step_size > 0:
