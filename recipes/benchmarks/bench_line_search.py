@@ -20,31 +20,30 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import random
-import json
 import sys
 
 import torch
 from transformers.utils import logging as transformers_logging
 
 import hf_grow
+from hf_grow.growth import candidates, layer_steps, line_search
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_candidates import english_setups  # noqa: E402
-
-from hf_grow.growth import candidates, layer_steps, line_search  # noqa: E402
 
 
 def settings_of(name: str) -> dict[str, str]:
     """Growth options of a ``--step-modes`` entry: a step mode, ``auto`` (both options auto), or ``TRUNCATION/MODE``."""
     if name == "auto":
-        return dict(truncation="auto", step_mode="auto")
+        return {"truncation": "auto", "step_mode": "auto"}
     if "/" in name:
         truncation, step_mode = name.split("/")
-        return dict(truncation=truncation, step_mode=step_mode)
-    return dict(step_mode=name)
+        return {"truncation": truncation, "step_mode": step_mode}
+    return {"step_mode": name}
 
 
 class HeldOutForwards:
@@ -59,11 +58,11 @@ class HeldOutForwards:
 
         def traced(prepared, problem, target, eval_batches, **kwargs):
             outcome = searched(prepared, problem, target, eval_batches, **kwargs)
-            self.searches.append(dict(
-                truncation=problem.truncation, step_mode=problem.step_mode, batches=len(eval_batches),
-                near=kwargs.get("near"), step=outcome.step_size, loss=outcome.loss_after,
-                points=[(point.step_size, point.loss) for point in outcome.points],
-            ))
+            self.searches.append({
+                "truncation": problem.truncation, "step_mode": problem.step_mode, "batches": len(eval_batches),
+                "near": kwargs.get("near"), "step": outcome.step_size, "loss": outcome.loss_after,
+                "points": [(point.step_size, point.loss) for point in outcome.points],
+            })
             return outcome
 
         candidates.search.line_search = traced
@@ -116,9 +115,10 @@ def main() -> None:
                       f"{test_before - test_loss:>14.6f}  {kept}", flush=True)
                 if args.trace:
                     with open(args.trace, "a") as trace:
-                        trace.write(json.dumps(dict(model=name, split=split, setting=step_mode,
-                                                    searches=forwards.searches,
-                                                    candidates=[vars(c) for c in report.candidates])) + "\n")
+                        trace.write(json.dumps({
+                            "model": name, "split": split, "setting": step_mode, "searches": forwards.searches,
+                            "candidates": [vars(candidate) for candidate in report.candidates],
+                        }) + "\n")
 
 
 if __name__ == "__main__":
