@@ -198,9 +198,12 @@ def _choose(
     problem = prepared.problem  # solved once for every candidate
     passes = {"search": 0.0, "confirm": 0}
 
-    def searched(truncation: str, step_mode: str, near: float | None, *, grid=None, known=None) -> _Candidate:
+    def searched(
+        truncation: str, step_mode: str, near: float | None, *, grid=None, known=None, confirmed=None
+    ) -> _Candidate:
         """Search the candidate (from ``near``; ``grid`` and ``known`` as `search.line_search`'s) and confirm its
-        step: the confirmation loss of step 0 is the old function's."""
+        step: the confirmation loss of step 0 is the old function's, of the step ``confirmed`` (step, loss) the
+        loss given."""
         problem.set_truncation(truncation)  # one solve holds both truncations (`prepare_growth`)
         problem.set_step_mode(step_mode)
         write_weights(adapter, target, old.weights)
@@ -211,6 +214,8 @@ def _choose(
         passes["search"] += outcome.passes
         if outcome.step_size == 0:
             confirm_loss = old.loss("confirm")[0]
+        elif confirmed is not None and confirmed[0] == outcome.step_size:
+            confirm_loss = confirmed[1]
         else:  # the weights the search left in the target
             confirm_loss, old.part_weights["confirm"] = evaluate_loss(
                 target, confirm_batches, adapter, loss_fn, accelerator
@@ -245,7 +250,8 @@ def _choose(
             candidate, report = candidates[index], candidates[index].report
             known = {point.step_size: math.inf if point.loss is None else point.loss
                      for point in candidate.outcome.points if point.kind == "rank" and point.step_size > 0}
-            candidates[index] = searched(report.truncation, report.step_mode, candidate.near, known=known)
+            candidates[index] = searched(report.truncation, report.step_mode, candidate.near, known=known,
+                                         confirmed=(report.step_size, report.confirm_loss))
     simplest = candidates[0]
     best = min(candidates, key=lambda candidate: candidate.report.search_loss)  # the first (simpler) of a tie
     confirmed = best.report.confirm_loss < simplest.report.confirm_loss
