@@ -1,6 +1,8 @@
 """truncation="auto" / step_mode="auto": the held-out loss chooses the candidate, confirmed on batches the search
 never saw (`hf_grow.growth.candidates`)."""
 
+import math
+
 import pytest
 import torch
 
@@ -251,3 +253,27 @@ def test_the_final_search_evaluates_only_the_confirmation_batches_where_the_kept
         alone = grow_model(trained_gpt2, None, p=8, statistics=statistics, step_size=step,
                            truncation=report.truncation, step_mode=report.step_mode)
         assert points[step] == pytest.approx(evaluate_loss(alone, batches, loss_fn=signed_loss)[0], abs=1e-6)
+
+
+def test_losing_candidates_stay_coarse_and_the_choice_is_the_full_searches(
+    trained_gpt2, statistics, held_out, chosen, monkeypatch
+):
+    """The candidates but the simplest are searched coarsely, and completed only while a bound for convex losses
+    leaves them within reach of the best: the choice, the kept candidate's search and every completed candidate's
+    report are those of full searches of every candidate (a reach that completes all), for fewer passes."""
+    from hf_grow.growth import candidates
+
+    monkeypatch.setattr(candidates, "REACH_FACTOR", math.inf)  # every coarse search completed
+    full = grown(trained_gpt2, statistics, [held_out, held_out], **AUTO).growth_report
+    report = chosen.growth_report
+    assert [candidate.coarse for candidate in full.candidates] == [False] * 4
+    assert [candidate.coarse for candidate in report.candidates] == [False, False, True, True]  # Frobenius lost
+    assert (report.truncation, report.step_mode, report.selection) == (full.truncation, full.step_mode, "search")
+    assert report.candidates[:2] == full.candidates[:2]  # the simplest and the kept one, completed
+    for coarse, completed in zip(report.candidates[2:], full.candidates[2:]):  # a coarse search finds no less
+        assert coarse.search_loss >= completed.search_loss
+        assert coarse.search_loss - completed.search_loss < coarse.search_loss - report.candidates[1].search_loss
+    assert [(point.step_size, point.loss) for point in report.line_search] == [
+        (point.step_size, point.loss) for point in full.line_search
+    ]
+    assert report.line_search_passes < full.line_search_passes - 1
