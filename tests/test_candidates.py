@@ -109,6 +109,7 @@ def test_report_and_card_name_the_chosen_candidate(chosen, tmp_path):
     assert "- Candidate: whitened, per layer chosen by held-out loss" in card
     assert "`selection` search" in card
     assert "| frobenius | per_layer |" in card  # every candidate's losses
+    assert "(coarse search)" in card  # the losing candidates searched coarsely
 
 
 def test_step_0_is_exact_and_the_simplest_is_kept_without_a_held_out_choice(gpt2_copy, stdlib_bytes):

@@ -13,6 +13,9 @@ step its truncation's first candidate found: per head or per layer, the step siz
 confirmation batches per candidate, and a shorter line search on all the batches (from the kept step, whose loss
 there is known from its search and confirmation; by sqrt(2), steps whose loss on the search batches the kept
 candidate's search mostly knows already: there only the confirmation batches are evaluated, `search.KnownPart`).
+The searches of the candidates but the simplest stop before their refinements (`COARSE_GRID`) and go on only
+while the best candidate could be among them (`REACH_FACTOR`): the kept candidate's search is the full one, a
+candidate whose loss curve cannot come near the best one's is reported at its coarse step (`CandidateReport.coarse`).
 The old function (step 0) is the same for every candidate: its loss on each held-out batch is evaluated once
 (`OldFunction`), unless the realized gains need the final search's step-0 pass to record the blocks' outputs.
 The statistics and the solve are shared: one solve holds both truncations' targets ("refactor") or unit updates
