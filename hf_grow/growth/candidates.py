@@ -202,7 +202,13 @@ def _choose(
     passes = {"search": 0.0, "confirm": 0}
 
     def searched(
-        truncation: str, step_mode: str, near: float | None, *, grid=None, known=None, confirmed=None
+        truncation: str,
+        step_mode: str,
+        near: float | None,
+        *,
+        grid: tuple[float, int] | None = None,
+        known: dict[float, float] | None = None,
+        confirmed: tuple[float, float] | None = None,
     ) -> _Candidate:
         """Search the candidate (from ``near``; ``grid`` and ``known`` as `search.line_search`'s) and confirm its
         step: the confirmation loss of step 0 is the old function's, of the step ``confirmed`` (step, loss) the
@@ -237,8 +243,8 @@ def _choose(
         problem.set_truncation(truncation)
         problem.set_step_mode(step_mode)
         near = _near(first_of_truncation.get(truncation), problem)
-        coarse = candidates and step_mode in ("global", "per_layer", "per_head") and prepared.config.search == "exact"
-        grid = COARSE_GRID["start" if near is None else "near"] if coarse else None
+        walks = step_mode in ("global", "per_layer", "per_head") and prepared.config.search == "exact"
+        grid = COARSE_GRID["start" if near is None else "near"] if candidates and walks else None
         candidates.append(searched(truncation, step_mode, near, grid=grid))
         first_of_truncation.setdefault(truncation, (candidates[-1].report.step_size, problem.lam_unit))
     while True:
