@@ -11,8 +11,8 @@ them: a step searched on fewer batches is noisier.
 Cost: one line search per truncation on the search batches, a shorter one for each other candidate (from the
 step its truncation's first candidate found: per head or per layer, the step sizes are alike), one pass over the
 confirmation batches per candidate, and a shorter line search on all the batches (from the kept step, whose loss
-there is known from its search and confirmation; by sqrt(2), steps whose loss on the search batches the kept
-candidate's search mostly knows already: there only the confirmation batches are evaluated, `search.KnownPart`).
+there is known from its search and confirmation; at the steps the kept candidate's search evaluated, only the
+confirmation batches are evaluated, `search.KnownPart`).
 The searches of the candidates but the simplest stop before their refinements (`COARSE_GRID`) and go on only
 while the best candidate could be among them (`REACH_FACTOR`): the kept candidate's search is the full one, a
 candidate whose loss curve cannot come near the best one's is reported at its coarse step (`CandidateReport.coarse`).
@@ -82,13 +82,12 @@ def search_and_report(
     # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
     # step its search found (from the start where that was 0): with few batches, a step searched on part of them
     # is noisier (BENCHMARKS: MiniLM). Its losses at step 0 and at that step are known on both parts (at step 0
-    # the old function's, unless the pass must record the blocks' outputs for the realized gains). It walks by
-    # sqrt(2) and refines once (to the resolution of factor 2 refined twice): a search of the candidate's own
-    # refined to sqrt(2) around its best, so at those steps only the confirmation batches are evaluated.
+    # the old function's, unless the pass must record the blocks' outputs for the realized gains). Where the kept
+    # candidate's search evaluated a step, only the confirmation batches are evaluated (`search.KnownPart`).
     write_weights(prepared.adapter, target, old.weights)
     outcome = search.line_search(
         prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size,
-        grid=(math.sqrt(2.0), 1), record_step_zero=measure_realized_gains,
+        record_step_zero=measure_realized_gains,
         before=None if measure_realized_gains else old.on_all(),
         near_loss=old.combined(kept.search_loss, kept.confirm_loss), known_part=old.known_part(searched),
     )
