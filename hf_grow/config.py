@@ -76,9 +76,10 @@ DEFAULT_STEP_MODE = "per_head"
 #: What ``"auto"`` lets the held-out loss choose from, per option, simplest first: the candidates are the
 #: product over the options set to "auto", each line-searched; the simplest (the first of each) is kept when
 #: the held-out batches the search did not use disagree with the search (`hf_grow.growth.candidates`). Not the
-#: default for its cost (about 3x the default's held-out passes), though
-#: measured better (bench_candidates.py: never below the notes' formula, 1.03x the default in the mean over 18
-#: splits of six models, 0.98-1.25x per split).
+#: default for its cost: 2.6x the default's held-out passes (2.2-3.0x per split of three trained models in
+#: bench_line_search.py, after coarse searches of the losing candidates; 3.1x before), though measured better
+#: (bench_candidates.py: never below the notes' formula, 1.03x the default in the mean over 18 splits of six
+#: models, 0.98-1.25x per split).
 AUTO_CHOICES = {"truncation": (DEFAULT_TRUNCATION, "frobenius"), "step_mode": (DEFAULT_STEP_MODE, "per_layer")}
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _Config = TypeVar("_Config", bound="JsonConfigMixin")

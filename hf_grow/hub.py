@@ -97,7 +97,8 @@ def _selection(report: GrowthReport) -> str:
     if report.selection is None:
         return ""
     rows = "\n".join(
-        f"| {c.truncation} | {c.step_mode} | {c.step_size:.4g} | {_loss(c.search_loss)} | {_loss(c.confirm_loss)} |"
+        f"| {c.truncation} | {c.step_mode} | {c.step_size:.4g}{' (coarse search)' * c.coarse} | {_loss(c.search_loss)} "
+        f"| {_loss(c.confirm_loss)} |"
         for c in report.candidates
     )
     table = (

@@ -75,6 +75,9 @@ class CandidateReport:
     #: Held-out loss at that step on the batches its step was searched on, and on the confirmation batches.
     search_loss: float | None
     confirm_loss: float | None
+    #: True where its search stayed coarse (`hf_grow.growth.candidates`): at its best, the loss could not have
+    #: come near the kept candidate's, so its search was not refined to the end.
+    coarse: bool = False
 
 
 #: How the step's M was formed, by `GrowthReport.cross_fit`: one line of the summary and of the model card.

@@ -1,10 +1,12 @@
 """truncation="auto" / step_mode="auto": the held-out loss chooses the candidate, confirmed on batches the search
 never saw (`hf_grow.growth.candidates`)."""
 
+import math
+
 import pytest
 import torch
 
-from hf_grow import GrowthConfig, collect_statistics, get_adapter, grow_model
+from hf_grow import GrowthConfig, collect_statistics, evaluate_loss, get_adapter, grow_model
 from hf_grow.hub import model_card
 from hf_grow.report import load_growth_report
 
@@ -107,6 +109,7 @@ def test_report_and_card_name_the_chosen_candidate(chosen, tmp_path):
     assert "- Candidate: whitened, per layer chosen by held-out loss" in card
     assert "`selection` search" in card
     assert "| frobenius | per_layer |" in card  # every candidate's losses
+    assert "(coarse search)" in card  # the losing candidates searched coarsely
 
 
 def test_step_0_is_exact_and_the_simplest_is_kept_without_a_held_out_choice(gpt2_copy, stdlib_bytes):
@@ -210,3 +213,68 @@ def test_the_kept_search_per_layer_keeps_its_layers_steps_for_the_final_search(
     kept = next(exit_scales for truncation, _, exit_scales in searches if truncation == report.truncation)
     assert report.step_size > 0 and len(set(kept)) > 1  # the layers' steps differ: a case that can tell
     assert final_entry == kept and final_exit == kept
+
+
+
+def test_the_final_search_evaluates_only_the_confirmation_batches_where_the_kept_search_did(
+    trained_gpt2, statistics, stdlib_bytes, monkeypatch
+):
+    """At the steps the kept candidate's search evaluated on the search batches, the final search on all the
+    held-out batches evaluates only the confirmation batches: its losses there are a full pass's, for fewer
+    forwards."""
+    from hf_grow.growth import candidates
+
+    batches = lm_batches(stdlib_bytes["eval"], 3, seed=43)  # two to search on, one to confirm
+    searches, forwards = [], []
+    line_search = candidates.search.line_search
+
+    def recorded(*args, **kwargs):
+        searches.append([])
+        outcome = line_search(*args, **kwargs)
+        searches[-1] = [point.step_size for point in outcome.points if point.kind == "rank" and point.step_size > 0]
+        return outcome
+
+    def counted_loss(model, batch):
+        forwards.append((len(searches), next(i for i, b in enumerate(batches) if b["input_ids"] is batch["input_ids"])))
+        return signed_loss(model, batch)
+
+    monkeypatch.setattr(candidates.search, "line_search", recorded)
+    report = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=batches, loss_fn=counted_loss,
+                        measure_realized_gains=False, **AUTO).growth_report
+    kept_index = [(c.truncation, c.step_mode) for c in report.candidates].index((report.truncation, report.step_mode))
+    kept, final = searches[kept_index], searches[-1]
+    assert final[0] == report.candidates[kept_index].step_size  # its loss known from the search and confirmation
+    reused = [step for step in final[1:] if any(abs(step - known) <= 1e-12 * step for known in kept)]
+    assert reused  # a case that can tell
+    in_final = [batch for search_count, batch in forwards if search_count == len(searches)]
+    assert in_final.count(2) == len(final) - 1
+    assert in_final.count(0) == in_final.count(1) == len(final) - 1 - len(reused)
+    points = {point.step_size: point.loss for point in report.line_search}
+    for step in reused[:2]:
+        alone = grow_model(trained_gpt2, None, p=8, statistics=statistics, step_size=step,
+                           truncation=report.truncation, step_mode=report.step_mode)
+        assert points[step] == pytest.approx(evaluate_loss(alone, batches, loss_fn=signed_loss)[0], abs=1e-6)
+
+
+def test_losing_candidates_stay_coarse_and_the_choice_is_the_full_searches(
+    trained_gpt2, statistics, held_out, chosen, monkeypatch
+):
+    """The candidates but the simplest are searched coarsely, and completed only while a bound for convex losses
+    leaves them within reach of the best: the choice, the kept candidate's search and every completed candidate's
+    report are those of full searches of every candidate (a reach that completes all), for fewer passes."""
+    from hf_grow.growth import candidates
+
+    monkeypatch.setattr(candidates, "REACH_FACTOR", math.inf)  # every coarse search completed
+    full = grown(trained_gpt2, statistics, [held_out, held_out], **AUTO).growth_report
+    report = chosen.growth_report
+    assert [candidate.coarse for candidate in full.candidates] == [False] * 4
+    assert [candidate.coarse for candidate in report.candidates] == [False, False, True, True]  # Frobenius lost
+    assert (report.truncation, report.step_mode, report.selection) == (full.truncation, full.step_mode, "search")
+    assert report.candidates[:2] == full.candidates[:2]  # the simplest and the kept one, completed
+    for coarse, completed in zip(report.candidates[2:], full.candidates[2:]):  # a coarse search finds no less
+        assert coarse.search_loss >= completed.search_loss
+        assert coarse.search_loss - completed.search_loss < coarse.search_loss - report.candidates[1].search_loss
+    assert [(point.step_size, point.loss) for point in report.line_search] == [
+        (point.step_size, point.loss) for point in full.line_search
+    ]
+    assert report.line_search_passes < full.line_search_passes - 1

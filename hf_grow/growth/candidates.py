@@ -11,17 +11,25 @@ them: a step searched on fewer batches is noisier.
 Cost: one line search per truncation on the search batches, a shorter one for each other candidate (from the
 step its truncation's first candidate found: per head or per layer, the step sizes are alike), one pass over the
 confirmation batches per candidate, and a shorter line search on all the batches (from the kept step, whose loss
-there is known from its search and confirmation). The old function (step 0) is the same for every candidate: its
-loss on each held-out batch is evaluated once (`OldFunction`), unless the realized gains need the final search's
-step-0 pass to record the blocks' outputs. The statistics and the solve are shared: one solve holds
-both truncations' targets ("refactor") or unit updates ("append") (`GrowthProblem.holds`), so M is freed group by
-group as for one candidate, and truncations and step modes are switched without solving again.
+there is known from its search and confirmation; at the steps the kept candidate's search evaluated, only the
+confirmation batches are evaluated, `search.KnownPart`).
+The searches of the candidates but the simplest stop before their refinements (`COARSE_GRID`) and go on only
+while the best candidate could be among them (`REACH_FACTOR`): the kept candidate's search is the full one, a
+candidate whose loss curve cannot come near the best one's is reported at its coarse step (`CandidateReport.coarse`).
+The old function (step 0) is the same for every candidate: its loss on each held-out batch is evaluated once
+(`OldFunction`), unless the realized gains need the final search's step-0 pass to record the blocks' outputs.
+The statistics and the solve are shared: one solve holds both truncations' targets ("refactor") or unit updates
+("append") (`GrowthProblem.holds`), so M is freed group by group as for one candidate, and truncations and step
+modes are switched without solving again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -74,12 +82,14 @@ def search_and_report(
     # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
     # step its search found (from the start where that was 0): with few batches, a step searched on part of them
     # is noisier (BENCHMARKS: MiniLM). Its losses at step 0 and at that step are known on both parts (at step 0
-    # the old function's, unless the pass must record the blocks' outputs for the realized gains).
+    # the old function's, unless the pass must record the blocks' outputs for the realized gains). Where the kept
+    # candidate's search evaluated a step, only the confirmation batches are evaluated (`search.KnownPart`).
     write_weights(prepared.adapter, target, old.weights)
     outcome = search.line_search(
         prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size,
-        record_step_zero=measure_realized_gains, before=None if measure_realized_gains else old.on_all(),
-        near_loss=old.combined(kept.search_loss, kept.confirm_loss),
+        record_step_zero=measure_realized_gains,
+        before=None if measure_realized_gains else old.on_all(),
+        near_loss=old.combined(kept.search_loss, kept.confirm_loss), known_part=old.known_part(searched),
     )
     # every pass but the one at step 0 over all the held-out batches that any growth makes
     outcome.passes += passes + old.passes + measure_realized_gains - 1
@@ -139,6 +149,13 @@ class OldFunction:
         search_loss, confirm_loss = self.loss("search")[0], self.loss("confirm")[0]
         return self.combined(search_loss, confirm_loss), sum(self.part_weights.values())
 
+    def known_part(self, searched: search.SearchOutcome) -> search.KnownPart:
+        """The search batches' losses at the steps the kept candidate's search evaluated (the same weights there):
+        the final search on all the batches evaluates only the confirmation batches at those steps."""
+        losses = {point.step_size: point.loss for point in searched.points
+                  if point.kind == "rank" and point.step_size > 0 and point.loss is not None}
+        return search.KnownPart(losses, self.batches["confirm"], self.combined, self.share("confirm"))
+
     def combined(self, search_loss: float, confirm_loss: float) -> float:
         """A loss on all the held-out batches from its losses on the search and the confirmation batches (once
         each part's weight is known)."""
@@ -147,6 +164,22 @@ class OldFunction:
 
 
 Kept = tuple[CandidateReport, search.SearchOutcome, float]
+#: The coarse searches of the candidates but the simplest (`search.line_search`'s ``grid``): the grid walk from
+#: the start without refinements, from a sibling's step with one; each a prefix of the full search.
+COARSE_GRID = {"start": (4.0, 0), "near": (2.0, 1)}
+#: A coarse search is completed where its loss, less this many times the most that the rest of its search could
+#: gain by a bound for convex losses (`_reach`), is below the best candidate's loss. The full searches gained up
+#: to 1.21x that bound on bench_line_search's three trained models (the loss is not quite convex in log step).
+REACH_FACTOR = 2.0
+
+
+@dataclass
+class _Candidate:
+    """A candidate's search on the search batches: its report, outcome (without its weights) and where it began."""
+
+    report: CandidateReport
+    outcome: search.SearchOutcome
+    near: float | None
 
 
 def _choose(
@@ -156,50 +189,127 @@ def _choose(
     holds both and the loss at step 0 on them): the candidate kept (its report, its outcome on the search
     batches, and what the searches and confirmations cost in full passes over all the held-out batches),
     every candidate's report, how it was chosen ("search" or "fallback") and its confirmation margin over the
-    simplest."""
+    simplest.
+
+    The simplest candidate's search is the full one (the default growth's). The others are first searched
+    coarsely (`COARSE_GRID`), then completed, with the losses found so far, while the best of them all could
+    still be among them (`REACH_FACTOR`): the kept candidate's search is always complete, and a candidate whose
+    loss curve cannot come near the best one's costs fewer passes."""
     adapter, loss_fn, accelerator = prepared.adapter, prepared.loss_fn, prepared.accelerator
     search_batches, confirm_batches = old.batches["search"], old.batches["confirm"]
-
-    def confirm(outcome: search.SearchOutcome) -> float:
-        """The confirmation loss of the weights ``outcome`` left in the target: the old function's at step 0."""
-        if outcome.step_size == 0:
-            return old.loss("confirm")[0]
-        loss, weight = evaluate_loss(target, confirm_batches, adapter, loss_fn, accelerator)
-        old.part_weights["confirm"] = weight
-        return loss
-
     problem = prepared.problem  # solved once for every candidate
-    reports: list[CandidateReport] = []
-    simplest = best = None
-    first_of_truncation: dict[str, tuple[float, float]] = {}  # the step and lam unit its first search found
-    searched_passes, confirm_passes = 0.0, 0
-    for truncation, step_mode in prepared.config.candidates:
+    passes = {"search": 0.0, "confirm": 0}
+
+    def searched(
+        truncation: str,
+        step_mode: str,
+        near: float | None,
+        *,
+        grid: tuple[float, int] | None = None,
+        known: dict[float, float] | None = None,
+        confirmed: tuple[float, float] | None = None,
+    ) -> _Candidate:
+        """Search the candidate (from ``near``; ``grid`` and ``known`` as `search.line_search`'s) and confirm its
+        step: the confirmation loss of step 0 is the old function's, of the step ``confirmed`` (step, loss) the
+        loss given."""
         problem.set_truncation(truncation)  # one solve holds both truncations (`prepare_growth`)
         problem.set_step_mode(step_mode)
-        near = _near(first_of_truncation.get(truncation), problem)
-        before = old.loss("search")
         write_weights(adapter, target, old.weights)
         outcome = search.line_search(
-            prepared, problem, target, search_batches, progress=progress, near=near, before=before
+            prepared, problem, target, search_batches, progress=progress, near=near, before=old.loss("search"),
+            grid=grid, known=known,
         )
-        searched_passes += outcome.passes
-        first_of_truncation.setdefault(truncation, (outcome.step_size, problem.lam_unit))
-        confirm_loss = confirm(outcome)
-        confirm_passes += outcome.step_size > 0
-        report = CandidateReport(truncation, step_mode, outcome.step_size, outcome.loss_after, confirm_loss)
-        reports.append(report)
-        logger.info("candidate %s, %s: step %.4g, search loss %.5f, confirmation loss %.5f", truncation, step_mode,
-                    report.step_size, report.search_loss, report.confirm_loss)
-        kept = (report, outcome)
-        simplest = simplest or kept
-        if best is None or report.search_loss < best[0].search_loss:
-            best = kept  # the earlier (simpler) candidate wins a tie
-    confirmed = best[0].confirm_loss < simplest[0].confirm_loss
+        passes["search"] += outcome.passes
+        if outcome.step_size == 0:
+            confirm_loss = old.loss("confirm")[0]
+        elif confirmed is not None and confirmed[0] == outcome.step_size:
+            confirm_loss = confirmed[1]
+        else:  # the weights the search left in the target
+            confirm_loss, old.part_weights["confirm"] = evaluate_loss(
+                target, confirm_batches, adapter, loss_fn, accelerator
+            )
+            passes["confirm"] += 1
+        report = CandidateReport(truncation, step_mode, outcome.step_size, outcome.loss_after, confirm_loss,
+                                 coarse=grid is not None)
+        logger.info("candidate %s, %s: step %.4g, search loss %.5f, confirmation loss %.5f%s", truncation,
+                    step_mode, report.step_size, report.search_loss, report.confirm_loss, " (coarse)" * report.coarse)
+        # the weights and decompositions are not needed again: the kept step's are made by the final search
+        return _Candidate(report, dataclasses.replace(outcome, weights={}, decompositions={}), near)
+
+    candidates: list[_Candidate] = []
+    first_of_truncation: dict[str, tuple[float, float]] = {}  # the step and lam unit its first search found
+    for truncation, step_mode in prepared.config.candidates:
+        problem.set_truncation(truncation)
+        problem.set_step_mode(step_mode)
+        near = _near(first_of_truncation.get(truncation), problem)
+        walks = step_mode in ("global", "per_layer", "per_head") and prepared.config.search == "exact"
+        grid = COARSE_GRID["start" if near is None else "near"] if candidates and walks else None
+        candidates.append(searched(truncation, step_mode, near, grid=grid))
+        first_of_truncation.setdefault(truncation, (candidates[-1].report.step_size, problem.lam_unit))
+    while True:
+        best_loss = min(candidate.report.search_loss for candidate in candidates)
+        within_reach = [  # the best itself is completed: the kept candidate's search is the full one
+            index for index, candidate in enumerate(candidates) if candidate.report.coarse
+            and (candidate.report.search_loss == best_loss or _reach(candidate.outcome) < best_loss)
+        ]
+        if not within_reach:
+            break
+        for index in within_reach:  # its search completed: the steps searched so far are not evaluated again
+            candidate, report = candidates[index], candidates[index].report
+            known = {point.step_size: math.inf if point.loss is None else point.loss
+                     for point in candidate.outcome.points if point.kind == "rank" and point.step_size > 0}
+            candidates[index] = searched(report.truncation, report.step_mode, candidate.near, known=known,
+                                         confirmed=(report.step_size, report.confirm_loss))
+    simplest = candidates[0]
+    best = min(candidates, key=lambda candidate: candidate.report.search_loss)  # the first (simpler) of a tie
+    confirmed = best.report.confirm_loss < simplest.report.confirm_loss
     selection = "fallback" if best is not simplest and not confirmed else "search"
-    report, outcome = best if confirmed else simplest
+    kept = best if confirmed else simplest
     # in full passes over all the held-out batches: the searches' over their part, the confirmations' over theirs
-    passes = searched_passes * old.share("search") + confirm_passes * old.share("confirm")
-    return (report, outcome, passes), reports, selection, simplest[0].confirm_loss - report.confirm_loss
+    cost = passes["search"] * old.share("search") + passes["confirm"] * old.share("confirm")
+    margin = simplest.report.confirm_loss - kept.report.confirm_loss
+    return (kept.report, kept.outcome, cost), [candidate.report for candidate in candidates], selection, margin
+
+
+def _reach(outcome: search.SearchOutcome) -> float:
+    """The least loss that the rest of a coarse search could find, less `REACH_FACTOR` times the gain that bound
+    allows: -inf where the best step has no searched step on either side (or one of infinite loss); the loss at
+    step 0 where no step beat it. Between the best step and each neighbour, a loss convex in log step is at least
+    the larger of two secants extended: the one through the best step and its other neighbour, and the one
+    through that neighbour and the next searched step beyond it (where there is one)."""
+    if outcome.step_size == 0:
+        return outcome.loss_after
+    searched = sorted((math.log(point.step_size), math.inf if point.loss is None else point.loss)
+                      for point in outcome.points if point.kind == "rank" and point.step_size > 0)
+    best = next(index for index, (step, _) in enumerate(searched) if step == math.log(outcome.step_size))
+    if best in (0, len(searched) - 1) or not math.isfinite(searched[best - 1][1] + searched[best + 1][1]):
+        return -math.inf
+    least = math.inf
+    for side in (-1, 1):
+        neighbour, beyond = best + side, best + 2 * side
+        lines = [(searched[best - side], searched[best])]
+        if 0 <= beyond < len(searched) and math.isfinite(searched[beyond][1]):
+            lines.append((searched[beyond], searched[neighbour]))
+        least = min(least, _least_of_largest(lines, searched[best][0], searched[neighbour][0]))
+    loss = searched[best][1]
+    return loss - REACH_FACTOR * (loss - least)
+
+
+def _least_of_largest(lines: list[tuple[tuple[float, float], tuple[float, float]]], start: float, end: float) -> float:
+    """The least over [start, end] (either order) of the largest of the lines, each through two (x, y) points: at
+    an end or where two lines cross (the largest of lines is convex)."""
+    def value(line, x):
+        (x0, y0), (x1, y1) = line
+        return y0 + (y1 - y0) / (x1 - x0) * (x - x0)
+
+    xs = [start, end]
+    if len(lines) == 2:
+        slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in lines]
+        if slopes[0] != slopes[1]:
+            crossing = start + (value(lines[1], start) - value(lines[0], start)) / (slopes[0] - slopes[1])
+            if min(start, end) <= crossing <= max(start, end):
+                xs.append(crossing)
+    return min(max(value(line, x) for line in lines) for x in xs)
 
 
 def _near(searched: tuple[float, float] | None, problem: GrowthProblem) -> float | None:

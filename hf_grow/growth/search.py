@@ -56,6 +56,23 @@ class SearchOutcome:
     layer_scales: list[float] = field(default_factory=list)
 
 
+@dataclass
+class KnownPart:
+    """The losses of some steps of the problem being searched, known on a part of the held-out batches (a
+    candidate's search batches, evaluated with the same weights by its search): at those steps a search on all
+    the batches evaluates only the ``rest`` and combines the two (`evaluate_loss`'s mean, weight by weight)."""
+
+    losses: dict[float, float]
+    rest: list[dict[str, Tensor]]
+    combine: Callable[[float, float], float]
+    #: What a pass over ``rest`` costs in full passes over all the held-out batches.
+    share: float
+
+    def loss_at(self, step: float) -> float | None:
+        """The known part's loss at ``step`` (a step computed another way, equal to roundoff, counts), or None."""
+        return next((loss for known, loss in self.losses.items() if math.isclose(known, step, rel_tol=1e-12)), None)
+
+
 def search_and_report(
     prepared: PreparedGrowth,
     target: PreTrainedModel,
@@ -86,18 +103,25 @@ def line_search(
     *,
     progress: bool,
     near: float | None = None,
+    grid: tuple[float, int] | None = None,
+    known: dict[float, float] | None = None,
     record_step_zero: bool = False,
     before: tuple[float, int] | None = None,
     near_loss: float | None = None,
+    known_part: KnownPart | None = None,
 ) -> SearchOutcome:
     """Search ``problem``'s step on ``eval_batches`` (or take the config's ``step_size``) in ``target``, which
     computes the old function on entry; on exit it holds the chosen step's weights. ``near``: a step already
-    searched on some of the batches, from which a shorter search starts (factor 2, two refinements).
+    searched on some of the batches, from which a shorter search starts. ``grid``: the factor and the refinements
+    of the search (`search_step_size`) from ``near`` or, in the steps' own search (step modes but those searched
+    per layer), from the start; None: factor 2 refined twice, factor 4 refined four times. ``known``: for those
+    searches, losses on ``eval_batches`` known at some steps (from a search of the same problem), not evaluated.
     ``record_step_zero``: keep every block's outputs from the step-0 pass (``SearchOutcome.step_zero``) for the
     realized gains to replay; only where they will be measured, since the records hold up to `CACHE_BYTES`.
     ``before``: the held-out loss and weight (`evaluate_loss`) of the old function on ``eval_batches``, known
     already (the candidates of "auto" options share it), so that it is not evaluated again; ``near_loss``:
-    likewise the loss at ``near``."""
+    likewise the loss at ``near``; ``known_part``: losses known on part of ``eval_batches`` at some steps, where
+    only the rest is evaluated."""
     model, adapter = prepared.model, prepared.adapter
     accelerator = prepared.accelerator
     config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
@@ -116,7 +140,13 @@ def line_search(
     def evaluate_step(step: float) -> float:
         decompositions: Decompositions = {}
         write_weights(adapter, target, problem.weights(step, decompositions))
-        loss = evaluate(target)
+        part = None if known_part is None else known_part.loss_at(step)
+        if part is None:
+            loss = evaluate(target)
+        else:
+            rest = evaluate_loss(target, known_part.rest, adapter, loss_fn, accelerator)[0]
+            loss = known_part.combine(part, rest)
+            passes.passes += known_part.share
         if not evaluated or loss < evaluated["loss"]:
             evaluated.update(loss=loss, step=step, decompositions=decompositions)
         return loss
@@ -168,10 +198,17 @@ def line_search(
                 return run
 
             start = config.initial_step_size
+            known = dict(known or {})
+            if near and near_loss is not None:
+                known[near] = near_loss
+            points += [
+                LineSearchPoint(step, loss if math.isfinite(loss) else None, "rank") for step, loss in known.items()
+            ]
             if near:
-                known = {} if near_loss is None else {near: near_loss}
-                points += [LineSearchPoint(step, loss, "rank") for step, loss in known.items()]
-                losses = search_step_size(tracked("rank", evaluate_step), near, factor=2.0, refinements=2, known=known)
+                factor, refinements = grid or (2.0, 2)
+                losses = search_step_size(
+                    tracked("rank", evaluate_step), near, factor=factor, refinements=refinements, known=known
+                )
             elif problem.step_mode == "layer_search":
                 gains = search_layers_alone(problem, passes, adapter, target, start, loss_before, tracked)
                 # each layer at its own best step alone, then one multiplier t of all of them
@@ -192,7 +229,10 @@ def line_search(
                 # The rank-constrained optimum sits near the unconstrained one: a finer, shorter search.
                 losses = search_step_size(tracked("rank", evaluate_step), bracketed or start, factor=2.0, refinements=2)
             else:
-                losses = search_step_size(tracked("rank", evaluate_step), start)
+                factor, refinements = grid or (4.0, 4)
+                losses = search_step_size(
+                    tracked("rank", evaluate_step), start, factor=factor, refinements=refinements, known=known
+                )
             step_size = best_step(losses)
             loss_after = loss_before if step_size == 0 else losses[step_size]
             if problem.step_mode == "coordinate" and step_size > 0:
