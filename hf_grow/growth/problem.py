@@ -199,8 +199,7 @@ class GrowthProblem(StepWeights):
         with torch.no_grad():
             for layer in layers:
                 query, key = self._adapter.read_qk(self._attentions[layer])
-                # the device only: a reference to M kept here would outlive its release until the next layer
-                device = self.statistics.gradients[layer].device
+                device = self.statistics.gradients[layer].device  # no reference to M past its release
                 query, key = query.to(device), key.to(device)
                 inputs = query.shape[-2]
                 second_moment = self.statistics.mean_second_moment(layer)[:inputs, :inputs]
@@ -225,10 +224,7 @@ class GrowthProblem(StepWeights):
                 self.layers[layer] = part
                 if self._release:
                     self.statistics.release(layer)
-                # The layer's transients (P, the whitened pair, the decompositions: about 0.3 GiB at GPT-2 small)
-                # and its M lie under glibc's mmap threshold: without this the heap kept them, and the stage
-                # grew by them layer after layer (BENCHMARKS.md).
-                return_free_memory()
+                return_free_memory()  # the layer's transients, ~0.3 GiB at GPT-2 small, stayed in the heap
 
     def _gradient_of(self, layer: int, part: LayerProblem) -> Callable[[slice], Tensor]:
         """M of the heads of ``layer`` over its inputs, as `solve_layer` asks for it: the mean over all batches, or
