@@ -272,7 +272,6 @@ def prepare_growth(
                     problem = solve(collected, layers, release=True)
                 else:
                     problem.solve_layers(layers)
-            return_free_memory()
             seconds["solve"] += time.perf_counter() - started
 
         statistics = collect_configured_statistics(
