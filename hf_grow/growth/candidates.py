@@ -256,8 +256,7 @@ def _choose(
             break
         for index in within_reach:  # its search completed: the steps searched so far are not evaluated again
             candidate, report = candidates[index], candidates[index].report
-            known = {point.step_size: math.inf if point.loss is None else point.loss
-                     for point in candidate.outcome.points if point.kind == "rank" and point.step_size > 0}
+            known = _searched_losses(candidate.outcome)
             candidates[index] = searched(report.truncation, report.step_mode, candidate.near, known=known,
                                          confirmed=(report.step_size, report.confirm_loss))
     simplest = candidates[0]
@@ -271,6 +270,12 @@ def _choose(
     return (kept.report, kept.outcome, cost), [candidate.report for candidate in candidates], selection, margin
 
 
+def _searched_losses(outcome: search.SearchOutcome) -> dict[float, float]:
+    """The loss at each step > 0 that a search of the whole model evaluated (+inf where it was not finite)."""
+    return {point.step_size: math.inf if point.loss is None else point.loss
+            for point in outcome.points if point.kind == "rank" and point.step_size > 0}
+
+
 def _reach(outcome: search.SearchOutcome) -> float:
     """The least loss that the rest of a coarse search could find, less `REACH_FACTOR` times the gain that bound
     allows: -inf where the best step has no searched step on either side (or one of infinite loss); the loss at
@@ -279,8 +284,7 @@ def _reach(outcome: search.SearchOutcome) -> float:
     through that neighbour and the next searched step beyond it (where there is one)."""
     if outcome.step_size == 0:
         return outcome.loss_after
-    searched = sorted((math.log(point.step_size), math.inf if point.loss is None else point.loss)
-                      for point in outcome.points if point.kind == "rank" and point.step_size > 0)
+    searched = sorted((math.log(step), loss) for step, loss in _searched_losses(outcome).items())
     best = next(index for index, (step, _) in enumerate(searched) if step == math.log(outcome.step_size))
     if best in (0, len(searched) - 1) or not math.isfinite(searched[best - 1][1] + searched[best + 1][1]):
         return -math.inf
