@@ -51,6 +51,13 @@ PRESETS = {
 }
 
 
+#: The products of `--precisions`: collect_statistics' own choice (None) or TF32 off.
+PRECISIONS = {"default": None, "float32": False}
+#: The decompositions of the solve benchmark: (linalg method, warm-started from the previous step).
+SOLVERS = {"eigh": ("eigh", False), "svd": ("svd", False), "subspace cold": ("subspace", False),
+           "subspace warm": ("subspace", True)}
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -119,7 +126,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, help="override the preset's batch size")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, help="timed repetitions per measurement (median; default: the preset's)")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["default"],
+                        help="default: the products collect_statistics picks (TF32 for half-precision models on "
+                        "CUDA); float32: TF32 off")
     parser.add_argument("--skip-solve", action="store_true", help="leave out the solve benchmarks")
+    parser.add_argument("--solvers", nargs="+", choices=SOLVERS, default=list(SOLVERS),
+                        help="the decompositions the solve benchmark times (default: all)")
     parser.add_argument("--solve-only", action="store_true", help="only the solve benchmark (and the line search)")
     parser.add_argument("--skip-line-search", action="store_true", help="leave out the grow_model line search")
     parser.add_argument("--solve-heads", type=int, help="heads in the solve benchmark (default: all of the config)")
@@ -171,12 +183,15 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         training, extra = flops(config, seq_len)
         floor = (training + extra) / training
-        runs = [(method, None) for method in methods] + [("chunked", block) for block in args.query_blocks]
-        for method, query_block in runs:
+        runs = [(method, None, precision) for method in methods for precision in args.precisions]
+        runs += [("chunked", block, "default") for block in args.query_blocks]
+        for method, query_block, precision in runs:
             label = method if query_block is None else f"chunked q={query_block}"
+            label += " f32" if precision == "float32" else ""
 
             def statistics_step() -> None:
-                collect_statistics(model, [batch], adapter, method=method, query_block=query_block)
+                collect_statistics(model, [batch], adapter, method=method, query_block=query_block,
+                                   tf32=PRECISIONS[precision])
 
             try:
                 stats_time, stats_memory = measure(statistics_step, device, rounds)
@@ -193,11 +208,11 @@ def main() -> None:
                   f"{ratio / floor:>10.2f} {memory}", flush=True)
 
     if not args.solve_only:
-        accuracy_benchmark(model, adapter, methods, (args.seq_lens or preset["seq_lens"])[0], device)
+        accuracy_benchmark(model, adapter, methods, args.precisions, (args.seq_lens or preset["seq_lens"])[0], device)
     if args.skip_solve:
         return
     solve_benchmark(args.solve_heads or config.n_layer * config.n_head, args.solve_width or config.n_embd + 1,
-                    args.solve_qk_dim or config.n_embd // config.n_head, device)
+                    args.solve_qk_dim or config.n_embd // config.n_head, device, args.solvers)
     if args.skip_line_search:
         return
     seq_len = (args.seq_lens or preset["seq_lens"])[min(1, len(preset["seq_lens"]) - 1)]
@@ -225,9 +240,11 @@ def main() -> None:
         )
 
 
-def accuracy_benchmark(model: GPT2LMHeadModel, adapter, methods: list[str], seq_len: int, device: torch.device) -> None:
-    """Each method's M (as users get it: float32 products, TF32 for half-precision models) against the reference
-    method with float64 products, on a batch with right- and left-padded sequences."""
+def accuracy_benchmark(
+    model: GPT2LMHeadModel, adapter, methods: list[str], precisions: list[str], seq_len: int, device: torch.device
+) -> None:
+    """Each method's M (as users get it: float32 products, TF32 for half-precision models; "float32": TF32 off)
+    against the reference method with float64 products, on a batch with right- and left-padded sequences."""
     generator = torch.Generator(device=device).manual_seed(2)
     input_ids = torch.randint(0, model.config.vocab_size, (4, seq_len), device=device, generator=generator)
     mask = torch.ones_like(input_ids)
@@ -237,15 +254,16 @@ def accuracy_benchmark(model: GPT2LMHeadModel, adapter, methods: list[str], seq_
     exact = collect_statistics(model, [batch], adapter, method="reference", compute_dtype=torch.float64)
     print(f"\n# accuracy at seq {seq_len} (batch 4, padding): relative Frobenius difference of M to the reference "
           "in float64")
-    for method in methods:
-        statistics = collect_statistics(model, [batch], adapter, method=method)
+    for method, precision in [(method, precision) for method in methods for precision in precisions]:
+        statistics = collect_statistics(model, [batch], adapter, method=method, tf32=PRECISIONS[precision])
         errors = [
             float((ours - theirs).norm() / theirs.norm()) for ours, theirs in zip(statistics.gradients, exact.gradients)
         ]
-        print(f"{method:>10}: max over layers {max(errors):.2e}, mean {sum(errors) / len(errors):.2e}", flush=True)
+        label = method + (" f32" if precision == "float32" else "")
+        print(f"{label:>14}: max over layers {max(errors):.2e}, mean {sum(errors) / len(errors):.2e}", flush=True)
 
 
-def solve_benchmark(heads: int, width: int, qk_dim: int, device: torch.device) -> None:
+def solve_benchmark(heads: int, width: int, qk_dim: int, device: torch.device, solvers: list[str]) -> None:
     """The decomposition at each line-search step, for ``heads`` whitened targets ``Z - lam P`` of ``width``:
     Z of rank ``qk_dim``, P with a decaying spectrum (as gradients have), lam over a line search's sequence."""
     generator = torch.Generator(device=device).manual_seed(0)
@@ -263,11 +281,12 @@ def solve_benchmark(heads: int, width: int, qk_dim: int, device: torch.device) -
           f"at {len(steps)} line-search steps; auto picks {linalg.choose_method(width, rank)}")
     print(f"{'method':<16} {'s/step':>8} {'vs eigh':>8} {'max excess error':>17}")
     targets = [bilinear - lam * direction for lam in steps]
-    optima = [linalg.decompose_whitened(target, None, "svd").singular_values[..., rank:].square().sum(dim=-1)
-              for target in targets]
+    # The optimum's squared error from the full SVD, on the host (a GPU's batched SVD of 144 769^2 heads: minutes).
+    optima = [linalg.decompose_whitened(target.cpu(), None, "svd").singular_values[..., rank:].square().sum(dim=-1)
+              .to(device) for target in targets]
     results = {}
-    for name, method, warm in (("eigh", "eigh", False), ("svd", "svd", False), ("subspace cold", "subspace", False),
-                               ("subspace warm", "subspace", True)):
+    for name in solvers:
+        method, warm = SOLVERS[name]
         start, seconds, excess = None, 0.0, 0.0
         for target, optimum in zip(targets, optima):
             synchronize(device)
@@ -280,7 +299,7 @@ def solve_benchmark(heads: int, width: int, qk_dim: int, device: torch.device) -
             error = (target - factors.product).square().sum(dim=(-2, -1))
             excess = max(excess, float(((error - optimum) / optimum).max()))
         results[name] = seconds / len(steps)
-        ratio = results["eigh"] / results[name]
+        ratio = results["eigh"] / results[name] if "eigh" in results else float("nan")
         print(f"{name:<16} {results[name]:>8.3f} {ratio:>7.2f}x {excess:>17.1e}", flush=True)
 
 
