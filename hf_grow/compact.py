@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from . import linalg
+from . import lapack, linalg
 
 
 def compact_rank(size: int, width: int) -> int:
@@ -201,8 +201,8 @@ def compact_target(
         if width is not None and method != "subspace":
             rank = certified_rank(decomposition.singular_values, width, rank, base_left.shape[-1])
         directions = decomposition.projected[..., :rank]  # V_s S_s: spans V_s where sigma > 0
-        left = linalg.orthonormal_columns(torch.cat([base_left, decomposition.left_vectors[..., :rank]], dim=-1))
-        right = linalg.orthonormal_columns(torch.cat([base_right, directions], dim=-1))
+        left = lapack.orthonormal_columns(torch.cat([base_left, decomposition.left_vectors[..., :rank]], dim=-1))
+        right = lapack.orthonormal_columns(torch.cat([base_right, directions], dim=-1))
         tail = decomposition.singular_values[..., rank]
     base_core = (left.mT @ base_left) @ (right.mT @ base_right).mT
     step_core = left.mT @ step @ right

@@ -63,7 +63,7 @@ def test_modules_import_each_other_without_cycles():
     assert not cycles, cycles
 
 
-@pytest.mark.parametrize("module", ["hf_grow.linalg", "hf_grow.subspace", "hf_grow.compact"])
+@pytest.mark.parametrize("module", ["hf_grow.linalg", "hf_grow.lapack", "hf_grow.subspace", "hf_grow.compact"])
 def test_pure_linear_algebra_imports_no_transformers(module):
     assert all(not name.startswith("transformers") for name in imports(MODULES[module]))
 

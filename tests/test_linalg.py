@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_grow import linalg, subspace
+from hf_grow import lapack, linalg, subspace
 
 
 def random_psd(d: int, rank: int, generator: torch.Generator) -> torch.Tensor:
@@ -324,18 +324,18 @@ def test_cross_fitted_gradient_keeps_what_both_halves_agree_on():
 
 @pytest.mark.parametrize("shape", [(7, 30, 30), (2, 3, 20, 20), (1, 12, 12), (12, 12), (3, 200, 200)])
 def test_decompositions_split_across_threads_equal_torchs_bit_for_bit(shape):
-    """`linalg.per_matrix` (eigh, QR, SVD, eigvalsh in worker threads, one matrix alone included) gives what one
+    """`lapack.per_matrix` (eigh, QR, SVD, eigvalsh in worker threads, one matrix alone included) gives what one
     batched call of torch gives, bit for bit, whatever the threads."""
     generator = torch.Generator().manual_seed(0)
     matrix = torch.randn(*shape, generator=generator, dtype=torch.float64)
     symmetric = matrix @ matrix.mT
     expected = torch.linalg.eigh(symmetric)
-    eigenvalues, eigenvectors = linalg.batched_eigh(symmetric)
+    eigenvalues, eigenvectors = lapack.batched_eigh(symmetric)
     assert torch.equal(eigenvalues, expected.eigenvalues) and torch.equal(eigenvectors, expected.eigenvectors)
     tall = matrix[..., : shape[-1] // 2]
-    assert torch.equal(linalg.orthonormal_columns(tall), torch.linalg.qr(tall).Q)
-    assert torch.equal(linalg.per_matrix(torch.linalg.eigvalsh, symmetric), torch.linalg.eigvalsh(symmetric))
-    for split, whole in zip(linalg.per_matrix(torch.linalg.svd, matrix), torch.linalg.svd(matrix)):
+    assert torch.equal(lapack.orthonormal_columns(tall), torch.linalg.qr(tall).Q)
+    assert torch.equal(lapack.per_matrix(torch.linalg.eigvalsh, symmetric), torch.linalg.eigvalsh(symmetric))
+    for split, whole in zip(lapack.per_matrix(torch.linalg.svd, matrix), torch.linalg.svd(matrix)):
         assert torch.equal(split, whole)
 
 
@@ -352,12 +352,12 @@ def test_per_matrix_runs_in_as_many_threads_as_torch_has(monkeypatch):
 
     batch = torch.randn(5, 4, 4, dtype=torch.float64)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert torch.equal(linalg.per_matrix(record, batch), batch)
+    assert torch.equal(lapack.per_matrix(record, batch), batch)
     assert sorted(calls) == [(False, 2), (False, 3)]
     calls.clear()
-    assert torch.equal(linalg.per_matrix(record, batch[0]), batch[0])
+    assert torch.equal(lapack.per_matrix(record, batch[0]), batch[0])
     assert calls == [(False, 1)]
     calls.clear()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    linalg.per_matrix(record, batch)
+    lapack.per_matrix(record, batch)
     assert calls == [(True, 5)]
