@@ -196,8 +196,8 @@ class GrowthConfig(JsonConfigMixin):
     statistics_method: Literal["auto", "chunked", "reference", "triton"] = field(
         default="auto",
         metadata={"help": "chunked: sdpa forward, M block by block in backward (bounded memory); triton: the same, "
-                  "fused kernels (CUDA); reference: eager attention; auto: reference on CPU up to 256 tokens, "
-                  "else chunked"},
+                  "fused kernels (CUDA, TF32 products); reference: eager attention; auto: reference on CPU up to 256 "
+                  "tokens, else chunked"},
     )
     compute_dtype: Literal["float32", "float64"] = field(
         default="float32",

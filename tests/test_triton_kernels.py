@@ -9,7 +9,7 @@ from transformers import BertConfig, BertForMaskedLM, GPT2LMHeadModel
 pytest.importorskip("triton", reason="triton has wheels for Linux x86_64 only (the `test` extra installs it there)")
 
 from hf_grow import collect_statistics, get_adapter, grow_model  # noqa: E402
-from hf_grow.statistics import triton_kernels  # noqa: E402
+from hf_grow.statistics import collect, triton_kernels  # noqa: E402
 from hf_grow.statistics import triton_available  # noqa: E402
 from hf_grow.statistics.triton_kernels import score_gradient_products_fused  # noqa: E402
 
@@ -80,6 +80,14 @@ def test_triton_method_needs_float32_and_a_device_it_runs_on(gpt2_copy, stdlib_b
     adapter = get_adapter(gpt2_copy)
     with pytest.raises(ValueError, match="computes in float32"):
         collect_statistics(gpt2_copy, batches, adapter, method="triton", compute_dtype=torch.float64)
+    with pytest.raises(ValueError, match="22x slower"):  # IEEE float32 products: no tensor cores (BENCHMARKS.md)
+        collect_statistics(gpt2_copy, batches, adapter, method="triton", tf32=False)
+    modes = []
+    real_mode = collect.statistics_mode
+    monkeypatch.setattr(collect, "statistics_mode", lambda model, tf32: modes.append(tf32) or real_mode(model, tf32))
+    collect_statistics(gpt2_copy, batches, adapter, method="triton")
+    collect_statistics(gpt2_copy, batches, adapter, method="chunked")
+    assert modes == [True, False]  # a float32 model: TF32 products for triton alone
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not triton_available(torch.device("cpu"))
     with pytest.raises(ValueError, match="needs a CUDA device"):

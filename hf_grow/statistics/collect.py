@@ -44,6 +44,7 @@ def check_arguments(
     memory_budget: int | str | None = None,
     accumulate_dtype: torch.dtype = torch.float64,
     offload_dir: str | os.PathLike | None = None,
+    tf32: bool | None = None,
 ) -> None:
     """A ValueError, before any work, for arguments `collect_statistics` cannot run with on ``device``."""
     invalid_count = isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
@@ -67,6 +68,12 @@ def check_arguments(
         )
     if method == "triton" and compute_dtype != torch.float32:
         raise ValueError("method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'.")
+    if method == "triton" and tf32 is False:
+        raise ValueError(
+            "method='triton' runs its products on TF32 tensor cores: with tf32=False (IEEE float32 products) Triton "
+            "runs them without, 22x slower (an H100, BENCHMARKS.md). Leave tf32 unset, or use method='chunked' for "
+            "float32 products."
+        )
     if offload_dir is not None:
         check_offload_dir(offload_dir, device)
 
@@ -99,10 +106,11 @@ def collect_statistics(
 
     ``method`` is ``"chunked"`` (sdpa attention, M block by block in backward; ``query_block`` queries per
     block, by default `default_query_block`: 8 MiB per float32 block tensor on a CPU, 256 MiB on a GPU, at
-    least 32 queries), ``"triton"`` (the same with fused kernels; CUDA, float32 products), ``"reference"``
+    least 32 queries), ``"triton"`` (the same with fused kernels; CUDA, TF32 products), ``"reference"``
     (eager attention, full score gradients) or ``"auto"`` (by device and sequence length, per batch:
-    `choose_method`). ``tf32`` runs the float32 products on TF32 tensor cores (CUDA; ~5e-4 relative error,
-    several times faster; False forces full float32 precision); by default on for bfloat16/float16 models.
+    `choose_method`). ``tf32`` runs the float32 products on TF32 tensor cores (CUDA; M within ~2e-3 of float64
+    products on a float32 GPT-2 small, ~2e-2 on a bfloat16 one; False forces full float32 precision); by default
+    on for bfloat16/float16 models and for ``"triton"``, which refuses False (its IEEE products are 22x slower).
 
     ``memory_budget`` (bytes, or a string such as ``"2GB"``) bounds the accumulators: M is collected
     for as many layers as fit, in several passes over ``dataloader`` (which must then be re-iterable and
@@ -138,7 +146,8 @@ def collect_statistics(
     config = model.config
     parameter = next(model.parameters())
     check_arguments(
-        method, parameter.device, compute_dtype, query_block, max_batches, memory_budget, accumulate_dtype, offload_dir
+        method, parameter.device, compute_dtype, query_block, max_batches, memory_budget, accumulate_dtype, offload_dir,
+        tf32,
     )
     eager_model = config._attn_implementation == "eager"
     num_layers = len(adapter.attention_modules(model))
@@ -157,7 +166,7 @@ def collect_statistics(
             "pass a list of batches or a DataLoader, or a larger memory_budget."
         )
     if tf32 is None:
-        tf32 = parameter.dtype in (torch.bfloat16, torch.float16)
+        tf32 = parameter.dtype in (torch.bfloat16, torch.float16) or method == "triton"
     to_cpu = len(groups) > 1 and on_group is None  # a solve per group frees M where it was collected
     statistics: GrowthStatistics | None = None
     first_pass: tuple[int, int, int, int, float] | None = None
