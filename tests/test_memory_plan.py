@@ -433,9 +433,7 @@ def test_on_a_gpu_the_host_keeps_the_cuda_process_and_one_shard_of_the_written_m
     weights = sum(tensor.numel() * tensor.element_size() for tensor in [*model.parameters(), *model.buffers()])
     shard = min(weights, hub.SHARD_BYTES)
     assert layers == 1 and weights < hub.SHARD_BYTES or layers == 12 and weights > hub.SHARD_BYTES
-    load = plan.stages[0]
-    assert load.host == max(PROCESS_BASELINE_BYTES + weights, CUDA_PROCESS_BASELINE_BYTES)
-    assert load.host == PROCESS_BASELINE_BYTES + weights  # an 8B layer's file (and its embeddings) outweigh CUDA
+    assert plan.stages[0].host == PROCESS_BASELINE_BYTES + weights  # an 8B layer's file outweighs the CUDA libraries
     for stage in plan.stages[1:]:
         assert stage.host == CUDA_PROCESS_BASELINE_BYTES + (shard if stage.name == "write" else 0)
     write = plan.stages[-1]

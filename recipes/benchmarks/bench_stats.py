@@ -58,6 +58,11 @@ SOLVERS = {"eigh": ("eigh", False), "svd": ("svd", False), "subspace cold": ("su
            "subspace warm": ("subspace", True)}
 
 
+def precision_label(method: str, precision: str) -> str:
+    """A table row's name: the method, marked " f32" where TF32 is off."""
+    return method + (" f32" if precision == "float32" else "")
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -186,8 +191,7 @@ def main() -> None:
         runs = [(method, None, precision) for method in methods for precision in args.precisions]
         runs += [("chunked", block, "default") for block in args.query_blocks]
         for method, query_block, precision in runs:
-            label = method if query_block is None else f"chunked q={query_block}"
-            label += " f32" if precision == "float32" else ""
+            label = precision_label(method, precision) if query_block is None else f"chunked q={query_block}"
 
             def statistics_step() -> None:
                 collect_statistics(model, [batch], adapter, method=method, query_block=query_block,
@@ -259,8 +263,8 @@ def accuracy_benchmark(
         errors = [
             float((ours - theirs).norm() / theirs.norm()) for ours, theirs in zip(statistics.gradients, exact.gradients)
         ]
-        label = method + (" f32" if precision == "float32" else "")
-        print(f"{label:>14}: max over layers {max(errors):.2e}, mean {sum(errors) / len(errors):.2e}", flush=True)
+        print(f"{precision_label(method, precision):>14}: max over layers {max(errors):.2e}, "
+              f"mean {sum(errors) / len(errors):.2e}", flush=True)
 
 
 def solve_benchmark(heads: int, width: int, qk_dim: int, device: torch.device, solvers: list[str]) -> None:
