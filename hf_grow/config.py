@@ -154,6 +154,12 @@ class GrowthConfig(JsonConfigMixin):
         default=None,
         metadata={"help": "skip the line search and take this (relative) step; 0 keeps exactly the old function"},
     )
+    step_scale: float = field(
+        default=1.0,
+        metadata={"help": "take this fraction (0 < f <= 1) of the line-searched step: a step shrunk toward the old "
+                  "function, for training after growth that overfits (a short fine-tune at a high learning rate; "
+                  "BENCHMARKS.md)"},
+    )
     step_mode: Literal["global", "per_layer", "per_head", "layer_search", "coordinate", "auto"] = field(
         default=DEFAULT_STEP_MODE,
         metadata={"help": "global: one step lam for all layers; per_layer: each layer steps by t * ||Z_l|| / ||P_l|| "
@@ -291,6 +297,16 @@ def _check_options(config: GrowthConfig) -> None:
     _choose("method", config.statistics_method, STATISTICS_METHODS)  # collect_statistics' name for it
     if config.step_size is not None and (not math.isfinite(config.step_size) or config.step_size < 0):
         raise ValueError(f"step_size must be a finite number >= 0, got {config.step_size}")
+    if not (isinstance(config.step_scale, (int, float)) and math.isfinite(config.step_scale)
+            and 0 < config.step_scale <= 1):
+        raise ValueError(f"step_scale must be in (0, 1], a fraction of the searched step; got {config.step_scale!r}")
+    if config.step_scale != 1 and config.step_size is not None:
+        raise ValueError("step_scale shrinks the line-searched step: with a step_size given, pass the step to take.")
+    if config.step_scale != 1 and config.step_mode == "coordinate":
+        raise ValueError(
+            "step_scale shrinks one searched step, and step_mode='coordinate' refines each layer's own: use "
+            "step_mode 'per_layer', 'per_head', 'global', 'layer_search' or 'auto' with it."
+        )
     if not (math.isfinite(config.initial_step_size) and config.initial_step_size > 0):
         raise ValueError(
             f"initial_step_size must be a finite number > 0 (the first step tried), got {config.initial_step_size}"

@@ -143,6 +143,14 @@ class GrowthReport:
     selection_margin: float | None = None
     #: Whether the step was solved from the cross-fitted M (`GrowthConfig.cross_fit`; False in older reports).
     cross_fit: bool = False
+    #: With ``step_scale`` < 1: the line search's best step, of which ``step_size`` is that fraction (None: the
+    #: step taken is the searched one).
+    searched_step_size: float | None = None
+
+    def _searched_note(self) -> str:
+        if self.searched_step_size is None:
+            return ""
+        return f" ({self.step_size / self.searched_step_size:.3g} of the searched {self.searched_step_size:.4g})"
 
     @property
     def candidate_name(self) -> str:
@@ -194,7 +202,8 @@ class GrowthReport:
         lines = [
             f"held-out loss  before {fmt(self.eval_loss_before)}  after {fmt(self.eval_loss_after)}",
             f"perplexity     before {fmt(self.perplexity_before)}  after {fmt(self.perplexity_after)}",
-            f"step size {self.step_size:.4g} (lam {self.lam:.4g}{STEP_MODE_NOTES.get(self.step_mode, ', per layer')}),"
+            f"step size {self.step_size:.4g}{self._searched_note()} "
+            f"(lam {self.lam:.4g}{STEP_MODE_NOTES.get(self.step_mode, ', per layer')}),"
             f" mode {self.mode}, truncation {self.truncation}, search {self.search}",
             f"Q/K dims {self.qk_dims_before} -> {self.qk_dims_after}, parameters added {self.parameters_added:,}",
         ]

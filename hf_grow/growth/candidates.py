@@ -93,6 +93,7 @@ def search_and_report(
     )
     # every pass but the one at step 0 over all the held-out batches that any growth makes
     outcome.passes += passes + old.passes + measure_realized_gains - 1
+    outcome = search.take_step_scale(prepared, problem, target, outcome, prepared.eval_batches)
     prepared.seconds["line_search"] = time.perf_counter() - tick
     return search.write_report(
         prepared, problem, target, outcome, prepared.eval_batches, **reporting,

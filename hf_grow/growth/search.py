@@ -7,6 +7,7 @@ for each candidate of "auto" options and reports the one kept).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -54,6 +55,8 @@ class SearchOutcome:
     #: Each layer's step relative to the others at the chosen step (`GrowthProblem.layer_scales`), which the
     #: searches per layer set: the chosen weights are made with them.
     layer_scales: list[float] = field(default_factory=list)
+    #: The searched step, where ``step_size`` is ``config.step_scale`` of it (`take_step_scale`).
+    searched_step_size: float | None = None
 
 
 @dataclass
@@ -88,6 +91,7 @@ def search_and_report(
         prepared, prepared.problem, target, prepared.eval_batches, progress=progress,
         record_step_zero=measure_realized_gains,
     )
+    outcome = take_step_scale(prepared, prepared.problem, target, outcome, prepared.eval_batches)
     prepared.seconds["line_search"] = time.perf_counter() - tick
     return write_report(
         prepared, prepared.problem, target, outcome, prepared.eval_batches,
@@ -254,6 +258,32 @@ def line_search(
     )
 
 
+def take_step_scale(
+    prepared: PreparedGrowth,
+    problem: GrowthProblem,
+    target: PreTrainedModel,
+    outcome: SearchOutcome,
+    eval_batches: list[dict[str, Tensor]] | None,
+) -> SearchOutcome:
+    """``outcome`` at ``config.step_scale`` of its searched step (unchanged at 1, or at step 0): those weights
+    written into ``target`` and their held-out loss, one more pass. A step shrunk toward the old function
+    gives up part of the one-shot gain for training after growth that overfits (BENCHMARKS.md, issue #35)."""
+    scale = prepared.config.step_scale
+    if scale == 1 or outcome.step_size == 0:
+        return outcome
+    step, decompositions = scale * outcome.step_size, {}
+    weights = problem.weights(step, decompositions)
+    write_weights(prepared.adapter, target, weights)
+    loss_after, passes = outcome.loss_after, outcome.passes
+    if eval_batches is not None:
+        loss_after = evaluate_loss(target, eval_batches, prepared.adapter, prepared.loss_fn, prepared.accelerator)[0]
+        passes = None if passes is None else passes + 1
+    return dataclasses.replace(
+        outcome, step_size=step, weights=weights, loss_after=loss_after, passes=passes,
+        decompositions=decompositions, searched_step_size=outcome.step_size,
+    )
+
+
 def unconstrained_weights(problem: GrowthProblem, step_size: float, scalings: list[float]) -> QKWeights:
     """Weights computing ``Z - lam P`` on the compact subspaces without truncation (rank k = d_k + s, all of
     Z - lam P where those are everything): queries ``L core(lam) / scaling``, keys ``R``; the reference of
@@ -348,6 +378,7 @@ def write_report(
         selection=selection,
         selection_margin=selection_margin,
         cross_fit=problem.cross_fit,
+        searched_step_size=outcome.searched_step_size,
     )
     logger.info("grew %s: %s", type(model).__name__, report.summary())
     return report
