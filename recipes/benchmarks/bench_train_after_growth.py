@@ -9,8 +9,8 @@ the test loss and by MRR@10 / NDCG@10 of retrieving each docstring's code among 
 
 Arms (``--arms``): ``original`` (fine-tuned as it is), ``zero`` (widened by p with the old function: step 0),
 ``default`` (`grow_model` with its defaults), and growth options as ``name=json``, e.g. ``'rtol=1e-2={"rtol": 0.01}'``,
-``'half={"step_size": 0.02}'`` or ``'x0.25={"step_scale": 0.25}'`` (a quarter of the step the line search chooses; an
-arm option of this script, not of the library); with ``"mode"``, `grow_in_training`'s, e.g.
+``'half={"step_size": 0.02}'`` or ``'x0.25={"step_scale": 0.25}'`` (a quarter of the step the line search chooses,
+`GrowthConfig.step_scale`); with ``"mode"``, `grow_in_training`'s, e.g.
 ``'append={"mode": "append"}'``. The statistics are collected once and shared by every grown arm; each growth is
 deterministic and run once, each seed fine-tunes a copy; every arm's scores are also printed minus the original's on
 the same seed (the same batches in the same order), which removes the order's share of the spread. Per grown arm,
@@ -165,15 +165,10 @@ def grow(
 ) -> PreTrainedModel:
     """``original`` grown by ``p`` from ``statistics`` (collected on ``batches``) with the growth ``options``, the
     step line-searched on ``held_out``: by `grow_model`, or with a ``"mode"`` (e.g. ``"append"``: old Q/K kept,
-    rank-p new dims) by `grow_in_training` on a grown-type copy. With ``"step_scale": f``, the step is f times the
-    one the line search chooses with the other options (searched first, then taken as given)."""
+    rank-p new dims) by `grow_in_training` on a grown-type copy."""
     options = dict(options)
     if "max_change" in options:
         return capped_growth(original, options, batches, held_out, statistics, p, loss_fn)
-    if "step_scale" in options:
-        scale = options.pop("step_scale")
-        searched = grow(original, options, batches, held_out, statistics, p, loss_fn).growth_report.step_size
-        options["step_size"] = scale * searched
     common = dict(eval_dataloader=held_out, loss_fn=loss_fn, statistics=statistics)
     if "mode" in options:
         grown = hf_grow.to_grown_model(copy.deepcopy(original))
