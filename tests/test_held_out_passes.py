@@ -1,0 +1,132 @@
+"""The held-out passes after the line search: the realized gains replay the blocks the step-0 pass recorded,
+no pass builds a key/value cache, and no layer's core is decomposed twice (`hf_grow.growth.layer_steps`)."""
+
+import pytest
+import torch
+
+from hf_grow import evaluate_loss, get_adapter, grow_model
+
+from conftest import lm_batches
+
+
+def test_realized_gains_replaying_unchanged_blocks_equal_full_passes(gpt2_copy, stdlib_bytes):
+    """Each layer's realized gain replays the blocks before it (at step 0): the same loss as a full pass."""
+    from hf_grow.growth.problem import write_weights
+
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    grown = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05)
+    report = grown.growth_report
+    adapter = get_adapter(grown)
+    stepped = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(grown))}
+    unchanged = grow_model(gpt2_copy, batches, p=8, step_size=0.0, measure_realized_gains=False)
+    unchanged = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(unchanged))}
+    before = evaluate_loss(gpt2_copy, held_out)[0]
+    for layer in range(len(stepped)):
+        write_weights(adapter, grown, {**unchanged, layer: stepped[layer]})
+        full_pass = before - evaluate_loss(grown, held_out)[0]
+        assert report.layers[layer].realized_gain == pytest.approx(full_pass, rel=1e-9, abs=1e-12)
+    assert any(layer.realized_gain != 0 for layer in report.layers)
+
+
+def test_realized_gains_replay_the_blocks_the_step_zero_loss_recorded(gpt2_copy, stdlib_bytes, monkeypatch):
+    """The line search's pass at step 0 records every block: the realized gains run no recording pass of their own."""
+    from hf_grow.growth.layer_steps import HeldOutPasses
+
+    recording = HeldOutPasses.record
+
+    def record(self, layer):
+        assert not (self.blocks and layer == len(self.recorded) < self.num_layers - 1), f"block {layer} recorded"
+        recording(self, layer)
+
+    monkeypatch.setattr(HeldOutPasses, "record", record)
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05).growth_report
+    assert all(layer.realized_gain is not None for layer in report.layers)
+
+
+def test_no_step_zero_records_without_realized_gains(gpt2_copy, stdlib_bytes, monkeypatch):
+    """The step-0 records (up to CACHE_BYTES) are kept only for the realized gains: without them, no pass records."""
+    from hf_grow.growth.layer_steps import HeldOutPasses
+
+    calls = []
+    recording = HeldOutPasses.loss_recording
+
+    def loss_recording(self):
+        calls.append(self)
+        return recording(self)
+
+    monkeypatch.setattr(HeldOutPasses, "loss_recording", loss_recording)
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, measure_realized_gains=False).growth_report
+    assert not calls and all(layer.realized_gain is None for layer in report.layers)
+    grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05)
+    assert len(calls) == 1
+
+
+def test_held_out_passes_build_no_kv_cache_and_keep_the_config(gpt2_copy, stdlib_bytes):
+    """The held-out passes want a loss only: no block is asked for a key/value cache, also in the recording and
+    replaying passes, and the model's config is as it was afterwards (its value, or no value at all)."""
+    from hf_grow.growth.layer_steps import HeldOutPasses
+
+    held_out = lm_batches(stdlib_bytes["eval"], 2, batch_size=2, seq_len=32, seed=1)
+    adapter = get_adapter(gpt2_copy)
+    asked = []
+    for block in gpt2_copy.transformer.h:
+        block.register_forward_pre_hook(
+            lambda module, args, kwargs: asked.append(kwargs["use_cache"]), with_kwargs=True
+        )
+    assert gpt2_copy.config.use_cache is True
+    loss = evaluate_loss(gpt2_copy, held_out)[0]
+    passes = HeldOutPasses(gpt2_copy, adapter, held_out, None, None)
+    assert passes.loss_recording()[0] == loss
+    assert passes.loss(first_changed=1) == pytest.approx(loss, rel=1e-9)
+    passes.recorded = []
+    passes.record(0)
+    blocks = len(gpt2_copy.transformer.h)  # per batch: three passes over every block, then block 0 recorded
+    assert len(asked) == len(held_out) * (3 * blocks + 1) and not any(asked)
+    assert gpt2_copy.config.use_cache is True and gpt2_copy(**held_out[0]).cache is not None
+    try:  # a config without the field (the model shares it with the module's fixture: set back after)
+        del gpt2_copy.config.use_cache
+        with pytest.raises(ValueError, match="batch 0 holds sequences"):
+            evaluate_loss(gpt2_copy, [{"input_ids": torch.zeros(1, 10**5, dtype=torch.long)}])
+        evaluate_loss(gpt2_copy, held_out)
+        assert "use_cache" not in vars(gpt2_copy.config)
+    finally:
+        gpt2_copy.config.use_cache = True
+
+
+def test_the_report_reads_the_line_searchs_decomposition_of_the_chosen_step(gpt2_copy, stdlib_bytes, monkeypatch):
+    """No work twice: each layer's core is decomposed once per line-search step (never again for the chosen
+    weights or the report), and the report is the same, bit for bit, as from a decomposition of its own."""
+    from hf_grow.growth import search
+    from hf_grow.growth.problem import StepWeights
+
+    calls = []
+    decompose = StepWeights.decomposition
+
+    def counted(self, layer, step_size, *args, **kwargs):
+        calls.append((layer, step_size))
+        return decompose(self, layer, step_size, *args, **kwargs)
+
+    monkeypatch.setattr(StepWeights, "decomposition", counted)
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out).growth_report
+    layers = len(report.layers)
+    searched = [point.step_size for point in report.line_search if point.step_size > 0]
+    assert report.step_size > 0
+    assert sorted(calls) == sorted((layer, step) for step in searched for layer in range(layers))
+    calls.clear()
+    grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05, measure_realized_gains=False)
+    assert calls == [(layer, 0.05) for layer in range(layers)]  # a given step: decomposed for its weights alone
+
+    own = search.head_reports
+    monkeypatch.setattr(search, "head_reports", lambda problem, layer, step, decomposition: own(problem, layer, step))
+    calls.clear()
+    again = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out).growth_report
+    assert len(calls) == layers * (len(searched) + 1)
+    assert [layer.heads for layer in again.layers] == [layer.heads for layer in report.layers]
+    assert again.eval_loss_after == report.eval_loss_after and again.step_size == report.step_size
