@@ -52,9 +52,9 @@ from .statistics import METHODS as STATISTICS_METHODS
 from .statistics import parse_bytes
 
 
-#: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z. Also
-#: the simplest candidate of ``truncation="auto"``.
-DEFAULT_TRUNCATION = "whitened"
+#: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z on
+#: most models, so it is the simplest candidate of ``truncation="auto"`` (the default, see `AUTO_CHOICES`).
+SIMPLEST_TRUNCATION = "whitened"
 SEARCHES = ("exact", "fast")
 #: How one searched step size becomes each layer's lam. "global": one lam for all layers, lam = t * lam_unit
 #: with lam_unit = sqrt(sum ||Z||^2 / sum ||P||^2) over every head (whitened norms). "per_layer": the original
@@ -72,15 +72,22 @@ STEP_MODES = ("global", "per_layer", "per_head", "layer_search", "coordinate")
 #: (1.22x "per_layer" on the GPT-2s, best of all modes on MiniLM), at the same cost. The searches per layer gave
 #: 1.6x "per_layer" on the GPT-2s for about 4x the held-out passes but overfit MiniLM's 8 line-search batches
 #: (below the notes' formula on 1 and 2 of its 3 splits); one global lam fell to 0.80x the notes on one split.
-DEFAULT_STEP_MODE = "per_head"
+SIMPLEST_STEP_MODE = "per_head"
 #: What ``"auto"`` lets the held-out loss choose from, per option, simplest first: the candidates are the
-#: product over the options set to "auto", each line-searched; the simplest (the first of each) is kept when
-#: the held-out batches the search did not use disagree with the search (`hf_grow.growth.candidates`). Not the
-#: default for its cost: 2.6x the default's held-out passes (2.2-3.0x per split of three trained models in
-#: bench_line_search.py, after coarse searches of the losing candidates; 3.1x before), though measured better
-#: (bench_candidates.py: never below the notes' formula, 1.03x the default in the mean over 18 splits of six
-#: models, 0.98-1.25x per split).
-AUTO_CHOICES = {"truncation": (DEFAULT_TRUNCATION, "frobenius"), "step_mode": (DEFAULT_STEP_MODE, "per_layer")}
+#: product over the options set to "auto" (less `AUTO_LEFT_OUT` where both are), each line-searched; the
+#: simplest (the first of each) is kept when the held-out batches the search did not use disagree with the search
+#: (`hf_grow.growth.candidates`). Measured (bench_candidates.py, 18 splits of six trained models): never below
+#: the notes' formula, 1.03x the simplest candidate's test decrease in the mean, 0.98-1.25x per split, where no
+#: single candidate wins on every model.
+AUTO_CHOICES = {"truncation": (SIMPLEST_TRUNCATION, "frobenius"), "step_mode": (SIMPLEST_STEP_MODE, "per_layer")}
+#: Left out of the product when both options are "auto": Frobenius truncation with steps per head was the best
+#: single variant on 1 of bench_candidates' 18 splits (by 1%), the one wrong choice of "auto" on another, and the
+#: dearest search (the first of its truncation, a walk of 8-11 steps from the start). The three left hold both
+#: truncations, both step modes and the notes' formula (Frobenius, per layer).
+AUTO_LEFT_OUT = (("frobenius", "per_head"),)
+#: The defaults of `GrowthConfig`: the held-out loss chooses (`AUTO_CHOICES`).
+DEFAULT_TRUNCATION = "auto"
+DEFAULT_STEP_MODE = "auto"
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _Config = TypeVar("_Config", bound="JsonConfigMixin")
 
@@ -126,7 +133,8 @@ class JsonConfigMixin:
 
 @dataclass
 class GrowthConfig(JsonConfigMixin):
-    """How a model grows. Every option has the default `grow_model` has always had, but ``step_mode`` (measured).
+    """How a model grows. ``truncation`` and ``step_mode`` default to "auto": the held-out loss chooses among
+    whitened/Frobenius truncation and steps per head/per layer (measured: no single one wins on every model).
 
     ``GrowthConfig(p=16, truncation="frobenius")``; ``config.replace(step_size=0.0)`` for a checked variant;
     ``config.to_json_file(path)`` / ``GrowthConfig.from_json_file(path)`` to keep it. Each field's help text
@@ -263,7 +271,9 @@ class GrowthConfig(JsonConfigMixin):
         """The (truncation, step_mode) pairs the held-out loss chooses from, the simplest first (`AUTO_CHOICES`);
         one pair where neither option is "auto"."""
         step_modes = AUTO_CHOICES["step_mode"] if self.step_mode == "auto" else (self.step_mode,)
-        return [(truncation, step_mode) for truncation in self.candidate_truncations for step_mode in step_modes]
+        left_out = AUTO_LEFT_OUT if self.truncation == self.step_mode == "auto" else ()
+        return [(truncation, step_mode) for truncation in self.candidate_truncations for step_mode in step_modes
+                if (truncation, step_mode) not in left_out]
 
     @property
     def candidate_truncations(self) -> tuple[str, ...]:

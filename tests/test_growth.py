@@ -11,6 +11,7 @@ from transformers import GPT2LMHeadModel
 
 from hf_grow import (
     DEFAULT_TRUNCATION,
+    GrowthConfig,
     GrowthReport,
     collect_statistics,
     evaluate_loss,
@@ -42,7 +43,7 @@ def grown_by_truncation(trained_gpt2, data):
 
 
 def test_growth_decreases_held_out_loss(trained_gpt2, grown_by_truncation, data):
-    grown = grown_by_truncation[DEFAULT_TRUNCATION]
+    grown = grown_by_truncation["whitened"]
     report = grown.growth_report
     before, _ = evaluate_loss(trained_gpt2, data["eval"])
     assert report.eval_loss_before == pytest.approx(before, abs=1e-5)
@@ -53,10 +54,11 @@ def test_growth_decreases_held_out_loss(trained_gpt2, grown_by_truncation, data)
     assert evaluate_loss(grown, data["test"])[0] < evaluate_loss(trained_gpt2, data["test"])[0] - 1e-3
 
 
-def test_default_truncation_is_at_least_as_good(grown_by_truncation):
+def test_the_default_chooses_and_its_simplest_candidate_is_at_least_as_good(grown_by_truncation):
     whitened = grown_by_truncation["whitened"].growth_report
     frobenius = grown_by_truncation["frobenius"].growth_report
-    assert DEFAULT_TRUNCATION == "whitened"
+    assert DEFAULT_TRUNCATION == GrowthConfig().truncation == GrowthConfig().step_mode == "auto"
+    assert GrowthConfig().candidates[0] == ("whitened", "per_head")
     assert whitened.eval_loss_after <= frobenius.eval_loss_after + 1e-4
 
 
@@ -95,7 +97,8 @@ def test_report_is_complete_and_consistent(trained_gpt2, grown_by_truncation, da
 
 def test_fast_search_brackets_with_the_unconstrained_update(trained_gpt2, data):
     grown = grow_model(
-        trained_gpt2, data["stats"], p=8, eval_dataloader=data["eval"], search="fast", measure_realized_gains=False
+        trained_gpt2, data["stats"], p=8, eval_dataloader=data["eval"], search="fast", measure_realized_gains=False,
+        truncation="whitened", step_mode="per_head",
     )
     report = grown.growth_report
     kinds = {point.kind for point in report.line_search}

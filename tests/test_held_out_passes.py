@@ -100,7 +100,9 @@ def test_held_out_passes_build_no_kv_cache_and_keep_the_config(gpt2_copy, stdlib
 
 def test_the_report_reads_the_line_searchs_decomposition_of_the_chosen_step(gpt2_copy, stdlib_bytes, monkeypatch):
     """No work twice: each layer's core is decomposed once per line-search step (never again for the chosen
-    weights or the report), and the report is the same, bit for bit, as from a decomposition of its own."""
+    weights or the report), and the report is the same, bit for bit, as from a decomposition of its own. One
+    candidate's search (the default's choice among several searches more steps, each decomposed once)."""
+    ONE_SEARCH = dict(truncation="whitened", step_mode="per_head")
     from hf_grow.growth import search
     from hf_grow.growth.problem import StepWeights
 
@@ -114,7 +116,7 @@ def test_the_report_reads_the_line_searchs_decomposition_of_the_chosen_step(gpt2
     monkeypatch.setattr(StepWeights, "decomposition", counted)
     batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
     held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
-    report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out).growth_report
+    report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, **ONE_SEARCH).growth_report
     layers = len(report.layers)
     searched = [point.step_size for point in report.line_search if point.step_size > 0]
     assert report.step_size > 0
@@ -126,7 +128,7 @@ def test_the_report_reads_the_line_searchs_decomposition_of_the_chosen_step(gpt2
     own = search.head_reports
     monkeypatch.setattr(search, "head_reports", lambda problem, layer, step, decomposition: own(problem, layer, step))
     calls.clear()
-    again = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out).growth_report
+    again = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, **ONE_SEARCH).growth_report
     assert len(calls) == layers * (len(searched) + 1)
     assert [layer.heads for layer in again.layers] == [layer.heads for layer in report.layers]
     assert again.eval_loss_after == report.eval_loss_after and again.step_size == report.step_size

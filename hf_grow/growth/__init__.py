@@ -2,12 +2,13 @@
 
 The step: per head, Z_new = best rank-(d_k + p) approximation of Z - lam_lh * P with P = C^+ M C^+ (see
 `hf_grow.linalg`), the step size chosen on held-out batches. Step sizes are searched in relative units,
-``lam_lh = step_size * unit_lh`` with ``unit_lh = ||Z_lh|| / ||P_lh||`` of the head (step mode "per_head", the
-default), of its layer ("per_layer"), or one unit over all heads ("global"): at step size 1 the update
-lam P is as large as Z itself in the norm of the truncation (of C, whitened, by default); the scores and weights
+``lam_lh = step_size * unit_lh`` with ``unit_lh = ||Z_lh|| / ||P_lh||`` of the head (step mode "per_head"),
+of its layer ("per_layer"), or one unit over all heads ("global"): at step size 1 the update lam P is as large
+as Z itself in the norm of the truncation (of C, whitened, or Frobenius); the scores and weights
 may move more (on MiniLM the searched 0.042 moved each head's Z by a median 47% in the plain Frobenius norm,
 BENCHMARKS.md). The step modes "layer_search" and "coordinate" also search each layer's own step
-(`layer_steps`).
+(`layer_steps`). By default ("auto" truncation and step mode) the held-out loss chooses among whitened and
+Frobenius truncation, steps per head and per layer (`candidates`).
 
 The package, one job a module: `problem` (the solve: weights at any step size), `head_reports` (what each
 head is expected to gain), `line_search` (held-out loss and the search over step sizes), `prepare`

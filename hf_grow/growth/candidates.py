@@ -31,14 +31,12 @@ import math
 import time
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ..distributed import Processes
 from ..report import CandidateReport, GrowthReport
 from . import search
-from .line_search import evaluate_loss, held_out_count
+from .line_search import evaluate_loss
 from .prepare import PreparedGrowth
 from .problem import GrowthProblem, write_weights
 
@@ -61,11 +59,7 @@ def search_and_report(
     reporting = dict(measure_realized_gains=measure_realized_gains, progress=progress, started=started)
     if len(config.candidates) == 1:
         return search.search_and_report(prepared, target, **reporting)
-    parts = confirmation_split(prepared.eval_batches, config.confirm_fraction, config.step_size is None)
-    processes = Processes(prepared.accelerator)
-    if processes.world_size > 1:  # every process must take the same branch: none searches if one cannot
-        cannot = torch.tensor(float(parts is None), device=next(prepared.model.parameters()).device)
-        parts = None if processes.sum_(cannot).item() > 0 else parts
+    parts = prepared.confirmation
     if parts is None:  # nothing to choose by: a given step size, or one held-out batch
         report = search.search_and_report(prepared, target, **reporting)
         report.selection = "simplest"
@@ -99,17 +93,6 @@ def search_and_report(
         prepared, problem, target, outcome, prepared.eval_batches, **reporting,
         candidates=reports, selection=selection, selection_margin=margin,
     )
-
-
-def confirmation_split(
-    batches: Batches | None, fraction: float, searched: bool
-) -> tuple[Batches, Batches] | None:
-    """The held-out batches for the search and the last ``fraction`` of them (at least one) for confirmation;
-    None when no choice can be made: a step size was given (not ``searched``), or fewer than 2 batches."""
-    if not searched or batches is None or len(batches) < 2:
-        return None
-    count = min(held_out_count(len(batches), fraction), len(batches) - 1)
-    return batches[:-count], batches[-count:]
 
 
 class OldFunction:

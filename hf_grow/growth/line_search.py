@@ -106,6 +106,17 @@ def split_batches(
     return batches[:-num_eval], batches[-num_eval:]
 
 
+def confirmation_split(
+    batches: list[dict[str, Tensor]] | None, fraction: float, searched: bool
+) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]] | None:
+    """The held-out batches for the search and the last ``fraction`` of them (at least one) for confirmation;
+    None when no choice can be made: a step size was given (not ``searched``), or fewer than 2 batches."""
+    if not searched or batches is None or len(batches) < 2:
+        return None
+    count = min(held_out_count(len(batches), fraction), len(batches) - 1)
+    return batches[:-count], batches[-count:]
+
+
 def search_step_size(
     evaluate: Callable[[float], float],
     start: float,

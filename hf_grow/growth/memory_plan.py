@@ -169,6 +169,11 @@ def plan_memory(
     converts (`_loading`). None: the model's own dtype.
     """
     on_device = torch.device(device).type != "cpu"
+    # Where the held-out batches (each process's share) leave nothing to confirm a choice on, or the step is
+    # given, the simplest candidate is taken and solved for alone (`prepare_growth`).
+    held_out_batches = math.ceil(eval_tokens / (seq_len * batch_size)) // processes
+    if len(config.candidates) > 1 and (config.step_size is not None or held_out_batches < 2):
+        config = config.replace(truncation=config.candidates[0][0], step_mode=config.candidates[0][1])
     model_config = model.config
     layers, heads = len(adapter.attention_modules(model)), adapter.num_heads(model_config)
     width = adapter.hidden_size(model_config) + 1

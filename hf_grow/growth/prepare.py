@@ -24,7 +24,7 @@ from ..statistics import (
     GrowthStatistics, LossFn, batch_loss_weight, collect_statistics, return_free_memory, weight_sample,
 )
 from ..statistics import check_arguments as check_statistics_arguments
-from .line_search import _NO_LOSS_TERMS, split_batches
+from .line_search import _NO_LOSS_TERMS, confirmation_split, split_batches
 from .problem import MODES, GrowthProblem
 from .sharding import Sharding, solve_cost
 
@@ -173,6 +173,10 @@ class PreparedGrowth:
     parameters_before: int
     seconds: dict[str, float]
     accelerator: Accelerator | None
+    #: With several candidates (`GrowthConfig.candidates`), the held-out batches with loss terms to search them
+    #: on and to confirm the choice on (`confirmation_split`); None where no choice can be made, and the
+    #: simplest candidate is taken (and solved for alone).
+    confirmation: tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]] | None = None
 
 
 def prepare_growth(
@@ -234,20 +238,27 @@ def prepare_growth(
         statistics_batches, eval_batches = split_batches(
             dataloader, eval_dataloader, config.eval_fraction, config.step_size is None
         )
-        eval_terms = None
-        if eval_batches is not None:
-            eval_terms = sum(batch_loss_weight(adapter, model, batch, loss_fn) for batch in eval_batches)
-    if eval_terms is not None:  # found now, not after the statistics pass
-        device = next(model.parameters()).device
-        if processes.sum_(torch.tensor(eval_terms, dtype=torch.float64, device=device)).item() == 0:
+        weights = [batch_loss_weight(adapter, model, batch, loss_fn) for batch in eval_batches or ()]
+    device = next(model.parameters()).device
+    if eval_batches is not None:  # found now, not after the statistics pass
+        if processes.sum_(torch.tensor(sum(weights), dtype=torch.float64, device=device)).item() == 0:
             raise ValueError(_NO_LOSS_TERMS.format(data="the held-out data"))
+    confirmation = None
+    if len(config.candidates) > 1:  # batches without loss terms are skipped by every pass: not counted as parts
+        scored = [batch for batch, weight in zip(eval_batches or (), weights) if weight > 0]
+        confirmation = confirmation_split(scored, config.confirm_fraction, config.step_size is None)
+        if processes.world_size > 1:  # every process must take the same branch: none chooses if one cannot
+            cannot = processes.sum_(torch.tensor(float(confirmation is None), device=device)).item() > 0
+            confirmation = None if cannot else confirmation
     # With a budget, each layer is solved for the widest it may get (the budget is allocated from the rates).
     widest = qk_after if growth is not None else [min(max_rank, dim + config.budget) for dim in qk_before]
 
     truncation, step_mode = config.candidates[0]  # of "auto" options the simplest (`growth.candidates`)
     # One solve serves every truncation among the candidates, so M is freed group by group: one solved for
-    # Frobenius truncation holds the whitened targets or update too (`GrowthProblem.holds`).
-    solved_for = "frobenius" if "frobenius" in config.candidate_truncations else truncation
+    # Frobenius truncation holds the whitened targets or update too (`GrowthProblem.holds`). Where no choice
+    # can be made (one held-out batch, a given step size), the simplest candidate's alone.
+    truncations = config.candidate_truncations if confirmation is not None else (truncation,)
+    solved_for = "frobenius" if "frobenius" in truncations else truncation
     # With several processes each layer's M goes to one owner, which alone solves it (`sharding`).
     costs = [solve_cost(adapter.num_heads(model.config), max_rank)] * len(qk_before)
     sharding = Sharding.planned(processes, costs) if processes.world_size > 1 else None
@@ -297,5 +308,5 @@ def prepare_growth(
     seconds["solve"] += time.perf_counter() - tick
     return PreparedGrowth(
         model, adapter, config, loss_fn, qk_before, qk_after, max_rank, statistics, eval_batches, problem,
-        model.num_parameters(), seconds, accelerator,
+        model.num_parameters(), seconds, accelerator, confirmation,
     )

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from .. import compact, linalg
 from ..adapters import ArchitectureAdapter
-from ..config import DEFAULT_STEP_MODE, STEP_MODES
+from ..config import SIMPLEST_STEP_MODE, STEP_MODES
 from ..statistics import GrowthStatistics, return_free_memory
 from .layer_solve import LayerProblem, decomposition_method, solve_layer
 from .sharding import Sharding
@@ -142,7 +142,7 @@ class GrowthProblem(StepWeights):
         rtol: float,
         solver: str,
         mode: str = "refactor",
-        step_mode: str = DEFAULT_STEP_MODE,
+        step_mode: str = SIMPLEST_STEP_MODE,
         *,
         max_dims_after: list[int] | None = None,
         with_rates: bool = False,

@@ -12,7 +12,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter, get_adapter
-from ..config import GrowthConfig, resolve_config
+from ..config import SIMPLEST_STEP_MODE, SIMPLEST_TRUNCATION, GrowthConfig, resolve_config
 from ..distributed import Processes, ddp_wrappers, refuse_sharded_training, synchronize_after_growth, unwrap_model
 from ..growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
@@ -30,6 +30,11 @@ GROWTH_MODES: tuple[str, ...] = ("refactor", "append", "zero", "random")
 #: 0.86x); on the easy retrieval task and on text the two tie (BENCHMARKS.md). Architectures that cannot
 #: refactor (rotary models) take their own default (`ArchitectureAdapter.check_mode`) when mode is None.
 DEFAULT_MODE = "refactor"
+#: `GrowthConfig` defaults of growth in a training loop, without a config: a quarter of the (few) statistics
+#: batches held out, no per-layer replays, and the simplest candidate of "auto" (docstring of `grow_in_training`).
+IN_TRAINING_DEFAULTS = dict(
+    eval_fraction=0.25, measure_realized_gains=False, truncation=SIMPLEST_TRUNCATION, step_mode=SIMPLEST_STEP_MODE
+)
 
 
 def _initialized_weights(
@@ -115,8 +120,11 @@ def grow_in_training(
         p: dimensions added per head, in every layer, or ``{layer: p}``; None takes ``config.p`` (default 8,
             for the solved modes).
         config, overrides: the growth options as in `grow_model`. Without a config, this function's defaults
-            differ from `GrowthConfig`'s: ``eval_fraction=0.25`` and ``measure_realized_gains=False`` (keyword
-            overrides apply on top of them); a config passed is used as it is. A ``budget`` is `grow_model`'s.
+            differ from `GrowthConfig`'s: ``eval_fraction=0.25``, ``measure_realized_gains=False`` and the
+            simplest candidate of "auto", ``truncation="whitened"`` and ``step_mode="per_head"`` (a quarter of a
+            few statistics batches can hardly confirm a choice among candidates, and training after growth was
+            measured with it; BENCHMARKS.md, issue #35). Keyword overrides apply on top of them; a config passed
+            is used as it is. A ``budget`` is `grow_model`'s.
         Other arguments as in `grow_model`.
 
     Returns:
@@ -127,7 +135,7 @@ def grow_in_training(
         raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
     check_new_moments(new_moments)
     overrides = overrides if p is None else {**overrides, "p": p}
-    config = resolve_config(config, overrides, eval_fraction=0.25, measure_realized_gains=False)
+    config = resolve_config(config, overrides, **IN_TRAINING_DEFAULTS)
     if config.budget is not None:
         raise ValueError("grow_in_training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
     refuse_sharded_training(model, accelerator)

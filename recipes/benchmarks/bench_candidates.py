@@ -5,8 +5,9 @@ Variants, at p = 8, statistics collected once per model:
 
 - the four candidates alone: truncation whitened or frobenius x ``step_mode`` per_head or per_layer; the
   notes' formula is frobenius, per_layer (λ_l = t·‖Z_l‖_F/‖P_l‖_F, one t searched, as in bench_step_modes);
-- ``auto``: ``truncation="auto", step_mode="auto"``: every candidate line-searched on 2/3 of the line-search
-  batches, the best kept only if it beats whitened/per_head on the other third (`hf_grow.growth.candidates`).
+- ``default``: `grow_model`'s defaults, ``truncation="auto", step_mode="auto"``: whitened/per_head,
+  whitened/per_layer and the notes' formula line-searched on 2/3 of the line-search batches, the best kept
+  only if it beats whitened/per_head on the other third (`hf_grow.growth.candidates`).
 
 Models (``--models``): GPT-2s trained here on English text (the standard library's ``pydoc_data`` topics and its
 docstrings) with a byte vocabulary (``bytes-en``) and with a 2,048-token byte-level BPE vocabulary trained on the
@@ -53,9 +54,9 @@ VARIANTS = {
     "whitened/per_layer": dict(truncation="whitened", step_mode="per_layer"),
     "frobenius/per_head": dict(truncation="frobenius", step_mode="per_head"),
     "notes": dict(truncation="frobenius", step_mode="per_layer"),
-    "auto": dict(truncation="auto", step_mode="auto"),
+    "default": {},
 }
-SINGLE = [name for name in VARIANTS if name != "auto"]
+SINGLE = [name for name in VARIANTS if name != "default"]
 SEQ_LEN, BATCH_SIZE = 128, 16
 
 
@@ -156,7 +157,7 @@ def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int) ->
             row["seconds"][variant] = time.perf_counter() - tick
             row["decrease"][variant] = test_before - hf_grow.evaluate_loss(grown, test_batches, loss_fn=loss_fn)[0]
             row["passes"][variant] = grown.growth_report.line_search_passes
-            if variant == "auto":
+            if variant == "default":
                 report = grown.growth_report
                 row["chosen"] = f"{report.truncation}/{report.step_mode}"
                 row["selection"], row["margin"] = report.selection, report.selection_margin
@@ -167,7 +168,7 @@ def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int) ->
 
 
 def summarize(rows: list[dict]) -> None:
-    print("\nTest-loss decrease (nats); in brackets the ratio to the notes' formula; auto's choice:")
+    print("\nTest-loss decrease (nats); in brackets the ratio to the notes' formula; the default's choice:")
     print(f"{'model':<12}{'split':>6}" + "".join(f"{name:>26}" for name in VARIANTS) + "  chosen (how)")
     for row in rows:
         notes = row["decrease"]["notes"]
@@ -178,11 +179,12 @@ def summarize(rows: list[dict]) -> None:
         print(f"{row['model']:<12}{row['split']:>6}{cells}  {row['chosen']} ({row['selection']})")
     means = {name: sum(row["decrease"][name] for row in rows) / len(rows) for name in VARIANTS}
     best_single = max(SINGLE, key=means.get)
-    below = sum(row["decrease"]["auto"] < row["decrease"]["notes"] for row in rows)
+    below = sum(row["decrease"]["default"] < row["decrease"]["notes"] for row in rows)
     oracle = sum(max(row["decrease"][name] for name in SINGLE) for row in rows) / len(rows)
     print("\nmean test decrease: " + ", ".join(f"{name} {value:.5f}" for name, value in means.items()))
-    print(f"auto below the notes' formula on {below}/{len(rows)} rows; auto / best single variant ({best_single}) "
-          f"on average: {means['auto'] / means[best_single]:.3f}; auto / each row's best: {means['auto'] / oracle:.3f}")
+    print(f"default below the notes' formula on {below}/{len(rows)} rows; default / best single variant "
+          f"({best_single}) on average: {means['default'] / means[best_single]:.3f}; default / each row's best: "
+          f"{means['default'] / oracle:.3f}")
     passes = {name: sum(row["passes"][name] for row in rows) / len(rows) for name in VARIANTS}
     print("mean held-out passes beyond the one at step 0 (line_search_passes): "
           + ", ".join(f"{name} {value:.1f}" for name, value in passes.items()))
