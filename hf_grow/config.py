@@ -53,7 +53,8 @@ from .statistics import parse_bytes
 
 
 #: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z on
-#: most models, so it is the simplest candidate of ``truncation="auto"`` (the default, see `AUTO_CHOICES`).
+#: most models; the default (Frobenius truncation is a second solve held beside it: +50% of the solve's memory at
+#: GPT-2 medium and large, `memory_plan`), and the simplest candidate of ``truncation="auto"``.
 SIMPLEST_TRUNCATION = "whitened"
 SEARCHES = ("exact", "fast")
 #: How one searched step size becomes each layer's lam. "global": one lam for all layers, lam = t * lam_unit
@@ -74,19 +75,15 @@ STEP_MODES = ("global", "per_layer", "per_head", "layer_search", "coordinate")
 #: (below the notes' formula on 1 and 2 of its 3 splits); one global lam fell to 0.80x the notes on one split.
 SIMPLEST_STEP_MODE = "per_head"
 #: What ``"auto"`` lets the held-out loss choose from, per option, simplest first: the candidates are the
-#: product over the options set to "auto" (less `AUTO_LEFT_OUT` where both are), each line-searched; the
-#: simplest (the first of each) is kept when the held-out batches the search did not use disagree with the search
-#: (`hf_grow.growth.candidates`). Measured (bench_candidates.py, 18 splits of six trained models): never below
-#: the notes' formula, 1.03x the simplest candidate's test decrease in the mean, 0.98-1.25x per split, where no
-#: single candidate wins on every model.
+#: product over the options set to "auto", each line-searched; the simplest (the first of each) is kept when
+#: the held-out batches the search did not use disagree with the search (`hf_grow.growth.candidates`).
+#: Measured (bench_candidates.py, 18 splits of six trained models): both options "auto" never below the notes'
+#: formula, 1.03x the simplest candidate's test decrease in the mean, 0.98-1.25x per split, where no single
+#: candidate wins on every model.
 AUTO_CHOICES = {"truncation": (SIMPLEST_TRUNCATION, "frobenius"), "step_mode": (SIMPLEST_STEP_MODE, "per_layer")}
-#: Left out of the product when both options are "auto": Frobenius truncation with steps per head was the best
-#: single variant on 1 of bench_candidates' 18 splits (by 1%), the one wrong choice of "auto" on another, and the
-#: dearest search (the first of its truncation, a walk of 8-11 steps from the start). The three left hold both
-#: truncations, both step modes and the notes' formula (Frobenius, per layer).
-AUTO_LEFT_OUT = (("frobenius", "per_head"),)
-#: The defaults of `GrowthConfig`: the held-out loss chooses (`AUTO_CHOICES`).
-DEFAULT_TRUNCATION = "auto"
+#: The defaults of `GrowthConfig`: whitened truncation, steps per head or per layer as the held-out loss chooses
+#: (one solve serves both step modes: no memory beyond the simplest's; BENCHMARKS.md).
+DEFAULT_TRUNCATION = SIMPLEST_TRUNCATION
 DEFAULT_STEP_MODE = "auto"
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _Config = TypeVar("_Config", bound="JsonConfigMixin")
@@ -133,8 +130,8 @@ class JsonConfigMixin:
 
 @dataclass
 class GrowthConfig(JsonConfigMixin):
-    """How a model grows. ``truncation`` and ``step_mode`` default to "auto": the held-out loss chooses among
-    whitened/Frobenius truncation and steps per head/per layer (measured: no single one wins on every model).
+    """How a model grows. By default the held-out loss chooses steps per head or per layer (``step_mode="auto"``)
+    for whitened truncation; ``truncation="auto"`` adds Frobenius truncation's candidates (a second solve).
 
     ``GrowthConfig(p=16, truncation="frobenius")``; ``config.replace(step_size=0.0)`` for a checked variant;
     ``config.to_json_file(path)`` / ``GrowthConfig.from_json_file(path)`` to keep it. Each field's help text
@@ -173,12 +170,12 @@ class GrowthConfig(JsonConfigMixin):
         metadata={"help": "global: one step lam for all layers; per_layer: each layer steps by t * ||Z_l|| / ||P_l|| "
                   "with one t searched (the original notes' step); per_head: the same ratio per head; layer_search: "
                   "each layer's step searched alone, then one multiplier; coordinate: per_layer, then each layer's "
-                  "step refined with the others fixed; auto: per_head or per_layer, chosen by held-out loss"},
+                  "step refined with the others fixed; auto (default): per_head or per_layer, chosen by held-out loss"},
     )
     truncation: Literal["whitened", "frobenius", "auto"] = field(
         default=DEFAULT_TRUNCATION,
-        metadata={"help": "rank truncation in the metric of C (whitened) or in the plain Frobenius norm of Z; auto: "
-                  "either, chosen by held-out loss"},
+        metadata={"help": "rank truncation in the metric of C (whitened, default) or in the plain Frobenius norm of Z; "
+                  "auto: either, chosen by held-out loss (a second solve held beside the first)"},
     )
     confirm_fraction: float = field(
         default=1 / 3,
@@ -271,9 +268,7 @@ class GrowthConfig(JsonConfigMixin):
         """The (truncation, step_mode) pairs the held-out loss chooses from, the simplest first (`AUTO_CHOICES`);
         one pair where neither option is "auto"."""
         step_modes = AUTO_CHOICES["step_mode"] if self.step_mode == "auto" else (self.step_mode,)
-        left_out = AUTO_LEFT_OUT if self.truncation == self.step_mode == "auto" else ()
-        return [(truncation, step_mode) for truncation in self.candidate_truncations for step_mode in step_modes
-                if (truncation, step_mode) not in left_out]
+        return [(truncation, step_mode) for truncation in self.candidate_truncations for step_mode in step_modes]
 
     @property
     def candidate_truncations(self) -> tuple[str, ...]:

@@ -57,7 +57,7 @@ def test_growth_decreases_held_out_loss(trained_gpt2, grown_by_truncation, data)
 def test_the_default_chooses_and_its_simplest_candidate_is_at_least_as_good(grown_by_truncation):
     whitened = grown_by_truncation["whitened"].growth_report
     frobenius = grown_by_truncation["frobenius"].growth_report
-    assert DEFAULT_TRUNCATION == GrowthConfig().truncation == GrowthConfig().step_mode == "auto"
+    assert DEFAULT_TRUNCATION == GrowthConfig().truncation == "whitened" and GrowthConfig().step_mode == "auto"
     assert GrowthConfig().candidates[0] == ("whitened", "per_head")
     assert whitened.eval_loss_after <= frobenius.eval_loss_after + 1e-4
 
@@ -98,7 +98,7 @@ def test_report_is_complete_and_consistent(trained_gpt2, grown_by_truncation, da
 def test_fast_search_brackets_with_the_unconstrained_update(trained_gpt2, data):
     grown = grow_model(
         trained_gpt2, data["stats"], p=8, eval_dataloader=data["eval"], search="fast", measure_realized_gains=False,
-        truncation="whitened", step_mode="per_head",
+        step_mode="per_head",  # one candidate: the default's choice searches each from a known step
     )
     report = grown.growth_report
     kinds = {point.kind for point in report.line_search}

@@ -73,9 +73,7 @@ def test_fitting_changes_pick_the_largest_budget_that_fits():
     # Wide enough that M, not the compact solve, dominates (on the meta device: no memory is used): a pass's M
     # 2.7x a layer's compact solve, which a later pass holds beside its own M.
     model = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=6, n_embd=1024, n_head=64))
-    # (one truncation: both truncations' compact solves would weigh as much as M)
-    adapter = get_adapter(model)
-    config = GrowthConfig(p=8, accumulate_dtype="float32", truncation="whitened", step_mode="per_head")
+    adapter, config = get_adapter(model), GrowthConfig(p=8, accumulate_dtype="float32")
 
     def plan_with(changes):
         fields = {name: value for name, value in changes.items() if name not in ("batch_size", "dtype")}
@@ -292,7 +290,8 @@ def test_auto_truncation_frees_m_group_by_group_and_counts_both_truncations_solv
         whitened, auto = solve_terms(truncation="whitened"), solve_terms(truncation="auto")
         frobenius = solve_terms(truncation="frobenius")
         # one held-out batch or a given step: no choice to make, the simplest candidate solved alone
-        assert solve_terms(eval_tokens=32) == solve_terms(step_size=0.1) == whitened
+        assert solve_terms(truncation="auto", eval_tokens=32) == whitened
+        assert solve_terms(truncation="auto", step_size=0.1) == whitened
         name = type(model).__name__
         assert auto["M"] == whitened["M"] == frobenius["M"], name
         assert auto["compact solve"] == frobenius["compact solve"] > whitened["compact solve"], name
@@ -364,13 +363,12 @@ def test_the_command_plans_m_on_disk_and_names_the_flag_where_nothing_else_fits(
     offload = tmp_path / "offload"
     offload.mkdir()
     arguments = [str(wide_model_folder), "--p", "8", "--data", TEXT_GLOB, "--seq-len", "64", "--batch-size", "1",
-                 "--max-tokens", "1200", "--eval-tokens", "600", "--quiet", "--device", "cpu",
-                 "--truncation", "whitened", "--step-mode", "per_head"]  # one truncation: M dominates the solve
+                 "--max-tokens", "1200", "--eval-tokens", "600", "--quiet", "--device", "cpu"]
     assert cli.main([*arguments, "--dry-run", "--offload-dir", str(offload)]) == 0
     assert f"\nM on disk: 16 MiB in {offload} (memory-mapped" in capsys.readouterr().out
     model = GPT2LMHeadModel.from_pretrained(wide_model_folder)
-    config = GrowthConfig(p=8, offload_dir=str(offload), truncation="whitened", step_mode="per_head")
-    free = plan_memory(model, get_adapter(model), config, batch_size=1, seq_len=64, eval_tokens=600).peak_host
+    free = plan_memory(model, get_adapter(model), GrowthConfig(p=8, offload_dir=str(offload)), batch_size=1,
+                       seq_len=64, eval_tokens=600).peak_host
     monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (free, 0))
     output = tmp_path / "grown"
     assert cli.main([*arguments, "--output-dir", str(output)]) == 2

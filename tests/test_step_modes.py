@@ -209,8 +209,7 @@ def test_held_out_passes_replay_a_bert_encoder_with_a_loss_of_its_own(stdlib_byt
 def test_searched_steps_never_lose_held_out_loss_and_are_exact_at_step_zero(
     trained_gpt2, statistics, held_out, stdlib_bytes, step_mode
 ):
-    grown = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held_out, step_mode=step_mode,
-                       truncation="whitened")
+    grown = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held_out, step_mode=step_mode)
     report = grown.growth_report
     assert report.step_mode == step_mode and report.step_size > 0
     assert report.eval_loss_after < report.eval_loss_before
@@ -236,7 +235,7 @@ def test_coordinate_search_lowers_the_held_out_loss_of_the_per_layer_step(traine
     losses = {}
     for step_mode in ("per_layer", "coordinate"):
         grown = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held_out,
-                           step_mode=step_mode, truncation="whitened", measure_realized_gains=False)
+                           step_mode=step_mode, measure_realized_gains=False)
         losses[step_mode] = grown.growth_report.eval_loss_after
         if step_mode == "per_layer":
             per_layer = grown.growth_report
@@ -292,7 +291,7 @@ def test_the_step_zero_pass_records_for_the_search_of_each_layer_alone_and_the_r
     monkeypatch.setattr(HeldOutPasses, "__init__", init)
     monkeypatch.setattr(HeldOutPasses, "record", record)
     grown = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held_out,
-                       step_mode="layer_search", truncation="whitened")
+                       step_mode="layer_search")
     report = grown.growth_report
     assert len(created) == 1 and report.step_size > 0
     adapter = get_adapter(grown)
