@@ -5,9 +5,10 @@ Variants, at p = 8, statistics collected once per model:
 
 - the four candidates alone: truncation whitened or frobenius x ``step_mode`` per_head or per_layer; the
   notes' formula is frobenius, per_layer (λ_l = t·‖Z_l‖_F/‖P_l‖_F, one t searched, as in bench_step_modes);
-- ``default``: `grow_model`'s defaults, ``truncation="auto", step_mode="auto"``: whitened/per_head,
-  whitened/per_layer and the notes' formula line-searched on 2/3 of the line-search batches, the best kept
-  only if it beats whitened/per_head on the other third (`hf_grow.growth.candidates`).
+- ``default``: `grow_model`'s defaults, ``step_mode="auto"`` with whitened truncation: per_head and per_layer
+  line-searched on 2/3 of the line-search batches, per_layer kept only if it also beats per_head on the other
+  third (`hf_grow.growth.candidates`);
+- ``auto`` (with ``--auto``): ``truncation="auto", step_mode="auto"``, the four candidates chosen the same way.
 
 Models (``--models``): GPT-2s trained here on English text (the standard library's ``pydoc_data`` topics and its
 docstrings) with a byte vocabulary (``bytes-en``) and with a 2,048-token byte-level BPE vocabulary trained on the
@@ -55,8 +56,9 @@ VARIANTS = {
     "frobenius/per_head": dict(truncation="frobenius", step_mode="per_head"),
     "notes": dict(truncation="frobenius", step_mode="per_layer"),
     "default": {},
+    "auto": dict(truncation="auto", step_mode="auto"),
 }
-SINGLE = [name for name in VARIANTS if name != "default"]
+SINGLE = [name for name in VARIANTS if name not in ("default", "auto")]
 SEQ_LEN, BATCH_SIZE = 128, 16
 
 
@@ -136,7 +138,7 @@ def english_setups(names: list[str], quick: bool, cache: str | None, steps: int)
         yield name, model, stats, pool, None
 
 
-def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int) -> list[dict]:
+def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int, variants: list[str]) -> list[dict]:
     tick = time.perf_counter()
     statistics = hf_grow.collect_statistics(model, stats_batches, hf_grow.get_adapter(model), loss_fn)
     print(f"# {name}: statistics {time.perf_counter() - tick:.0f} s", flush=True)
@@ -148,7 +150,8 @@ def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int) ->
         eval_batches, test_batches = [pool[i] for i in order[:cut]], [pool[i] for i in order[cut:]]
         test_before = hf_grow.evaluate_loss(model, test_batches, loss_fn=loss_fn)[0]
         row = dict(model=name, split=split, decrease={}, seconds={}, passes={})
-        for variant, settings in VARIANTS.items():
+        for variant in variants:
+            settings = VARIANTS[variant]
             tick = time.perf_counter()
             grown = hf_grow.grow_model(
                 model, None, p=p, statistics=statistics, eval_dataloader=eval_batches, loss_fn=loss_fn,
@@ -167,9 +170,9 @@ def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int) ->
     return rows
 
 
-def summarize(rows: list[dict]) -> None:
+def summarize(rows: list[dict], variants: list[str]) -> None:
     print("\nTest-loss decrease (nats); in brackets the ratio to the notes' formula; the default's choice:")
-    print(f"{'model':<12}{'split':>6}" + "".join(f"{name:>26}" for name in VARIANTS) + "  chosen (how)")
+    print(f"{'model':<12}{'split':>6}" + "".join(f"{name:>26}" for name in variants) + "  chosen (how)")
     for row in rows:
         notes = row["decrease"]["notes"]
         cells = "".join(
@@ -177,7 +180,7 @@ def summarize(rows: list[dict]) -> None:
             for value in row["decrease"].values()
         )
         print(f"{row['model']:<12}{row['split']:>6}{cells}  {row['chosen']} ({row['selection']})")
-    means = {name: sum(row["decrease"][name] for row in rows) / len(rows) for name in VARIANTS}
+    means = {name: sum(row["decrease"][name] for row in rows) / len(rows) for name in variants}
     best_single = max(SINGLE, key=means.get)
     below = sum(row["decrease"]["default"] < row["decrease"]["notes"] for row in rows)
     oracle = sum(max(row["decrease"][name] for name in SINGLE) for row in rows) / len(rows)
@@ -185,7 +188,7 @@ def summarize(rows: list[dict]) -> None:
     print(f"default below the notes' formula on {below}/{len(rows)} rows; default / best single variant "
           f"({best_single}) on average: {means['default'] / means[best_single]:.3f}; default / each row's best: "
           f"{means['default'] / oracle:.3f}")
-    passes = {name: sum(row["passes"][name] for row in rows) / len(rows) for name in VARIANTS}
+    passes = {name: sum(row["passes"][name] for row in rows) / len(rows) for name in variants}
     print("mean held-out passes beyond the one at step 0 (line_search_passes): "
           + ", ".join(f"{name} {value:.1f}" for name, value in passes.items()))
 
@@ -201,7 +204,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=models, default=list(models))
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--steps", type=int, default=600, help="training steps of the models trained on English text")
+    parser.add_argument("--auto", action="store_true", help="also truncation and step_mode both auto")
     args = parser.parse_args()
+    variants = [name for name in VARIANTS if name != "auto" or args.auto]
     torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message="query/key widths .* are not multiples of 8")
@@ -218,11 +223,11 @@ def main() -> None:
     rows = []
     for setup in setups:
         for setup_row in setup:
-            rows += run_model(*setup_row, splits=args.splits, p=args.p)
+            rows += run_model(*setup_row, splits=args.splits, p=args.p, variants=variants)
             if args.json:
                 with open(args.json, "w") as handle:
                     json.dump(rows, handle, indent=1)
-    summarize(rows)
+    summarize(rows, variants)
 
 
 if __name__ == "__main__":
