@@ -7,8 +7,8 @@ of its layer ("per_layer"), or one unit over all heads ("global"): at step size 
 as Z itself in the norm of the truncation (of C, whitened, or Frobenius); the scores and weights
 may move more (on MiniLM the searched 0.042 moved each head's Z by a median 47% in the plain Frobenius norm,
 BENCHMARKS.md). The step modes "layer_search" and "coordinate" also search each layer's own step
-(`layer_steps`). By default ("auto" truncation and step mode) the held-out loss chooses among whitened and
-Frobenius truncation, steps per head and per layer (`candidates`).
+(`layer_steps`). By default (step mode "auto") the held-out loss chooses steps per head or per layer for
+whitened truncation; with truncation "auto" it chooses the truncation too (`candidates`).
 
 The package, one job a module: `problem` (the solve: weights at any step size), `head_reports` (what each
 head is expected to gain), `line_search` (held-out loss and the search over step sizes), `prepare`

@@ -12,7 +12,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter, get_adapter
-from ..config import SIMPLEST_STEP_MODE, SIMPLEST_TRUNCATION, GrowthConfig, resolve_config
+from ..config import SIMPLEST_STEP_MODE, GrowthConfig, resolve_config
 from ..distributed import Processes, ddp_wrappers, refuse_sharded_training, synchronize_after_growth, unwrap_model
 from ..growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
@@ -31,10 +31,9 @@ GROWTH_MODES: tuple[str, ...] = ("refactor", "append", "zero", "random")
 #: refactor (rotary models) take their own default (`ArchitectureAdapter.check_mode`) when mode is None.
 DEFAULT_MODE = "refactor"
 #: `GrowthConfig` defaults of growth in a training loop, without a config: a quarter of the (few) statistics
-#: batches held out, no per-layer replays, and the simplest candidate of "auto" (docstring of `grow_in_training`).
-IN_TRAINING_DEFAULTS = dict(
-    eval_fraction=0.25, measure_realized_gains=False, truncation=SIMPLEST_TRUNCATION, step_mode=SIMPLEST_STEP_MODE
-)
+#: batches held out, no per-layer replays, and steps per head, the simplest candidate of "auto" (docstring of
+#: `grow_in_training`).
+IN_TRAINING_DEFAULTS = dict(eval_fraction=0.25, measure_realized_gains=False, step_mode=SIMPLEST_STEP_MODE)
 
 
 def _initialized_weights(
@@ -120,11 +119,11 @@ def grow_in_training(
         p: dimensions added per head, in every layer, or ``{layer: p}``; None takes ``config.p`` (default 8,
             for the solved modes).
         config, overrides: the growth options as in `grow_model`. Without a config, this function's defaults
-            differ from `GrowthConfig`'s: ``eval_fraction=0.25``, ``measure_realized_gains=False`` and the
-            simplest candidate of "auto", ``truncation="whitened"`` and ``step_mode="per_head"`` (a quarter of a
-            few statistics batches can hardly confirm a choice among candidates, and training after growth was
-            measured with it; BENCHMARKS.md, issue #35). Keyword overrides apply on top of them; a config passed
-            is used as it is. A ``budget`` is `grow_model`'s.
+            differ from `GrowthConfig`'s: ``eval_fraction=0.25``, ``measure_realized_gains=False`` and
+            ``step_mode="per_head"``, the simplest candidate of "auto" (a quarter of a few statistics batches can
+            hardly confirm a choice of step mode, and growth during training was measured with it; BENCHMARKS.md).
+            Keyword overrides apply on top of them; a config passed is used as it is. A ``budget`` is
+            `grow_model`'s.
         Other arguments as in `grow_model`.
 
     Returns:
