@@ -81,6 +81,18 @@ def test_bench_bottleneck_runs_the_plateau_preset(tmp_path, capsys):
     assert (tmp_path / "out.json").exists()
 
 
+def test_bench_bottleneck_prints_a_table_without_fixed_large(tmp_path, capsys):
+    """A part run without fixed-large (e.g. only the grown variants and the baselines) still gets its table,
+    without the steps to fixed-large's loss."""
+    bench_bottleneck.main([
+        "--preset", "tiny", "--tasks", "plateau", "--seeds", "1", "--steps", "20", "--output", str(tmp_path / "out"),
+        "--variants", "zero", "grown-append (new_moments=head_mean)",
+    ])
+    printed = capsys.readouterr().out
+    assert "| grown-append (new_moments=head_mean) |" in printed and "| zero |" in printed
+    assert "steps to escape" in printed and "GFLOPs to it" not in printed
+
+
 def test_bench_train_after_growth_scores_rankings_and_reads_arms():
     from bench_train_after_growth import parse_arm, ranking_scores
 
@@ -154,3 +166,10 @@ def test_bench_train_after_growth_caps_each_heads_change_of_its_old_form():
     below = default <= cap
     assert capped[below].equal(default[below])  # those heads keep the step
     assert (capped[~below] <= cap * (1 + 1e-5)).all() and (capped[~below] > (1 - 1e-3) * cap).all()
+
+
+def test_bench_bottleneck_names_the_step_scale_variants_for_variants_selection():
+    plateau = bench_bottleneck.PRESETS["cpu"]["plateau"]
+    variants = {variant.name: variant for variant in bench_bottleneck.task_variants(plateau)}
+    assert variants["grown-refactor (step_scale=0.1)"].options == {"step_scale": 0.1}
+    assert variants["grown-refactor (step_scale=0.25)"].mode == "refactor"
