@@ -171,5 +171,5 @@ def test_bench_train_after_growth_caps_each_heads_change_of_its_old_form():
 def test_bench_bottleneck_names_the_step_scale_variants_for_variants_selection():
     plateau = bench_bottleneck.PRESETS["cpu"]["plateau"]
     variants = {variant.name: variant for variant in bench_bottleneck.task_variants(plateau)}
-    assert variants["grown-refactor (step_scale=0.1)"].options == {"step_scale": 0.1}
+    assert variants["grown-refactor (step_scale=1.0)"].options == {"step_scale": 1.0}
     assert variants["grown-refactor (step_scale=0.25)"].mode == "refactor"

@@ -34,6 +34,13 @@ DEFAULT_MODE = "refactor"
 #: batches held out, no per-layer replays, and steps per head, the simplest candidate of "auto" (docstring of
 #: `grow_in_training`).
 IN_TRAINING_DEFAULTS = dict(eval_fraction=0.25, measure_realized_gains=False, step_mode=SIMPLEST_STEP_MODE)
+#: The fraction of the line-searched step taken in a training loop without a config (`GrowthConfig.step_scale`),
+#: wherever the step is searched: training follows every growth here. Measured (BENCHMARKS.md, issue #35): never
+#: behind training at the old width during pretraining (a retrieval plateau and text, 8 seeds; the plateau left at
+#: a median step 275 against 300-337, AUC 0.82x the better of zero and random widening against the full step's
+#: 0.77x), nor behind the original when pretrained models were grown and then trained on new text or pairs
+#: (three models, five learning-rate regimes, 3 seeds), where the full step fell behind at a high learning rate.
+IN_TRAINING_STEP_SCALE = 0.1
 
 
 def _initialized_weights(
@@ -119,11 +126,12 @@ def grow_in_training(
         p: dimensions added per head, in every layer, or ``{layer: p}``; None takes ``config.p`` (default 8,
             for the solved modes).
         config, overrides: the growth options as in `grow_model`. Without a config, this function's defaults
-            differ from `GrowthConfig`'s: ``eval_fraction=0.25``, ``measure_realized_gains=False`` and
+            differ from `GrowthConfig`'s: ``eval_fraction=0.25``, ``measure_realized_gains=False``,
             ``step_mode="per_head"``, the simplest candidate of "auto" (a quarter of a few statistics batches can
-            hardly confirm a choice of step mode, and growth during training was measured with it; BENCHMARKS.md).
-            Keyword overrides apply on top of them; a config passed is used as it is. A ``budget`` is
-            `grow_model`'s.
+            hardly confirm a choice of step mode, and growth during training was measured with it), and
+            ``step_scale=0.1`` where the step is searched (`IN_TRAINING_STEP_SCALE`: a tenth of the searched step
+            was never behind training at the old width; BENCHMARKS.md). Keyword overrides apply on top of them;
+            a config passed is used as it is. A ``budget`` is `grow_model`'s.
         Other arguments as in `grow_model`.
 
     Returns:
@@ -134,7 +142,9 @@ def grow_in_training(
         raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
     check_new_moments(new_moments)
     overrides = overrides if p is None else {**overrides, "p": p}
-    config = resolve_config(config, overrides, **IN_TRAINING_DEFAULTS)
+    searched = overrides.get("step_size") is None and overrides.get("step_mode") != "coordinate"
+    defaults = {**IN_TRAINING_DEFAULTS, **({"step_scale": IN_TRAINING_STEP_SCALE} if searched else {})}
+    config = resolve_config(config, overrides, **defaults)
     if config.budget is not None:
         raise ValueError("grow_in_training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
     refuse_sharded_training(model, accelerator)
