@@ -65,8 +65,8 @@ def test_the_memory_plan_of_a_process_counts_the_group_in_flight_and_its_own_sol
                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16))
     adapter = get_adapter(model)
     config = GrowthConfig(p=8, truncation="auto", memory_budget=statistics_bytes(8, 4, 64, 3))
-    plans = {processes: plan_memory(model, adapter, config, batch_size=2, seq_len=16, eval_tokens=64,
-                                    processes=processes) for processes in (1, 4)}
+    plans = {processes: plan_memory(model, adapter, config, batch_size=2, seq_len=16, eval_tokens=256,
+                                    processes=processes) for processes in (1, 4)}  # 2 held-out batches each of 4
     one_layer = 4 * 65 * 65 * 8
     for processes in (1, 4):
         assert all(plans[processes].stages[index].terms["M"] == 2 * one_layer for index in (1, 2))
