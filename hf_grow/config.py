@@ -53,8 +53,8 @@ from .statistics import parse_bytes
 
 
 #: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z on
-#: most models; the default (Frobenius truncation is a second solve held beside it: +50% of the solve's memory at
-#: GPT-2 medium and large, `memory_plan`), and the simplest candidate of ``truncation="auto"``.
+#: most models; the default (Frobenius truncation is a second solve held beside it: the line-search stage +50% at
+#: GPT-2 medium and large in the memory plan, BENCHMARKS.md), and the simplest candidate of ``truncation="auto"``.
 SIMPLEST_TRUNCATION = "whitened"
 SEARCHES = ("exact", "fast")
 #: How one searched step size becomes each layer's lam. "global": one lam for all layers, lam = t * lam_unit
