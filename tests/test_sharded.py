@@ -100,7 +100,9 @@ def test_one_process_owns_and_shares_everything():
 
 
 def held_m_bytes(heads: int, width: int) -> int:
-    """Bytes of the live tensors shaped like one layer's M, (heads, d, d), each storage counted once."""
+    """Bytes of the live tensors shaped like one layer's M, (heads, d, d), each storage counted once (garbage not
+    yet collected is not held: collected first, so that the count does not depend on when the collector ran)."""
+    gc.collect()
     storages = {}
     for obj in gc.get_objects():
         if type(obj) is torch.Tensor and tuple(obj.shape) == (heads, width, width):
