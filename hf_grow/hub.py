@@ -132,9 +132,8 @@ def _card_body(
         for layer in report.layers
     )
     step = f"size {report.step_size:.4g} in relative units, λ = {report.lam:.4g}"
-    if report.searched_step_size is not None:
-        fraction = report.step_size / report.searched_step_size
-        step += f", {fraction:.3g} of the searched {report.searched_step_size:.4g} (`step_scale`)"
+    if report.step_fraction is not None:
+        step += f", {report.step_fraction} (`step_scale`)"
     if report.step_mode == "per_head":
         step += " (root mean square of the layers' λ; each head steps by its own: `step_mode` per_head)"
     elif report.step_mode != "global":

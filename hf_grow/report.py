@@ -147,10 +147,12 @@ class GrowthReport:
     #: step taken is the searched one).
     searched_step_size: float | None = None
 
-    def _searched_note(self) -> str:
+    @property
+    def step_fraction(self) -> str | None:
+        """"f of the searched s" where the step taken is ``step_scale`` of the searched one; None otherwise."""
         if self.searched_step_size is None:
-            return ""
-        return f" ({self.step_size / self.searched_step_size:.3g} of the searched {self.searched_step_size:.4g})"
+            return None
+        return f"{self.step_size / self.searched_step_size:.3g} of the searched {self.searched_step_size:.4g}"
 
     @property
     def candidate_name(self) -> str:
@@ -199,10 +201,11 @@ class GrowthReport:
         def fmt(value: float | None) -> str:
             return "-" if value is None else f"{value:.4f}"
 
+        fraction = "" if self.step_fraction is None else f" ({self.step_fraction})"
         lines = [
             f"held-out loss  before {fmt(self.eval_loss_before)}  after {fmt(self.eval_loss_after)}",
             f"perplexity     before {fmt(self.perplexity_before)}  after {fmt(self.perplexity_after)}",
-            f"step size {self.step_size:.4g}{self._searched_note()} "
+            f"step size {self.step_size:.4g}{fraction} "
             f"(lam {self.lam:.4g}{STEP_MODE_NOTES.get(self.step_mode, ', per layer')}),"
             f" mode {self.mode}, truncation {self.truncation}, search {self.search}",
             f"Q/K dims {self.qk_dims_before} -> {self.qk_dims_after}, parameters added {self.parameters_added:,}",

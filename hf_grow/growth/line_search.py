@@ -106,12 +106,18 @@ def split_batches(
     return batches[:-num_eval], batches[-num_eval:]
 
 
+def can_confirm_a_choice(held_out_batches: int, searched: bool) -> bool:
+    """Whether a choice among candidates can be made and confirmed: the step is searched (no step size given)
+    and at least 2 held-out batches split into search and confirmation batches."""
+    return searched and held_out_batches >= 2
+
+
 def confirmation_split(
     batches: list[dict[str, Tensor]] | None, fraction: float, searched: bool
 ) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]] | None:
     """The held-out batches for the search and the last ``fraction`` of them (at least one) for confirmation;
-    None when no choice can be made: a step size was given (not ``searched``), or fewer than 2 batches."""
-    if not searched or batches is None or len(batches) < 2:
+    None when no choice can be made (`can_confirm_a_choice`)."""
+    if batches is None or not can_confirm_a_choice(len(batches), searched):
         return None
     count = min(held_out_count(len(batches), fraction), len(batches) - 1)
     return batches[:-count], batches[-count:]

@@ -26,6 +26,7 @@ from ..progress import format_bytes
 from ..statistics import CPU_REFERENCE_MAX_LENGTH, layer_groups, m_copies, statistics_bytes
 from .layer_solve import HEAD_CHUNK
 from .layer_steps import CACHE_BYTES
+from .line_search import can_confirm_a_choice
 from .sharding import plan_owners, solve_cost
 
 
@@ -172,7 +173,7 @@ def plan_memory(
     # Where the held-out batches (each process's share) leave nothing to confirm a choice on, or the step is
     # given, the simplest candidate is taken and solved for alone (`prepare_growth`).
     held_out_batches = math.ceil(eval_tokens / (seq_len * batch_size)) // processes
-    if len(config.candidates) > 1 and (config.step_size is not None or held_out_batches < 2):
+    if len(config.candidates) > 1 and not can_confirm_a_choice(held_out_batches, config.step_size is None):
         config = config.replace(truncation=config.candidates[0][0], step_mode=config.candidates[0][1])
     model_config = model.config
     layers, heads = len(adapter.attention_modules(model)), adapter.num_heads(model_config)
