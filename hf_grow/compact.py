@@ -1,9 +1,9 @@
 """The compact solve: every step's truncation of ``Z - lam P`` from small matrices (pure torch, no transformers).
 
-Per head, in the coordinates of the truncation (whitened by C^1/2, or as they are): the scores' form
-``W = A B^T`` has rank a = d_k, and the direction Q is decomposed once, to its top s singular triplets
-``U_s S_s V_s^T`` (s well above the grown width r). Every target ``T(lam) = W - lam Q`` is then taken on the
-fixed subspaces ``L = span[A, U_s]`` and ``R = span[B, V_s]`` (k = a + s columns each):
+Per head, in whitened coordinates (by C^1/2): the scores' form ``W = A B^T`` has rank a = d_k, and the direction
+Q is decomposed once, to its top s singular triplets ``U_s S_s V_s^T`` (s well above the grown width r). Every
+target ``T(lam) = W - lam Q`` is then taken on the fixed subspaces ``L = span[A, U_s]`` and ``R = span[B, V_s]``
+(k = a + s columns each):
 
     T^(lam) = L (L^T W R - lam L^T Q R) R^T,
 
@@ -13,6 +13,16 @@ By Weyl's inequality each singular value of T^ is within eps (that bound) of T's
 T^ within ``2 eps sum_{i<=r} sigma_i(T^) + r eps^2`` of the optimal squared error: the certificate
 (`CompactTarget.perturbation`). Where a + s covers
 the whole width the subspaces are everything and the compact solve is the exact one.
+
+Frobenius truncation (in the plain norm of Z, the original notes') is taken on the same subspaces: with the bases
+in model coordinates ``L_m = L_m' G`` (G the root of their Gram matrix), ``||L_m X R_m^T||_F = ||G_l X G_r^T||_F``,
+so the best plain-norm truncation of ``T^`` is the SVD of ``G_l X G_r^T``, mapped back by the inverse roots
+(`CompactTarget.decompose`). One solve serves both truncations: no second set of bases, no P in model
+coordinates. What it drops is ``lam`` times the plain norm of the direction outside the subspaces
+(``plain_tail``, in model coordinates ``C^-1/2 (Q - L L^T Q R R^T) C^-1/2``), its certificate; the whitened
+subspaces hold the directions that the whitened truncation keeps, not necessarily all that the plain one would
+(on all-MiniLM-L6-v2 the plain truncations' changes of Z were 8% apart, medians over heads, and the held-out
+loss chose the same steps: BENCHMARKS "Frobenius truncation on the whitened solve's subspaces").
 
 The bases are kept in model coordinates (un-whitened), so a truncation's factors are ``basis @ core factors``;
 the loss gradient M and the metric of C are kept as k x k projections for the expected gains. The bases are the
@@ -73,26 +83,25 @@ def certified_rank(singular_values: Tensor, width: int, rank: int, base: int) ->
     return rank + int(hits[0]) if len(hits) else ceiling
 
 
-def stored_bytes(heads: int, size: int, columns: int, whitened: bool) -> int:
+def stored_bytes(heads: int, size: int, columns: int, plain: bool) -> int:
     """The bytes a `CompactTarget` of ``heads`` compact heads holds: two (size, columns) bases in `BASIS_DTYPE`,
-    and in float64 three (columns, columns) cores, two more Gram matrices where the truncation is not
-    ``whitened``, and two numbers per head (the memory plan's "compact solve"). Where the columns cover the
-    whole ``size`` (the exact solve) the bases stay in float64."""
-    cores = 3 if whitened else 5
+    and in float64 three (columns, columns) cores and two numbers per head, three where it serves Frobenius
+    truncation too (``plain``: the plain tail). Where the columns cover the whole ``size`` (the exact solve) the
+    bases stay in float64."""
     itemsize = 8 if columns >= size else BASIS_DTYPE.itemsize
-    return heads * (2 * size * columns * itemsize + (cores * columns * columns + 2) * 8)
+    return heads * (2 * size * columns * itemsize + (3 * columns * columns + 2 + plain) * 8)
 
 
 @dataclass(frozen=True)
 class CompactTarget:
     """``Z - lam P`` of a layer's heads on fixed subspaces, for any per-head step lam (see the module doc).
 
-    ``left_basis``/``right_basis`` (heads, d, k): the subspaces in model coordinates (orthonormal in the
-    truncation's norm), in `BASIS_DTYPE` (in float64 where the subspaces are everything: the exact solve).
+    ``left_basis``/``right_basis`` (heads, d, k): the subspaces in model coordinates (orthonormal in the metric of
+    C), in `BASIS_DTYPE` (in float64 where the subspaces are everything: the exact solve).
     ``base_core``/``step_core`` (heads, k, k): W and Q there. ``gradient_core``: M there, so that
-    ``<M, basis_l X basis_r^T> = <gradient_core, X>``. ``left_gram``/``right_gram``: the bases' Gram matrices in the
-    metric of C (None where that is the identity: whitened truncation). ``step_sq``: ||Q||^2; ``tail``:
-    sigma_{s+1}(Q), zero where the subspaces are everything.
+    ``<M, basis_l X basis_r^T> = <gradient_core, X>``. ``step_sq``: ||Q||^2 (whitened); ``tail``: sigma_{s+1}(Q),
+    zero where the subspaces are everything; ``plain_tail``: the plain Frobenius norm of P outside the subspaces
+    (the certificate of Frobenius truncation; None where the solve was not asked for it).
     """
 
     left_basis: Tensor
@@ -100,10 +109,9 @@ class CompactTarget:
     base_core: Tensor
     step_core: Tensor
     gradient_core: Tensor
-    left_gram: Tensor | None
-    right_gram: Tensor | None
     step_sq: Tensor
     tail: Tensor
+    plain_tail: Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -123,19 +131,27 @@ class CompactTarget:
             left_basis=pad(self.left_basis, columns),
             right_basis=pad(self.right_basis, columns),
             **{name: pad(getattr(self, name), square) for name in ("base_core", "step_core", "gradient_core")},
-            **{name: None if getattr(self, name) is None else pad(getattr(self, name), square)
-               for name in ("left_gram", "right_gram")},
         )
 
     def core(self, lam: Tensor) -> Tensor:
         """``L^T (W - lam Q) R`` for each head's lam, shape (heads, k, k)."""
         return self.base_core - lam[:, None, None] * self.step_core
 
-    def decompose(self, lam: Tensor, method: str = "eigh", columns: int | None = None) -> linalg.Decomposition:
-        """The SVD of the core at ``lam`` (in core coordinates): its truncations are those of T^(lam), up to rank
-        ``columns`` (None: any)."""
+    def decompose(
+        self, lam: Tensor, method: str = "eigh", columns: int | None = None, truncation: str = "whitened"
+    ) -> linalg.Decomposition:
+        """The SVD of T^(lam) in the ``truncation``'s norm, in core coordinates: its truncations (up to rank
+        ``columns``, None: any) are the best of T^(lam) in that norm. Whitened: the SVD of the core itself.
+        Frobenius: that of ``G_l core G_r^T`` (G: the roots of the bases' plain Gram matrices), its vectors mapped
+        back by the inverse roots (the module doc)."""
         method = "svd" if method == "svd" else "eigh"
-        return linalg.decompose_whitened(self.core(lam), None, method, columns=columns)
+        if truncation == "whitened":
+            return linalg.decompose_whitened(self.core(lam), None, method, columns=columns)
+        (left_root, left_inverse), (right_root, right_inverse) = map(_gram_root, self.bases(torch.float64))
+        plain = linalg.decompose_whitened(left_root @ self.core(lam) @ right_root.mT, None, method, columns=columns)
+        return linalg.Decomposition(
+            left_inverse @ plain.left_vectors, right_inverse @ plain.projected, plain.singular_values, None
+        )
 
     def to_model(self, factors: linalg.Factorization) -> linalg.Factorization:
         """Core-coordinate factors mapped to model coordinates (the un-whitened Q/K form)."""
@@ -151,23 +167,40 @@ class CompactTarget:
         return (self.gradient_core * core_delta).sum(dim=(-2, -1))
 
     def metric_norm_sq(self, core_delta: Tensor) -> Tensor:
-        """``||C^1/2 Delta C^1/2||^2`` per head for ``Delta = L core_delta R^T`` (the floored root of C)."""
-        if self.left_gram is None:
-            return core_delta.square().sum(dim=(-2, -1))
-        return (core_delta * (self.left_gram @ core_delta @ self.right_gram)).sum(dim=(-2, -1))
+        """``||C^1/2 Delta C^1/2||^2`` per head for ``Delta = L core_delta R^T`` (the floored root of C; the bases
+        are orthonormal in that metric)."""
+        return core_delta.square().sum(dim=(-2, -1))
 
-    def perturbation(self, lam: Tensor) -> Tensor:
-        """eps per head: ``||T(lam) - T^(lam)||_2 <= sqrt(2) |lam| sigma_{s+1}(Q)``, so each singular value of the
-        compact target is within eps of the exact one's (Weyl), and its rank-r truncation's squared error within
-        ``2 eps sum_{i<=r} sigma_i + r eps^2`` of the optimum. Zero where the compact solve is exact."""
-        return 2**0.5 * lam.abs() * self.tail
+    def perturbation(self, lam: Tensor, truncation: str = "whitened") -> Tensor:
+        """eps per head, in the ``truncation``'s norm: ``||T(lam) - T^(lam)||_2``, at most ``sqrt(2) |lam|
+        sigma_{s+1}(Q)`` whitened and ``|lam| plain_tail`` in the plain norm (a Frobenius norm, above the spectral
+        one), so each singular value of the compact target is within eps of the exact one's (Weyl), and its
+        rank-r truncation's squared error within ``2 eps sum_{i<=r} sigma_i + r eps^2`` of the optimum. Zero where
+        the compact solve is exact."""
+        if truncation == "whitened":
+            return 2**0.5 * lam.abs() * self.tail
+        if self.plain_tail is None:
+            raise ValueError("this target was solved without its plain tail: solve it for Frobenius truncation")
+        return lam.abs() * self.plain_tail
 
-    def relative_perturbation(self, lam: Tensor, singular_values: Tensor, rank: int) -> Tensor:
+    def relative_perturbation(
+        self, lam: Tensor, singular_values: Tensor, rank: int, truncation: str = "whitened"
+    ) -> Tensor:
         """The certificate reported per head: eps over the smallest singular value a rank-``rank`` truncation
-        keeps. Far below 1, the truncation keeps the exact target's directions up to rotations of order
-        eps / (sigma_r - sigma_{r+1})."""
+        keeps (both in the ``truncation``'s norm). Far below 1, the truncation keeps the exact target's directions
+        up to rotations of order eps / (sigma_r - sigma_{r+1})."""
         smallest = singular_values[..., rank - 1].clamp_min(torch.finfo(singular_values.dtype).tiny)
-        return self.perturbation(lam) / smallest
+        return self.perturbation(lam, truncation) / smallest
+
+
+def _gram_root(basis: Tensor) -> tuple[Tensor, Tensor]:
+    """``(G, G^+)`` with ``G^T G = basis^T basis`` per head, from its eigendecomposition: G maps core coordinates to
+    plain-orthonormal ones, G^+ back. Zero columns (`CompactTarget.padded`) get zero rows and columns."""
+    eigenvalues, eigenvectors = lapack.batched_eigh(basis.mT @ basis)
+    kept = eigenvalues > linalg.SINGULAR_VALUE_RTOL**2 * eigenvalues.amax(dim=-1, keepdim=True)
+    root = eigenvalues.clamp_min(0).sqrt()
+    inverse = torch.where(kept, 1 / torch.where(kept, root, torch.ones_like(root)), torch.zeros_like(root))
+    return (eigenvectors * root[..., None, :]).mT, eigenvectors * inverse[..., None, :]
 
 
 def compact_target(
@@ -177,18 +210,19 @@ def compact_target(
     gradient: Tensor,
     rank: int,
     metric: linalg.Metric,
-    whitened: bool,
     method: str = "eigh",
     width: int | None = None,
+    plain: bool = False,
 ) -> CompactTarget:
     """Decompose each head's direction once and build its `CompactTarget`.
 
-    ``base_left``/``base_right`` (heads, d, a): factors of W; ``step`` (heads, d, d): Q; both in the coordinates
-    of the truncation: whitened by C^1/2 (``whitened``) or plain. ``gradient`` (heads, d, d): M in model
-    coordinates. ``metric``: C's, to un-whiten the bases or to measure them. ``rank``: s (`compact_rank`);
-    ``method``: how Q is decomposed (`linalg.decompose_whitened`: "eigh", "svd" or "subspace"). ``width``: the
-    grown width; with it, a full decomposition ("eigh", "svd") keeps more than ``rank`` where the certificate
-    asks for it (`certified_rank`).
+    ``base_left``/``base_right`` (heads, d, a): factors of W; ``step`` (heads, d, d): Q; both whitened by C^1/2 in
+    C's eigenbasis (`linalg.whiten`). ``gradient`` (heads, d, d): M in model coordinates. ``metric``: C's, to
+    un-whiten the bases. ``rank``: s (`compact_rank`); ``method``: how Q is decomposed
+    (`linalg.decompose_whitened`: "eigh", "svd" or "subspace"). ``width``: the grown width; with it, a full
+    decomposition ("eigh", "svd") keeps more than ``rank`` where the certificate asks for it (`certified_rank`).
+    ``plain``: also measure the plain tail, the certificate of Frobenius truncation (two products of Q with the
+    bases).
     """
     size = step.shape[-1]
     exact = base_left.shape[-1] + rank >= size
@@ -207,15 +241,17 @@ def compact_target(
     base_core = (left.mT @ base_left) @ (right.mT @ base_right).mT
     step_core = left.mT @ step @ right
     step_sq = step.square().sum(dim=(-2, -1))
-    left_gram = right_gram = None
-    if whitened:  # whitened coordinates -> model coordinates: U diag(1 / root) basis
-        scale = 1 / metric.root_diag[..., :, None]
-        left, right = metric.eigenvectors @ (left * scale), metric.eigenvectors @ (right * scale)
-    else:  # Gram matrices in the metric of C: (C^1/2 basis)^T (C^1/2 basis)
-        root = metric.root_diag[..., :, None]
-        left_root, right_root = root * (metric.eigenvectors.mT @ left), root * (metric.eigenvectors.mT @ right)
-        left_gram, right_gram = left_root.mT @ left_root, right_root.mT @ right_root
+    plain_tail = None
+    if plain:  # ||C^-1/2 (Q - L L^T Q R R^T) C^-1/2||_F, in C's eigenbasis a scaling by 1 / root on each side
+        inverse_root = 1 / metric.root_diag
+        outside = step - left @ step_core @ right.mT
+        plain_tail = (outside * inverse_root[..., :, None] * inverse_root[..., None, :]).square().sum(dim=(-2, -1))
+        plain_tail = plain_tail.sqrt() if not exact else torch.zeros_like(plain_tail)
+        del outside
+    # whitened coordinates -> model coordinates: U diag(1 / root) basis
+    scale = 1 / metric.root_diag[..., :, None]
+    left, right = metric.eigenvectors @ (left * scale), metric.eigenvectors @ (right * scale)
     gradient_core = left.mT @ gradient @ right
     if not exact:  # stored narrower; exact solves (narrow models, square bases) keep theirs as they are
         left, right = left.to(BASIS_DTYPE), right.to(BASIS_DTYPE)
-    return CompactTarget(left, right, base_core, step_core, gradient_core, left_gram, right_gram, step_sq, tail)
+    return CompactTarget(left, right, base_core, step_core, gradient_core, step_sq, tail, plain_tail)

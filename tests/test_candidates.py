@@ -157,7 +157,7 @@ def test_auto_solves_refactor_growth_once_and_frees_m_group_by_group(trained_gpt
     assert auto.problem.truncation == "whitened" and auto.problem.holds("frobenius")
     assert not alone.problem.holds("frobenius")
     for ours, theirs in zip(auto.problem.layers, alone.problem.layers):
-        torch.testing.assert_close(ours.targets["whitened"].step_core, theirs.targets["whitened"].step_core)
+        torch.testing.assert_close(ours.target.step_core, theirs.target.step_core)
     for step in (0.0, 0.05):
         for layer, (query, key) in auto.problem.weights(step).items():
             torch.testing.assert_close(query, alone.problem.weights(step)[layer][0])

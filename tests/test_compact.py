@@ -30,17 +30,15 @@ def random_problem(heads=3, size=40, width=4, decay=0.7, seed=0):
 
 
 def exact_and_compact(truncation, rank_kept, lam, grown=8, **kwargs):
+    """A compact target (whitened coordinates, one for both truncations) decomposed in the ``truncation``'s norm,
+    and the exact truncation of the full target in that norm."""
     query, key, direction, gradient, metric = random_problem(**kwargs)
     whitened = truncation == "whitened"
-    factors = (query, key)
-    if whitened:
-        factors = tuple(metric.root_diag[:, None] * (metric.eigenvectors.mT @ f) for f in factors)
-        step = linalg.whiten(direction, metric)
-    else:
-        step = direction
-    target = compact.compact_target(*factors, step, gradient, rank_kept, metric, whitened)
+    factors = tuple(metric.root_diag[:, None] * (metric.eigenvectors.mT @ f) for f in (query, key))
+    step = linalg.whiten(direction, metric)
+    target = compact.compact_target(*factors, step, gradient, rank_kept, metric, plain=not whitened)
     lams = torch.full((query.shape[0],), lam, dtype=torch.float64)
-    core = target.decompose(lams)
+    core = target.decompose(lams, truncation=truncation)
     approximate = target.to_model(core.truncate(grown))
     exact = linalg.truncate(query @ key.mT - lam * direction, grown, metric if whitened else None)
     return target, core, approximate, exact, (query, key, direction, gradient, metric, step, lams)
@@ -72,7 +70,7 @@ def test_compact_truncation_is_within_its_certificate_of_the_optimum(truncation)
             return linalg.whitened_norm_sq(difference, metric)
         return difference.square().sum(dim=(-2, -1))
 
-    eps = target.perturbation(lams)
+    eps = target.perturbation(lams, truncation)
     kept = core.singular_values[:, :8]
     optimal, compact_error = error_sq(exact.product), error_sq(approximate.product)
     assert (compact_error >= optimal * (1 - 1e-9)).all()
@@ -80,9 +78,9 @@ def test_compact_truncation_is_within_its_certificate_of_the_optimum(truncation)
     exact_sigma = torch.linalg.svdvals(full_in_truncation)[:, :8]
     assert ((exact_sigma - kept).abs() <= eps[:, None] + 1e-12).all()
     # 0.7^16: the certificate is small where the direction's spectrum decays, larger where it does not
-    assert (target.relative_perturbation(lams, core.singular_values, 8) < 0.05).all()
+    assert (target.relative_perturbation(lams, core.singular_values, 8, truncation) < 0.05).all()
     loose, loose_core, *_, loose_parts = exact_and_compact(truncation, rank_kept=16, lam=0.3, decay=0.97)
-    assert (loose.perturbation(loose_parts[-1]) > 10 * eps).all()
+    assert (loose.perturbation(loose_parts[-1], truncation) > 10 * eps).all()
 
 
 @pytest.mark.parametrize("truncation", ["whitened", "frobenius"])
@@ -123,7 +121,7 @@ def test_padded_targets_truncate_and_measure_as_the_unpadded_ones(truncation):
     target, core, approximate, _, (*_, lams) = exact_and_compact(truncation, rank_kept=16, lam=0.3)
     padded = target.padded(target.width + 7)
     assert padded.width == target.width + 7 and target.padded(target.width) is target
-    padded_core = padded.decompose(lams)
+    padded_core = padded.decompose(lams, truncation=truncation)
     torch.testing.assert_close(padded.to_model(padded_core.truncate(8)).product, approximate.product, rtol=1e-9,
                                atol=1e-10)
     delta = core.truncate(8).product - target.core(lams)
@@ -163,7 +161,7 @@ def test_compact_line_search_chooses_the_exact_step_and_loss(wide_gpt2, stdlib_b
     statistics = collect_statistics(wide_gpt2, lm_batches(stdlib_bytes["stats"], 4, seed=31), adapter)
     held_out = lm_batches(stdlib_bytes["eval"], 3, seed=7)
     problem = GrowthProblem(wide_gpt2, adapter, statistics, [56, 56], "whitened", 1e-6, "eigh", step_mode="per_head")
-    assert all(part.targets["whitened"].width == 48 + 120 < 193 for part in problem.layers)
+    assert all(part.target.width == 48 + 120 < 193 for part in problem.layers)
     grown = adapter.build_grown_model(wide_gpt2, [56, 56], problem.weights(0.0))
 
     def searched(weights_at):
@@ -187,12 +185,13 @@ def test_a_solved_layer_holds_its_bases_in_float32_and_what_the_memory_plan_coun
     adapter = get_adapter(wide_gpt2)
     statistics = collect_statistics(wide_gpt2, lm_batches(stdlib_bytes["stats"], 2, seed=31), adapter)
     problem = GrowthProblem(wide_gpt2, adapter, statistics, [56, 56], truncation, 1e-6, "eigh")
-    for part in problem.layers:
-        assert set(part.targets) == {"whitened", truncation}
-        for name, target in part.targets.items():
-            assert target.left_basis.dtype == target.right_basis.dtype == torch.float32
-            assert target.base_core.dtype == target.step_core.dtype == torch.float64
-            held = sum(tensor.numel() * tensor.element_size() for tensor in vars(target).values() if tensor is not None)
-            assert held == compact.stored_bytes(4, 193, target.width, name == "whitened")
+    plain = truncation == "frobenius"
+    for part in problem.layers:  # one target serves both truncations; Frobenius adds only its plain tail
+        target = part.target
+        assert (target.plain_tail is not None) == plain
+        assert target.left_basis.dtype == target.right_basis.dtype == torch.float32
+        assert target.base_core.dtype == target.step_core.dtype == torch.float64
+        held = sum(tensor.numel() * tensor.element_size() for tensor in vars(target).values() if tensor is not None)
+        assert held == compact.stored_bytes(4, 193, target.width, plain)
     left, right = problem.weights(0.05)[1]
     assert left.dtype == right.dtype == torch.float64

@@ -237,9 +237,9 @@ def test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor(stdlib
     problem = problems[0]
     assert problem.weights(0.1)[layers - 1][0].shape[-1] == 24
     for part in problem.layers:
-        kept = [getattr(part.targets["whitened"], name) for name in ("left_basis", "right_basis", "base_core",
+        kept = [getattr(part.target, name) for name in ("left_basis", "right_basis", "base_core",
                                                                        "step_core", "gradient_core")]
-        assert 16 + 88 <= part.targets["whitened"].width < size  # s from its minimum to below the width
+        assert 16 + 88 <= part.target.width < size  # s from its minimum to below the width
         assert all(tensor.numel() < layer_size for tensor in kept)
 
 

@@ -18,9 +18,9 @@ while the best candidate could be among them (`REACH_FACTOR`): the kept candidat
 candidate whose loss curve cannot come near the best one's is reported at its coarse step (`CandidateReport.coarse`).
 The old function (step 0) is the same for every candidate: its loss on each held-out batch is evaluated once
 (`OldFunction`), unless the realized gains need the final search's step-0 pass to record the blocks' outputs.
-The statistics and the solve are shared: one solve holds both truncations' targets ("refactor") or unit updates
-("append") (`GrowthProblem.holds`), so M is freed group by group as for one candidate, and truncations and step
-modes are switched without solving again.
+The statistics and the solve are shared: one solve serves both truncations, its compact target truncated either
+way ("refactor") or both unit updates ("append") (`GrowthProblem.holds`), so M is freed group by group as for one
+candidate, and truncations and step modes are switched without solving again.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def _head_reports(
             marginal = linalg.rank_gains(lam[:, None] * update.spectrum, lam)[:, :added]
             perturbation = zeros
         else:
-            target = problem.targets[solved.truncation]
+            target = problem.target
             if decomposition is None:
                 decomposition = solved.decomposition(layer, step_size, solved.truncation, qk_after)
             base = target.base_core
@@ -53,7 +53,9 @@ def _head_reports(
             expected = _decrease(inner, target.metric_norm_sq(delta), lam)
             expected_kept = _decrease(inner_kept, target.metric_norm_sq(delta_kept), lam)
             first_order = -inner
-            perturbation = target.relative_perturbation(lam, decomposition.singular_values, qk_after)
+            perturbation = target.relative_perturbation(
+                lam, decomposition.singular_values, qk_after, solved.truncation
+            )
             if solved.truncation != "whitened":
                 decomposition = solved.decomposition(layer, step_size, "whitened")
             marginal = linalg.rank_gains(decomposition.singular_values, lam)[:, qk_before:qk_after]

@@ -46,8 +46,9 @@ class LayerProblem:
     """Everything the steps of one layer need, in float64, without any (heads, d, d) tensor.
 
     ``norms[name]``: each head's (||Z||^2, ||P||^2) in the ``"whitened"`` and ``"frobenius"`` norms.
-    ``targets[truncation]``: the compact targets of "refactor" growth; ``updates[truncation]``: the unit updates
-    of "append" growth (rank-p factors: both truncations' are kept while M is alive, so that either can step).
+    ``target``: the compact target of "refactor" growth, which truncates either way (its plain tail measured
+    where the solve was asked for Frobenius truncation); ``updates[truncation]``: the unit updates of "append"
+    growth (rank-p factors: both truncations' are kept while M is alive, so that either can step).
     ``rates``: first-order gains per unit lam (`linalg.growth_gain_rates`), where a budget or an inspection
     asked for them.
     """
@@ -59,7 +60,7 @@ class LayerProblem:
     qk_dim_after: int
     metric: linalg.Metric
     norms: dict[str, tuple[Tensor, Tensor]]
-    targets: dict[str, compact.CompactTarget] = field(default_factory=dict)
+    target: compact.CompactTarget | None = None
     updates: dict[str, AppendUpdate] = field(default_factory=dict)
     rates: linalg.GainRates | None = None
 
@@ -97,7 +98,7 @@ def solve_layer(
     solver: str,
     with_rates: bool,
 ) -> set[str]:
-    """Fill ``problem``'s norms, targets or update (and rates) from M, a chunk of heads at a time.
+    """Fill ``problem``'s norms, target or updates (and rates) from M, a chunk of heads at a time.
 
     ``gradient_of(heads)``: M of those heads (a slice) in float64. ``max_width``: the widest the layer may grow
     to (the compact rank and the append capacity follow it). Returns the decomposition methods used.
@@ -118,7 +119,7 @@ def solve_layer(
         direction_in_basis = linalg.solve_direction_in_basis(gradient, problem.metric)
         root = problem.metric.root_diag
         whitened_step = direction_in_basis * root[..., :, None] * root[..., None, :]
-        needs_direction = "frobenius" in truncations or with_rates
+        needs_direction = with_rates or (mode == "append" and "frobenius" in truncations)
         direction = problem.metric.from_basis(direction_in_basis) if needs_direction else None
         query, key = problem.query[selected], problem.repeated_key[selected]
         root_scaling = problem.scaling_before**0.5
@@ -132,11 +133,10 @@ def solve_layer(
         coordinates = {"whitened": (whitened_base, whitened_step), "frobenius": (plain, direction)}
         if mode == "refactor":
             rank = compact.compact_rank(size, max_width)
-            for truncation in truncations:
-                base, step = coordinates[truncation]
-                part[truncation, "target"] = compact.compact_target(
-                    *base, step, gradient, rank, problem.metric, truncation == "whitened", method, max_width
-                )
+            part["target"] = compact.compact_target(
+                *whitened_base, whitened_step, gradient, rank, problem.metric, method, max_width,
+                plain="frobenius" in truncations,
+            )
         else:
             updates: dict[str, AppendUpdate] = {}
             for truncation in sorted(truncations, key=lambda name: name != "whitened"):
@@ -154,7 +154,7 @@ def solve_layer(
         name: tuple(torch.cat([p[name][i] for p in parts]) for i in range(2)) for name in linalg.TRUNCATIONS
     }
     if mode == "refactor":
-        problem.targets = {t: _cat_targets([p[t, "target"] for p in parts]) for t in truncations}
+        problem.target = _cat_targets([p["target"] for p in parts])
     else:
         problem.updates = {t: _cat_updates([p["updates"][t] for p in parts]) for t in truncations}
     if with_rates:

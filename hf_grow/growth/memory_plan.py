@@ -283,23 +283,23 @@ def _solved_bytes(
     mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int, at_ceiling: bool
 ) -> int:
     """What the solve keeps for the steps (`layer_solve.LayerProblem`) beside the old weights: per head, the compact
-    targets (`compact.stored_bytes`) of each truncation ("refactor"), or the unit update of the added dims ("append").
+    target (`compact.stored_bytes`, one for both truncations: "refactor"), or the unit update of the added dims of
+    each truncation ("append").
 
     The compact rank is certified from each head's spectrum during the solve (`compact.certified_rank`), between
     `compact.compact_rank` and `compact.rank_ceiling`: ``at_ceiling`` counts the ceiling (flat spectra, such as
     random weights', reach it), else the least rank."""
     added = config.budget if config.budget is not None else _largest_p(config.p)
     grown = min(width, qk_dim + added)
-    # The whitened targets or update always (the step norms, the spectrum); Frobenius ones too where a candidate
-    # truncates so.
-    truncations = [True] + ([] if config.candidate_truncations == ("whitened",) else [False])
+    # The whitened update always (the step norms, the spectrum); the Frobenius one too where a candidate truncates so.
+    plain = config.candidate_truncations != ("whitened",)
     if mode == "append":
-        return len(truncations) * layers * heads * 2 * width * max(1, grown - qk_dim) * 8
+        return (1 + plain) * layers * heads * 2 * width * max(1, grown - qk_dim) * 8
     rank = compact_rank(width, grown)
     if at_ceiling and qk_dim + rank < width:  # compact: the certified rank may keep up to its ceiling
         rank = max(rank, rank_ceiling(width, grown, qk_dim))
     kept = min(width, qk_dim + rank)
-    return sum(layers * stored_bytes(heads, width, kept, whitened) for whitened in truncations)
+    return layers * stored_bytes(heads, width, kept, plain)
 
 
 def _largest_p(p: int | dict[int, int] | None) -> int:

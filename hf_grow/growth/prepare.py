@@ -255,7 +255,7 @@ def prepare_growth(
 
     truncation, step_mode = config.candidates[0]  # of "auto" options the simplest (`growth.candidates`)
     # One solve serves every truncation among the candidates, so M is freed group by group: one solved for
-    # Frobenius truncation holds the whitened targets or update too (`GrowthProblem.holds`). Where no choice
+    # Frobenius truncation serves the whitened one too (`GrowthProblem.holds`). Where no choice
     # can be made (one held-out batch, a given step size), the simplest candidate's alone.
     truncations = config.candidate_truncations if confirmation is not None else (truncation,)
     solved_for = "frobenius" if "frobenius" in truncations else truncation

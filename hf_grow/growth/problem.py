@@ -44,11 +44,12 @@ class StepWeights(StepScaling):
     def decomposition(
         self, layer: int, step_size: float, truncation: str, columns: int | None = None
     ) -> linalg.Decomposition:
-        """The decomposition of the core of layer's ``Z - lam P`` (whitened or not), in core coordinates: its
-        truncations (up to rank ``columns``, None: any) map to Q/K factors by the target's bases
+        """The decomposition of layer's compact ``Z - lam P`` in the ``truncation``'s norm, in core coordinates:
+        its truncations (up to rank ``columns``, None: any) map to Q/K factors by the target's bases
         (`compact.CompactTarget.to_model`)."""
         method = "svd" if self.solver == "svd" else "eigh"
-        return self.layers[layer].targets[truncation].decompose(self.head_lams(step_size, layer), method, columns)
+        lams = self.head_lams(step_size, layer)
+        return self.layers[layer].target.decompose(lams, method, columns, truncation)
 
     def unit_update(self, layer: int) -> linalg.Factorization:
         """The "append" update at lam = 1: the truncation of -P to the layer's added dimensions; under
@@ -107,7 +108,7 @@ class StepWeights(StepScaling):
                     torch.nn.functional.pad(problem.query * fold, (0, padding)),
                     torch.nn.functional.pad(problem.key, (0, padding)),
                 )
-            target = problem.targets[self.truncation]
+            target = problem.target
             width = problem.qk_dim_after
             decomposition = (decompositions or {}).get(layer)
             if decomposition is None:
@@ -240,9 +241,15 @@ class GrowthProblem(StepWeights):
         return lambda heads: self.statistics.cross_fitted_gradient(layer, part.metric, rank, method, heads)
 
     def holds(self, truncation: str) -> bool:
-        """Whether the solve kept ``truncation``'s targets ("refactor") or unit update ("append"): a problem solved
-        for Frobenius truncation holds the whitened ones too."""
-        return all(truncation in part.targets or truncation in part.updates for part in self.layers)
+        """Whether the solve can step with ``truncation``: its compact target with the certificate that truncation
+        reports ("refactor"), or its unit update ("append"). A problem solved for Frobenius truncation holds the
+        whitened one too."""
+        def held(part: LayerProblem) -> bool:
+            if self.mode == "append":
+                return truncation in part.updates
+            return part.target is not None and (truncation == "whitened" or part.target.plain_tail is not None)
+
+        return all(held(part) for part in self.layers)
 
     def set_truncation(self, truncation: str) -> None:
         """Truncate the ``truncation`` way from now on, without solving again (it must be `held`)."""

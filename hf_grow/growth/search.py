@@ -218,7 +218,7 @@ def line_search(
                 # each layer at its own best step alone, then one multiplier t of all of them
                 losses = search_step_size(tracked("rank", evaluate_step), 1.0, factor=2.0) if gains else {0.0: 0.0}
             elif config.search == "fast":
-                full_rank = [part.targets[problem.truncation].width for part in problem.layers]
+                full_rank = [part.target.width for part in problem.layers]
                 scalings = [adapter.scaling(model.config, layer, width) for layer, width in enumerate(full_rank)]
                 reference = adapter.build_grown_model(target, full_rank, unconstrained_weights(problem, 0.0, scalings))
 
@@ -289,7 +289,7 @@ def unconstrained_weights(problem: GrowthProblem, step_size: float, scalings: li
     Z - lam P where those are everything): queries ``L core(lam) / scaling``, keys ``R``; the reference of
     ``search="fast"``."""
     def layer_weights(layer: int) -> tuple[Tensor, Tensor]:
-        target = problem.layers[layer].targets[problem.truncation]
+        target = problem.layers[layer].target
         core = target.core(problem.head_lams(step_size, layer))
         left, right = target.bases(core.dtype)
         return left @ core / scalings[layer], right.clone()
