@@ -18,11 +18,10 @@ Frobenius truncation (in the plain norm of Z, the original notes') is taken on t
 in model coordinates ``L_m = L_m' G`` (G the root of their Gram matrix), ``||L_m X R_m^T||_F = ||G_l X G_r^T||_F``,
 so the best plain-norm truncation of ``T^`` is the SVD of ``G_l X G_r^T``, mapped back by the inverse roots
 (`CompactTarget.decompose`). One solve serves both truncations: no second set of bases, no P in model
-coordinates. What it drops is ``lam`` times the plain norm of the direction outside the subspaces
-(``plain_tail``, in model coordinates ``C^-1/2 (Q - L L^T Q R R^T) C^-1/2``), its certificate; the whitened
+coordinates. What it drops is ``lam`` times the direction outside the subspaces, in model coordinates
+``C^-1/2 (Q - L L^T Q R R^T) C^-1/2``: its spectral norm (``plain_tail``) is the certificate; the whitened
 subspaces hold the directions that the whitened truncation keeps, not necessarily all that the plain one would
-(on all-MiniLM-L6-v2 the plain truncations' changes of Z were 8% apart, medians over heads, and the held-out
-loss chose the same steps: BENCHMARKS "Frobenius truncation on the whitened solve's subspaces").
+(BENCHMARKS "Frobenius truncation on the whitened solve's subspaces": how far the two are apart).
 
 The bases are kept in model coordinates (un-whitened), so a truncation's factors are ``basis @ core factors``;
 the loss gradient M and the metric of C are kept as k x k projections for the expected gains. The bases are the
@@ -100,8 +99,8 @@ class CompactTarget:
     C), in `BASIS_DTYPE` (in float64 where the subspaces are everything: the exact solve).
     ``base_core``/``step_core`` (heads, k, k): W and Q there. ``gradient_core``: M there, so that
     ``<M, basis_l X basis_r^T> = <gradient_core, X>``. ``step_sq``: ||Q||^2 (whitened); ``tail``: sigma_{s+1}(Q),
-    zero where the subspaces are everything; ``plain_tail``: the plain Frobenius norm of P outside the subspaces
-    (the certificate of Frobenius truncation; None where the solve was not asked for it).
+    zero where the subspaces are everything; ``plain_tail``: the spectral norm of P outside the subspaces (the
+    certificate of Frobenius truncation; None where the solve was not asked for it).
     """
 
     left_basis: Tensor
@@ -173,10 +172,9 @@ class CompactTarget:
 
     def perturbation(self, lam: Tensor, truncation: str = "whitened") -> Tensor:
         """eps per head, in the ``truncation``'s norm: ``||T(lam) - T^(lam)||_2``, at most ``sqrt(2) |lam|
-        sigma_{s+1}(Q)`` whitened and ``|lam| plain_tail`` in the plain norm (a Frobenius norm, above the spectral
-        one), so each singular value of the compact target is within eps of the exact one's (Weyl), and its
-        rank-r truncation's squared error within ``2 eps sum_{i<=r} sigma_i + r eps^2`` of the optimum. Zero where
-        the compact solve is exact."""
+        sigma_{s+1}(Q)`` whitened and ``|lam| plain_tail`` in the plain norm, so each singular value of the compact
+        target is within eps of the exact one's (Weyl), and its rank-r truncation's squared error within
+        ``2 eps sum_{i<=r} sigma_i + r eps^2`` of the optimum. Zero where the compact solve is exact."""
         if truncation == "whitened":
             return 2**0.5 * lam.abs() * self.tail
         if self.plain_tail is None:
@@ -221,8 +219,8 @@ def compact_target(
     un-whiten the bases. ``rank``: s (`compact_rank`); ``method``: how Q is decomposed
     (`linalg.decompose_whitened`: "eigh", "svd" or "subspace"). ``width``: the grown width; with it, a full
     decomposition ("eigh", "svd") keeps more than ``rank`` where the certificate asks for it (`certified_rank`).
-    ``plain``: also measure the plain tail, the certificate of Frobenius truncation (two products of Q with the
-    bases).
+    ``plain``: also measure the plain tail, the certificate of Frobenius truncation (products of Q with the bases
+    and the singular values of what they leave: about one more decomposition per head).
     """
     size = step.shape[-1]
     exact = base_left.shape[-1] + rank >= size
@@ -242,11 +240,12 @@ def compact_target(
     step_core = left.mT @ step @ right
     step_sq = step.square().sum(dim=(-2, -1))
     plain_tail = None
-    if plain:  # ||C^-1/2 (Q - L L^T Q R R^T) C^-1/2||_F, in C's eigenbasis a scaling by 1 / root on each side
+    if plain and exact:
+        plain_tail = torch.zeros_like(tail)
+    elif plain:  # ||C^-1/2 (Q - L L^T Q R R^T) C^-1/2||_2, in C's eigenbasis a scaling by 1 / root on each side
         inverse_root = 1 / metric.root_diag
-        outside = step - left @ step_core @ right.mT
-        plain_tail = (outside * inverse_root[..., :, None] * inverse_root[..., None, :]).square().sum(dim=(-2, -1))
-        plain_tail = plain_tail.sqrt() if not exact else torch.zeros_like(plain_tail)
+        outside = (step - left @ step_core @ right.mT) * inverse_root[..., :, None] * inverse_root[..., None, :]
+        plain_tail = torch.linalg.matrix_norm(outside, ord=2)
         del outside
     # whitened coordinates -> model coordinates: U diag(1 / root) basis
     scale = 1 / metric.root_diag[..., :, None]
