@@ -141,15 +141,18 @@ class CompactTarget:
     ) -> linalg.Decomposition:
         """The SVD of T^(lam) in the ``truncation``'s norm, in core coordinates: its truncations (up to rank
         ``columns``, None: any) are the best of T^(lam) in that norm. Whitened: the SVD of the core itself.
-        Frobenius: that of ``G_l core G_r^T`` (G: the roots of the bases' plain Gram matrices), its vectors mapped
-        back by the inverse roots (the module doc)."""
+        Frobenius: that of ``G_l core G_r^T`` (G: the Cholesky factors of the bases' plain Gram matrices), its
+        vectors mapped back by their inverses (the module doc)."""
         method = "svd" if method == "svd" else "eigh"
         if truncation == "whitened":
             return linalg.decompose_whitened(self.core(lam), None, method, columns=columns)
-        (left_root, left_inverse), (right_root, right_inverse) = map(_gram_root, self.bases(torch.float64))
+        left_root, right_root = map(_gram_root, self.bases(torch.float64))
         plain = linalg.decompose_whitened(left_root @ self.core(lam) @ right_root.mT, None, method, columns=columns)
         return linalg.Decomposition(
-            left_inverse @ plain.left_vectors, right_inverse @ plain.projected, plain.singular_values, None
+            torch.linalg.solve_triangular(left_root, plain.left_vectors, upper=True),
+            torch.linalg.solve_triangular(right_root, plain.projected, upper=True),
+            plain.singular_values,
+            None,
         )
 
     def to_model(self, factors: linalg.Factorization) -> linalg.Factorization:
@@ -191,14 +194,15 @@ class CompactTarget:
         return self.perturbation(lam, truncation) / smallest
 
 
-def _gram_root(basis: Tensor) -> tuple[Tensor, Tensor]:
-    """``(G, G^+)`` with ``G^T G = basis^T basis`` per head, from its eigendecomposition: G maps core coordinates to
-    plain-orthonormal ones, G^+ back. Zero columns (`CompactTarget.padded`) get zero rows and columns."""
-    eigenvalues, eigenvectors = lapack.batched_eigh(basis.mT @ basis)
-    kept = eigenvalues > linalg.SINGULAR_VALUE_RTOL**2 * eigenvalues.amax(dim=-1, keepdim=True)
-    root = eigenvalues.clamp_min(0).sqrt()
-    inverse = torch.where(kept, 1 / torch.where(kept, root, torch.ones_like(root)), torch.zeros_like(root))
-    return (eigenvectors * root[..., None, :]).mT, eigenvectors * inverse[..., None, :]
+def _gram_root(basis: Tensor) -> Tensor:
+    """The upper-triangular G with ``G^T G = basis^T basis`` per head (Cholesky): G maps core coordinates to
+    plain-orthonormal ones. Zero columns (`CompactTarget.padded`) get an identity block, which maps the zero rows and
+    columns of the cores to themselves. (The bases are C-orthonormal, so their Gram matrices' condition number is at
+    most C's floored one, 1 / rtol.)"""
+    gram = basis.mT @ basis
+    empty = gram.diagonal(dim1=-2, dim2=-1) == 0
+    gram = gram + torch.diag_embed(empty.to(gram.dtype))
+    return torch.linalg.cholesky(gram, upper=True)
 
 
 def compact_target(
