@@ -83,6 +83,20 @@ def test_compact_truncation_is_within_its_certificate_of_the_optimum(truncation)
     assert (loose.perturbation(loose_parts[-1], truncation) > 10 * eps).all()
 
 
+def test_frobenius_truncation_is_the_best_plain_norm_truncation_of_the_compact_target():
+    """On the whitened solve's subspaces (s = 16 of 40 kept), Frobenius truncation is the Eckart-Young truncation of
+    the compact target ``T^ = L core R^T`` itself, in model coordinates, also with zero-padded bases."""
+    target, core, approximate, _, (*_, lams) = exact_and_compact("frobenius", rank_kept=16, lam=0.3)
+    left, right = target.bases(torch.float64)
+    compact_target = left @ target.core(lams) @ right.mT
+    expected = linalg.truncate(compact_target, 8, None)
+    torch.testing.assert_close(approximate.product, expected.product, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(core.singular_values[:, :8], expected.singular_values[:, :8], rtol=1e-9, atol=1e-9)
+    padded = target.padded(target.width + 5)
+    padded_factors = padded.to_model(padded.decompose(lams, truncation="frobenius").truncate(8))
+    torch.testing.assert_close(padded_factors.product, expected.product, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("truncation", ["whitened", "frobenius"])
 def test_compact_gradient_and_metric_terms_equal_the_full_ones(truncation):
     target, core, approximate, _, (query, key, _, gradient, metric, _, lams) = exact_and_compact(
