@@ -15,9 +15,9 @@ T^ within ``2 eps sum_{i<=r} sigma_i(T^) + r eps^2`` of the optimal squared erro
 the whole width the subspaces are everything and the compact solve is the exact one.
 
 Frobenius truncation (in the plain norm of Z, the original notes') is taken on the same subspaces: with the bases
-in model coordinates ``L_m = L_m' G`` (G the root of their Gram matrix), ``||L_m X R_m^T||_F = ||G_l X G_r^T||_F``,
-so the best plain-norm truncation of ``T^`` is the SVD of ``G_l X G_r^T``, mapped back by the inverse roots
-(`CompactTarget.decompose`). One solve serves both truncations: no second set of bases, no P in model
+in model coordinates ``L_m = L_m' G_l`` (``L_m'`` orthonormal, ``G_l`` the Cholesky root of ``L_m^T L_m``),
+``||L_m X R_m^T||_F = ||G_l X G_r^T||_F``, so the best plain-norm truncation of ``T^`` is the SVD of
+``G_l X G_r^T``, mapped back by the inverse roots (`CompactTarget.decompose`). One solve serves both truncations: no second set of bases, no P in model
 coordinates. What it drops is ``lam`` times the direction outside the subspaces, in model coordinates
 ``C^-1/2 (Q - L L^T Q R R^T) C^-1/2``: its spectral norm (``plain_tail``) is the certificate; the whitened
 subspaces hold the directions that the whitened truncation keeps, not necessarily all that the plain one would
