@@ -17,11 +17,12 @@ the whole width the subspaces are everything and the compact solve is the exact 
 Frobenius truncation (in the plain norm of Z, the original notes') is taken on the same subspaces: with the bases
 in model coordinates ``L_m = L_m' G_l`` (``L_m'`` orthonormal, ``G_l`` the Cholesky root of ``L_m^T L_m``),
 ``||L_m X R_m^T||_F = ||G_l X G_r^T||_F``, so the best plain-norm truncation of ``T^`` is the SVD of
-``G_l X G_r^T``, mapped back by the inverse roots (`CompactTarget.decompose`). One solve serves both truncations: no second set of bases, no P in model
-coordinates. What it drops is ``lam`` times the direction outside the subspaces, in model coordinates
-``C^-1/2 (Q - L L^T Q R R^T) C^-1/2``: its spectral norm (``plain_tail``) is the certificate; the whitened
-subspaces hold the directions that the whitened truncation keeps, not necessarily all that the plain one would
-(BENCHMARKS "Frobenius truncation on the whitened solve's subspaces": how far the two are apart).
+``G_l X G_r^T``, mapped back by the inverse roots (`CompactTarget.decompose`). One solve serves both
+truncations: no second set of bases, no P in model coordinates. What it drops is ``lam`` times the direction
+outside the subspaces, in model coordinates ``C^-1/2 (Q - L L^T Q R R^T) C^-1/2``: its spectral norm
+(``plain_tail``) is the certificate; the whitened subspaces hold the directions that the whitened truncation
+keeps, not necessarily all that the plain one would (BENCHMARKS "Frobenius truncation on the whitened solve's
+subspaces": how far the two are apart).
 
 The bases are kept in model coordinates (un-whitened), so a truncation's factors are ``basis @ core factors``;
 the loss gradient M and the metric of C are kept as k x k projections for the expected gains. The bases are the
