@@ -44,7 +44,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from bench_growth import lm_batches, make_model, train  # noqa: E402
 from bench_llama import llama_config  # noqa: E402
-from bench_step_modes import gpt2_setups, minilm_setup  # noqa: E402
+from bench_step_modes import gpt2_setups, line_search_and_test, minilm_setup  # noqa: E402
 from sentence_pairs import stdlib_files  # noqa: E402
 
 import hf_grow  # noqa: E402
@@ -144,10 +144,7 @@ def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int, va
     print(f"# {name}: statistics {time.perf_counter() - tick:.0f} s", flush=True)
     rows = []
     for split in range(splits):
-        order = list(range(len(pool)))
-        random.Random(split).shuffle(order)
-        cut = len(pool) // 3
-        eval_batches, test_batches = [pool[i] for i in order[:cut]], [pool[i] for i in order[cut:]]
+        eval_batches, test_batches = line_search_and_test(pool, split)
         test_before = hf_grow.evaluate_loss(model, test_batches, loss_fn=loss_fn)[0]
         row = dict(model=name, split=split, decrease={}, seconds={}, passes={})
         for variant in variants:

@@ -74,15 +74,12 @@ def gpt2_small() -> tuple:
 def english(name: str, cache: str | None, steps: int, split: int) -> tuple:
     """A bench_candidates model trained on English text, its statistics batches and split ``split`` of its
     held-out pool (a third for the line search, the rest for the test)."""
-    import random
-
     from bench_candidates import english_setups
+    from bench_step_modes import line_search_and_test
 
     _, model, stats, pool, loss_fn = next(english_setups([name], False, cache, steps))
-    order = list(range(len(pool)))
-    random.Random(split).shuffle(order)
-    cut = len(pool) // 3
-    batches = {"stats": stats, "eval": [pool[i] for i in order[:cut]], "test": [pool[i] for i in order[cut:]]}
+    line_search, test = line_search_and_test(pool, split)
+    batches = {"stats": stats, "eval": line_search, "test": test}
     return model.eval(), batches, loss_fn, f"{name} trained {steps} steps, split {split}"
 
 

@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import platform
-import random
 import sys
 import warnings
 
@@ -37,6 +36,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import hf_grow  # noqa: E402
+from bench_step_modes import line_search_and_test  # noqa: E402
 from hf_grow import linalg  # noqa: E402
 from hf_grow.growth import GrowthProblem, write_weights  # noqa: E402
 
@@ -67,10 +67,7 @@ def run(name, model, stats_batches, pool, loss_fn, splits, p, step_mode):
     adapter = hf_grow.get_adapter(model)
     statistics = hf_grow.collect_statistics(model, stats_batches, adapter, loss_fn)
     for split in range(splits):
-        order = list(range(len(pool)))
-        random.Random(split).shuffle(order)
-        cut = len(pool) // 3
-        eval_batches, test_batches = [pool[i] for i in order[:cut]], [pool[i] for i in order[cut:]]
+        eval_batches, test_batches = line_search_and_test(pool, split)
         before = hf_grow.evaluate_loss(model, test_batches, loss_fn=loss_fn)[0]
         config = hf_grow.GrowthConfig(p=p, truncation="frobenius", step_mode=step_mode)
         grown = hf_grow.grow_model(model, None, config=config, statistics=statistics, eval_dataloader=eval_batches,

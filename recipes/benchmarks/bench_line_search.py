@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import platform
-import random
 import sys
 
 import torch
@@ -34,6 +33,7 @@ from hf_grow.growth import candidates, layer_steps, line_search
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_candidates import english_setups  # noqa: E402
+from bench_step_modes import line_search_and_test  # noqa: E402
 
 
 def settings_of(name: str) -> dict[str, str]:
@@ -96,10 +96,7 @@ def main() -> None:
     for name, model, stats, pool, loss_fn in english_setups(args.models, False, args.cache, args.steps):
         statistics = hf_grow.collect_statistics(model, stats, hf_grow.get_adapter(model), loss_fn)
         for split in range(args.splits):
-            order = list(range(len(pool)))
-            random.Random(split).shuffle(order)
-            cut = len(pool) // 3
-            held_out, test = [pool[i] for i in order[:cut]], [pool[i] for i in order[cut:]]
+            held_out, test = line_search_and_test(pool, split)
             test_before = hf_grow.evaluate_loss(model, test, loss_fn=loss_fn)[0]
             for step_mode in args.step_modes:
                 forwards.calls, forwards.searches = 0, []

@@ -64,6 +64,15 @@ GPT2_MODELS = {  # name: (seed, n_embd, n_layer, n_head, training steps); d_k = 
 }
 
 
+def line_search_and_test(pool: list, split: int) -> tuple[list, list]:
+    """Split ``split`` of a held-out pool: a seeded shuffle, its first third for the line search, the rest to test
+    on (the same cut in every benchmark that takes it, so their rows compare split by split)."""
+    order = list(range(len(pool)))
+    random.Random(split).shuffle(order)
+    cut = len(pool) // 3
+    return [pool[i] for i in order[:cut]], [pool[i] for i in order[cut:]]
+
+
 def gpt2_setups(quick: bool, cache: str | None, names: list[str] | None = None):
     """(name, model, statistics batches, held-out pool, loss_fn) for the trained byte-level GPT-2s."""
     seq_len, batch_size = 128, 16
@@ -133,10 +142,7 @@ def main() -> None:
             statistics = hf_grow.collect_statistics(model, stats_batches, hf_grow.get_adapter(model), loss_fn)
             print(f"# {name}: statistics {time.perf_counter() - tick:.0f} s", flush=True)
             for split in range(args.splits):
-                order = list(range(len(pool)))
-                random.Random(split).shuffle(order)
-                cut = len(pool) // 3
-                eval_batches, test_batches = [pool[i] for i in order[:cut]], [pool[i] for i in order[cut:]]
+                eval_batches, test_batches = line_search_and_test(pool, split)
                 test_before = hf_grow.evaluate_loss(model, test_batches, loss_fn=loss_fn)[0]
                 held_out_before = hf_grow.evaluate_loss(model, eval_batches, loss_fn=loss_fn)[0]
                 decreases, held_out, passes = {}, {}, {}
