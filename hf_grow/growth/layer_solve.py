@@ -130,14 +130,14 @@ def solve_layer(
             "frobenius": (_sq(plain), direction_in_basis.square().sum(dim=(-2, -1))),
         }
         del direction_in_basis
-        coordinates = {"whitened": (whitened_base, whitened_step), "frobenius": (plain, direction)}
         if mode == "refactor":
             rank = compact.compact_rank(size, max_width)
             part["target"] = compact.compact_target(
                 *whitened_base, whitened_step, gradient, rank, problem.metric, method, max_width,
                 plain="frobenius" in truncations,
             )
-        else:
+        else:  # each truncation's unit update from its own coordinates (P in model coordinates for Frobenius)
+            coordinates = {"whitened": (whitened_base, whitened_step), "frobenius": (plain, direction)}
             updates: dict[str, AppendUpdate] = {}
             for truncation in sorted(truncations, key=lambda name: name != "whitened"):
                 # the whitened update's spectrum is the one every truncation's update reports: decomposed once
@@ -146,10 +146,11 @@ def solve_layer(
                     coordinates, truncation, gradient, problem, added, per_group, method, spectrum
                 )
             part["updates"] = updates
+            del coordinates
         if with_rates:
             part["rates"] = _rates(problem, selected, direction, whitened_step, mode, per_group)
         parts.append(part)
-        del gradient, direction, whitened_step, coordinates
+        del gradient, direction, whitened_step
     problem.norms = {
         name: tuple(torch.cat([p[name][i] for p in parts]) for i in range(2)) for name in linalg.TRUNCATIONS
     }
