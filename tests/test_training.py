@@ -290,3 +290,17 @@ def test_head_mean_moments_start_new_entries_at_their_head_s_second_moment(train
     lr = optimizer.param_groups[0]["lr"]
     assert float(moved["head_mean"].max()) <= 3.2 * lr  # bounded
     assert float(moved["head_mean"].mean()) < 0.5 * float(moved["zero"].mean())
+
+
+@pytest.mark.parametrize("mode", ["zero", "random"])
+def test_baseline_dims_follow_the_model_s_device(mode):
+    """The baselines draw their new dims on the host (the same dims from a seed on every device) and move them to
+    the model's device: on a GPU, `GrowthCallback(mode="zero")` failed in torch.cat (2026-11-27, H100). The meta
+    device stands in for a GPU here: any device but the host's fails the same way."""
+    from hf_grow.adapters import get_adapter
+    from hf_grow.training.grow import _initialized_weights
+
+    model = GrownGPT2LMHeadModel(grown_config(8)).to("meta")
+    weights = _initialized_weights(model, get_adapter(model), [8, 8], mode, init_std=0.02, seed=0)
+    assert {tensor.device.type for pair in weights.values() for tensor in pair} == {"meta"}
+    assert [tuple(query.shape) for query, _ in weights.values()] == [(4, 65, 16)] * 2

@@ -47,7 +47,8 @@ IN_TRAINING_STEP_SCALE = 0.1
 def _initialized_weights(
     model: PreTrainedModel, adapter: ArchitectureAdapter, added: list[int], mode: str, init_std: float, seed: int
 ) -> QKWeights:
-    """The baselines' weights: old Q/K kept (scale folded into the queries), new dims random or zero."""
+    """The baselines' weights: old Q/K kept (scale folded into the queries), new dims random or zero, on the
+    model's device (drawn on the host, so that a seed gives the same dims on every device)."""
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     config = model.config
@@ -61,7 +62,7 @@ def _initialized_weights(
         has_bias = width == adapter.hidden_size(config) + 1  # augmented weights (Llama's have no bias row)
 
         def draw(heads: int) -> Tensor:  # key heads may be fewer (grouped-query attention)
-            new = torch.randn(heads, width, extra, generator=generator, dtype=torch.float64) * init_std
+            new = torch.randn(heads, width, extra, generator=generator, dtype=torch.float64).to(query.device) * init_std
             if has_bias:
                 new[:, -1] = 0  # biases of new dims start at zero
             return new
