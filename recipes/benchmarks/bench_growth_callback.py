@@ -1,0 +1,232 @@
+"""Benchmark: `GrowthCallback` inside `transformers.Trainer` pretraining: is the grown model ever behind the original?
+(issue #35: the callback measured itself, not through `grow_in_training`, and on a model larger than
+bench_bottleneck's)
+
+A byte-level GPT-2 (no tokenizer, no network) is trained from scratch by `transformers.Trainer` on the standard
+library's sources (every other top-level module), with AdamW, a cosine schedule after a warm-up, and its
+held-out loss evaluated every ``--eval-every`` steps on fixed windows of other modules. Arms (``--arms``):
+
+- ``original``: no growth, the old query/key width throughout;
+- ``zero``: `GrowthCallback(mode="zero")` at ``--grow-at`` (the same function, new dims at zero);
+- ``default``: `GrowthCallback`'s defaults (refactor, steps per head, a tenth of the searched step);
+- ``whole``: the same with the whole searched step (``step_scale=1.0``);
+- ``wide``: trained at the grown width from the start (a reference; its initialisation differs);
+- ``name={json}``: `GrowthCallback` with these keyword arguments, e.g. ``'step0={"step_size": 0.0}'`` (refactored
+  at step 0: the old function, its Q/K and their optimizer moments made anew) or ``'append={"mode": "append"}'``.
+
+Every arm of a seed starts from the same initialisation and sees the same batches in the same order (the
+Trainer's seed; the callback draws its own batches from a generator of its own). Differences to the original are
+paired by seed: mean ± standard deviation over seeds, and the number of seeds behind. ``--parallel`` runs the
+seeds in as many processes (on a GPU, a small model leaves most of it idle).
+
+    python recipes/benchmarks/bench_growth_callback.py --preset cpu
+    python recipes/benchmarks/bench_growth_callback.py --preset gpu --parallel 3 --json runs/callback.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import glob
+import json
+import multiprocessing
+import os
+import platform
+import statistics as pystats
+import sys
+import sysconfig
+import tempfile
+import time
+
+import torch
+from transformers import PrinterCallback, Trainer, TrainingArguments
+from transformers.utils import logging as transformers_logging
+
+import hf_grow
+from hf_grow import GrowthCallback, GrownGPT2Config, GrownGPT2LMHeadModel
+
+PRESETS = {
+    "cpu": dict(n_embd=128, n_layer=2, n_head=4, qk_dim=8, p=8, seq_len=128, batch_size=16, steps=300,
+                grow_at=100, eval_every=25, eval_windows=64, lr=3e-3),
+    "gpu": dict(n_embd=512, n_layer=8, n_head=8, qk_dim=16, p=16, seq_len=256, batch_size=32, steps=1000,
+                grow_at=300, eval_every=50, eval_windows=256, lr=1e-3),
+}
+#: The named arms' `GrowthCallback` options (None: no callback).
+ARMS = {"original": None, "wide": None, "zero": dict(mode="zero"), "default": {}, "whole": dict(step_scale=1.0)}
+
+
+def parse_arm(text: str) -> tuple[str, dict | None]:
+    """An ``--arms`` entry as (name, `GrowthCallback` options): a named arm, or ``name={json}``."""
+    if text in ARMS:
+        return text, ARMS[text]
+    name, brace, options = text.partition("={")
+    if not brace:
+        raise argparse.ArgumentTypeError(f"an arm is one of {sorted(ARMS)} or name={{json options}}, got {text!r}")
+    return name, json.loads(brace[1:] + options)
+
+
+def byte_windows(files: list[str], count: int, seq_len: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` random byte windows of the concatenated ``files``, labelled for next-token loss."""
+    data = torch.tensor(list(b"".join(open(path, "rb").read() for path in files)), dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(data) - seq_len, (count,), generator=generator).tolist()
+    return [{"input_ids": data[s : s + seq_len], "labels": data[s : s + seq_len]} for s in starts]
+
+
+def corpus() -> tuple[list[str], list[str]]:
+    """The standard library's top-level modules: every other one to train on, every eighth of the rest held out."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    return files[0::2], files[1::8]
+
+
+def run_arm(arm: str, options: dict | None, seed: int, settings: dict) -> dict:
+    """Train one arm from scratch (with `GrowthCallback(**options)` unless None); its held-out loss at each
+    evaluation, its growth and its time."""
+    train_files, held_out_files = corpus()
+    qk_dim = settings["qk_dim"] + (settings["p"] if arm == "wide" else 0)
+    config = GrownGPT2Config(
+        vocab_size=256, n_positions=settings["seq_len"], n_embd=settings["n_embd"], n_layer=settings["n_layer"],
+        n_head=settings["n_head"], qk_head_dims=[qk_dim] * settings["n_layer"],
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    torch.manual_seed(seed)
+    model = GrownGPT2LMHeadModel(config)
+    cuda = torch.cuda.is_available() and not settings["cpu"]
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = TrainingArguments(
+            output_dir=output_dir, max_steps=settings["steps"], per_device_train_batch_size=settings["batch_size"],
+            per_device_eval_batch_size=settings["batch_size"], learning_rate=settings["lr"], weight_decay=0.01,
+            adam_beta2=0.95, max_grad_norm=1.0, lr_scheduler_type="cosine", warmup_steps=settings["steps"] // 20,
+            eval_strategy="steps", eval_steps=settings["eval_every"], logging_steps=settings["eval_every"],
+            save_strategy="no", report_to=[], use_cpu=not cuda, bf16=cuda, seed=seed, data_seed=seed,
+            disable_tqdm=True,
+        )
+        windows = settings["steps"] * settings["batch_size"]
+        train = byte_windows(train_files, windows, settings["seq_len"], seed=1000 + seed)
+        held_out = byte_windows(held_out_files, settings["eval_windows"], settings["seq_len"], seed=1)
+        trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out)
+        trainer.remove_callback(PrinterCallback)  # the losses are the table's
+        growth = None
+        if options is not None:
+            growth = GrowthCallback({settings["grow_at"]: settings["p"]}, seed=seed, trainer=trainer, **options)
+            trainer.add_callback(growth)
+        started = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - started
+    losses = {entry["step"]: entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry}
+    result = dict(arm=arm, seed=seed, losses=losses, seconds=seconds, qk_head_dims=list(model.config.qk_head_dims))
+    report = None if growth is None else growth.reports.get(settings["grow_at"])
+    if report is not None:
+        result.update(step_size=report.step_size, growth_loss=[report.eval_loss_before, report.eval_loss_after],
+                      growth_seconds=report.seconds.get("total"))
+    return result
+
+
+def run_seed(seed: int, settings: dict) -> list[dict]:
+    """Every arm of one seed, in order (one process)."""
+    transformers_logging.set_verbosity_error()
+    torch.set_num_threads(settings["threads"])
+    results = []
+    for arm, options in settings["arms"].items():
+        try:
+            results.append(run_arm(arm, options, seed, settings))
+        except Exception as error:  # the other arms still run; the error is printed with the results
+            print(f"seed {seed} {arm}: {type(error).__name__}: {error}", flush=True)
+            continue
+        print(json.dumps(results[-1]), flush=True)  # a run cut short keeps what it finished
+    return results
+
+
+def paired(results: list[dict], arm: str, step: int) -> list[float]:
+    """Per seed, the arm's held-out loss at ``step`` minus the original's."""
+    original = {r["seed"]: r["losses"][step] for r in results if r["arm"] == "original"}
+    return [r["losses"][step] - original[r["seed"]] for r in results if r["arm"] == arm and r["seed"] in original]
+
+
+def spread(values: list[float], digits: int = 4) -> str:
+    std = pystats.stdev(values) if len(values) > 1 else 0.0
+    return f"{pystats.fmean(values):+.{digits}f} ± {std:.{digits}f}"
+
+
+def table(results: list[dict], settings: dict) -> str:
+    """Held-out loss per arm (mean over seeds) at each evaluation, then each arm's paired difference to the
+    original, with the seeds behind it; the growth's step and held-out losses."""
+    arms = [arm for arm in settings["arms"] if any(r["arm"] == arm for r in results)]
+    steps = sorted(next(iter(results))["losses"])
+    shown = [step for step in steps if step >= settings["grow_at"]][:: max(1, len(steps) // 8)] + [steps[-1]]
+    shown = sorted(set(shown))
+    lines = ["| arm | " + " | ".join(f"loss @{step}" for step in shown) + " | mean loss after growth | seconds |",
+             "|---" * (len(shown) + 3) + "|"]
+    after = [step for step in steps if step >= settings["grow_at"]]
+    for arm in arms:
+        runs = [r for r in results if r["arm"] == arm]
+        cells = [f"{pystats.fmean(r['losses'][step] for r in runs):.4f}" for step in shown]
+        area = pystats.fmean(pystats.fmean(r["losses"][step] for step in after) for r in runs)
+        seconds = pystats.fmean(r["seconds"] for r in runs)
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {area:.4f} | {seconds:.0f} |")
+    lines += ["", "Paired by seed, minus the original (seeds behind / seeds):", "",
+              "| arm | " + " | ".join(f"@{step}" for step in shown) + " | mean after growth | largest excess (step) |",
+              "|---" * (len(shown) + 3) + "|"]
+    for arm in arms:
+        if arm == "original":
+            continue
+        cells = []
+        for step in shown:
+            differences = paired(results, arm, step)
+            cells.append(f"{spread(differences)} ({sum(d > 0 for d in differences)}/{len(differences)})")
+        means = [pystats.fmean(paired(results, arm, step)) for step in after]
+        areas = [pystats.fmean(values) for values in zip(*(paired(results, arm, step) for step in after))]
+        worst = max(range(len(after)), key=lambda index: means[index])
+        cells += [spread(areas), f"{means[worst]:+.4f} (@{after[worst]})"]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    growths = [r for r in results if "step_size" in r]
+    if growths:
+        lines += ["", "| arm | seed | step | growth's held-out loss before -> after | growth seconds |",
+                  "|---|---|---|---|---|"]
+        for r in growths:
+            before, after_loss = r["growth_loss"]
+            lines.append(f"| {r['arm']} | {r['seed']} | {r['step_size']:.4g} | {before:.4f} -> {after_loss:.4f} | "
+                         f"{r['growth_seconds'] or 0:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=PRESETS, default="cpu")
+    parser.add_argument("--arms", nargs="+", type=parse_arm, default=[parse_arm(arm) for arm in ARMS if arm != "wide"],
+                        help=f"{', '.join(ARMS)} or name={{json GrowthCallback options}}")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--parallel", type=int, default=1, help="processes, each running whole seeds")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is available")
+    parser.add_argument("--json", default=None, help="write every run's losses here")
+    for name, value in PRESETS["cpu"].items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
+    args = parser.parse_args()
+    given = {name: value for name, value in vars(args).items() if name in PRESETS["cpu"] and value is not None}
+    settings = {**PRESETS[args.preset], **given}
+    settings.update(arms=dict(args.arms), threads=args.threads, cpu=args.cpu)
+    if not 0 < settings["grow_at"] < settings["steps"]:
+        parser.error("--grow-at must fall within the training steps")
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
+    print(f"# bench_growth_callback {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device}, "
+          f"torch {torch.__version__}, hf_grow {hf_grow.__version__}, Python {platform.python_version()}")
+    print(f"# {' '.join(sys.argv[1:])}: {settings}", flush=True)
+    started = time.perf_counter()
+    seeds = list(range(args.seeds))
+    if args.parallel > 1:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.parallel, mp_context=context) as pool:
+            results = [r for part in pool.map(run_seed, seeds, [settings] * len(seeds)) for r in part]
+    else:
+        results = [r for seed in seeds for r in run_seed(seed, settings)]
+    print(f"\n{table(results, settings)}\n\nwall time {time.perf_counter() - started:.0f} s")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(dict(settings=settings, results=results), file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
