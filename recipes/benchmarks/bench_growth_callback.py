@@ -12,6 +12,8 @@ every ``--eval-every`` steps on fixed windows of other modules. Arms (``--arms``
 - ``default``: `GrowthCallback`'s defaults (refactor, steps per head, a tenth of the searched step);
 - ``whole``: the same with the whole searched step (``step_scale=1.0``);
 - ``wide``: trained at the grown width from the start (a reference; its initialisation differs);
+- ``restart``: no growth, but at ``--grow-at`` the Q/K entries' optimizer moments restart at zero, as growth in
+  mode "refactor" restarts them (a diagnostic: what the restart alone does);
 - ``name={json}``: `GrowthCallback` with these keyword arguments, e.g. ``'step0={"step_size": 0.0}'`` (refactored
   at step 0: the old function, its Q/K and their optimizer moments made anew) or ``'append={"mode": "append"}'``.
 
@@ -41,11 +43,12 @@ import tempfile
 import time
 
 import torch
-from transformers import PrinterCallback, Trainer, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging as transformers_logging
 
 import hf_grow
-from hf_grow import GrowthCallback, GrownGPT2Config, GrownGPT2LMHeadModel
+from hf_grow import GrowthCallback, GrownGPT2Config, GrownGPT2LMHeadModel, resize_qk_
+from hf_grow.adapters import get_adapter
 
 PRESETS = {
     "cpu": dict(n_embd=128, n_layer=2, n_head=4, qk_dim=8, p=8, seq_len=128, batch_size=16, steps=300,
@@ -54,7 +57,23 @@ PRESETS = {
                 grow_at=300, eval_every=50, eval_windows=256, lr=1e-3, adam_beta2=0.95),
 }
 #: The named arms' `GrowthCallback` options (None: no callback).
-ARMS = {"original": None, "wide": None, "zero": dict(mode="zero"), "default": {}, "whole": dict(step_scale=1.0)}
+ARMS = {"original": None, "wide": None, "restart": None, "zero": dict(mode="zero"), "default": {},
+        "whole": dict(step_scale=1.0)}
+
+
+class MomentRestart(TrainerCallback):
+    """The ``restart`` arm: at the end of step ``at``, every Q/K entry's optimizer moments restart at zero (the
+    weights, widths and step count unchanged)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step == self.at:
+            adapter = get_adapter(model)
+            weights = {layer: adapter.read_qk(attention) for layer, attention in
+                       enumerate(adapter.attention_modules(model))}
+            resize_qk_(model, weights, optimizer, keep_moments=False)
 
 
 def parse_arm(text: str) -> tuple[str, dict | None]:
@@ -110,6 +129,8 @@ def run_arm(arm: str, options: dict | None, seed: int, settings: dict) -> dict:
         trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out)
         trainer.remove_callback(PrinterCallback)  # the losses are the table's
         growth = None
+        if arm == "restart":
+            trainer.add_callback(MomentRestart(settings["grow_at"]))
         if options is not None:
             growth = GrowthCallback({settings["grow_at"]: settings["p"]}, seed=seed, trainer=trainer, **options)
             trainer.add_callback(growth)
@@ -196,7 +217,8 @@ def table(results: list[dict], settings: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=PRESETS, default="cpu")
-    parser.add_argument("--arms", nargs="+", type=parse_arm, default=[parse_arm(arm) for arm in ARMS if arm != "wide"],
+    default_arms = [parse_arm(arm) for arm in ("original", "zero", "default", "whole")]
+    parser.add_argument("--arms", nargs="+", type=parse_arm, default=default_arms,
                         help=f"{', '.join(ARMS)} or name={{json GrowthCallback options}}")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--parallel", type=int, default=1, help="processes, each running whole seeds")
