@@ -20,7 +20,8 @@ Growth modes (the first two solved from the loss statistics, the last two baseli
 
 With Adam, entries whose moments start at zero while the step count is large take up to a few times the
 usual update size for their first ~1/(1 - beta2) steps (the bias correction assumes moments of age ``step``);
-``new_moments="head_mean"`` avoids that; it measured no better on the plateau task, so it is not the default.
+``new_moments="head_mean"`` avoids that; it measured no better on the plateau task, and worse inside
+`transformers.Trainer` (BENCHMARKS.md), so it is not the default.
 
 The default ``mode="refactor"`` is what measured best on a retrieval task whose training stalls on a plateau
 (`recipes/benchmarks/bench_bottleneck.py`, BENCHMARKS.md).
