@@ -31,14 +31,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import glob
 import json
 import multiprocessing
 import os
 import platform
 import statistics as pystats
 import sys
-import sysconfig
 import tempfile
 import time
 
@@ -49,6 +47,10 @@ from transformers.utils import logging as transformers_logging
 import hf_grow
 from hf_grow import GrowthCallback, GrownGPT2Config, GrownGPT2LMHeadModel, resize_qk_
 from hf_grow.adapters import get_adapter
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from grow_with_trainer import byte_windows  # noqa: E402
+from sentence_pairs import stdlib_files  # noqa: E402
 
 PRESETS = {
     "cpu": dict(n_embd=128, n_layer=2, n_head=4, qk_dim=8, p=8, seq_len=128, batch_size=16, steps=300,
@@ -86,17 +88,10 @@ def parse_arm(text: str) -> tuple[str, dict | None]:
     return name, json.loads(brace[1:] + options)
 
 
-def byte_windows(files: list[str], count: int, seq_len: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    """``count`` random byte windows of the concatenated ``files``, labelled for next-token loss."""
-    data = torch.tensor(list(b"".join(open(path, "rb").read() for path in files)), dtype=torch.long)
-    generator = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(data) - seq_len, (count,), generator=generator).tolist()
-    return [{"input_ids": data[s : s + seq_len], "labels": data[s : s + seq_len]} for s in starts]
-
-
 def corpus() -> tuple[list[str], list[str]]:
-    """The standard library's top-level modules: every other one to train on, every eighth of the rest held out."""
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    """The standard library's top-level modules: every other one to train on, every eighth of the rest held out
+    (grow_with_trainer.py's split)."""
+    files = stdlib_files()
     return files[0::2], files[1::8]
 
 
