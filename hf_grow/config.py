@@ -28,6 +28,11 @@ Some options in more detail:
   ``offload_dir``, ``max_batches``: how the statistics are collected; see `hf_grow.collect_statistics`. The
   folder of ``offload_dir`` is checked where the statistics are collected (a config may be read on another
   machine).
+- ``keep_attention_scale``: the attention scale of a grown layer follows its new width (``1/sqrt(d_k + p)``), the
+  change folded into the old queries, or with this option stays at the old width's, recorded in the grown config's
+  ``attention_scale_dims``. Refactored growth gives the same function in other weights; appended growth and the
+  baselines keep the old queries (and their optimizer moments) as they were. What it does to training after
+  growth depends on the task (BENCHMARKS.md, issue #35).
 - ``cross_fit``: M from a few batches is mostly noise, and the step solved from it fits those batches (issue
   #35). With it, the statistics also sum M over the odd-numbered batches, and the solve keeps each half's
   top directions at the value the other half gives them (`GrowthStatistics.cross_fitted_gradient`).
@@ -165,6 +170,12 @@ class GrowthConfig(JsonConfigMixin):
         metadata={"help": "take this fraction (0 < f <= 1) of the line-searched step: a step shrunk toward the old "
                   "function, for training after growth that overfits (a short fine-tune at a high learning rate; "
                   "BENCHMARKS.md)"},
+    )
+    keep_attention_scale: bool = field(
+        default=False,
+        metadata={"help": "keep each grown layer's attention scale at its old width's (recorded in the grown config's "
+                  "attention_scale_dims) instead of the new width's, folded into the queries: in pretraining by "
+                  "GrowthCallback better on text, worse on a retrieval plateau (BENCHMARKS.md)"},
     )
     step_mode: Literal["global", "per_layer", "per_head", "layer_search", "coordinate", "auto"] = field(
         default=DEFAULT_STEP_MODE,

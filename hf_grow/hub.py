@@ -143,6 +143,12 @@ def _card_body(
         if report.budget is not None
         else ""
     )
+    kept = (report.config or {}).get("keep_attention_scale", False)
+    scale = (
+        "kept at the old widths' (`keep_attention_scale`; the config's `attention_scale_dims`)"
+        if kept
+        else "follows the new query/key width, the change folded into the old queries"
+    )
     configuration = ""
     if report.config is not None:  # reports written before GrowthConfig have none
         configuration = (
@@ -174,6 +180,7 @@ old one was and takes one step downhill. At step 0 it computes exactly the old f
 - Gradient M: {CROSS_FIT_NOTES[report.cross_fit]}.
 - Held-out loss: {loss(report.eval_loss_before)} -> {loss(report.eval_loss_after)} (perplexity {perplexity}).
 - Step: {step}; truncation `{report.truncation}`.{budget}{_selection(report)}
+- Attention scale: {scale}.
 
 | layer | Q/K dims before | Q/K dims after | expected gain | realized gain |
 |---|---|---|---|---|

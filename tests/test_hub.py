@@ -201,3 +201,17 @@ def test_cli_push_fails_offline_in_one_line_before_any_work(model_folder, tmp_pa
         assert cli.main([*never_read, "--push-to-hub", repo_id]) == 2
         error = capsys.readouterr().err
         assert message in error and len(error.strip().splitlines()) == 1
+
+
+def test_cli_keeps_the_attention_scale_and_the_card_says_so(model_folder, tmp_path):
+    outputs = {}
+    for name, flags in {"kept": ["--keep-attention-scale"], "folded": []}.items():
+        outputs[name] = tmp_path / name
+        assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(outputs[name]), "--step-size",
+                         "0.0", *flags, *SMALL]) == 0
+    kept = AutoModelForCausalLM.from_pretrained(outputs["kept"])
+    assert kept.config.attention_scale_dims == [16, 16] and kept.config.qk_head_dims == [24, 24]
+    assert "Attention scale: kept at the old widths'" in (outputs["kept"] / "README.md").read_text()
+    assert json.loads((outputs["kept"] / "growth_report.json").read_text())["config"]["keep_attention_scale"]
+    assert AutoModelForCausalLM.from_pretrained(outputs["folded"]).config.attention_scale_dims is None
+    assert "Attention scale: follows the new query/key width" in (outputs["folded"] / "README.md").read_text()

@@ -301,6 +301,6 @@ def test_baseline_dims_follow_the_model_s_device(mode):
     from hf_grow.training.grow import _initialized_weights
 
     model = GrownGPT2LMHeadModel(grown_config(8)).to("meta")
-    weights = _initialized_weights(model, get_adapter(model), [8, 8], mode, init_std=0.02, seed=0)
+    weights = _initialized_weights(model, get_adapter(model), [8, 8], mode, 0.02, 0, keep_attention_scale=False)
     assert {tensor.device.type for pair in weights.values() for tensor in pair} == {"meta"}
     assert [tuple(query.shape) for query, _ in weights.values()] == [(4, 65, 16)] * 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from .base import ArchitectureAdapter
+from .base import ArchitectureAdapter, scale_dims_after_growth
 from .bert import BertAdapter
 from .gpt2 import GPT2Adapter
 from .llama import LlamaAdapter
@@ -30,4 +30,4 @@ def get_adapter(model: PreTrainedModel) -> ArchitectureAdapter:
     )
 
 
-__all__ = ["ArchitectureAdapter", "get_adapter", "supported_model_types"]
+__all__ = ["ArchitectureAdapter", "get_adapter", "scale_dims_after_growth", "supported_model_types"]

@@ -8,7 +8,7 @@ type. Supporting a new architecture means writing one adapter and one grown mode
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +31,15 @@ def merge_heads(augmented: Tensor) -> tuple[Tensor, Tensor]:
     num_heads, d_aug, qk_dim = augmented.shape
     weight = augmented[:, :-1, :].permute(1, 0, 2).reshape(d_aug - 1, num_heads * qk_dim)
     return weight, augmented[:, -1, :].reshape(num_heads * qk_dim)
+
+
+def scale_dims_after_growth(
+    qk_dims_before: Sequence[int], scale_dims_before: Sequence[int], qk_dims_after: Sequence[int], keep_scale: bool
+) -> list[int]:
+    """Each layer's `ArchitectureAdapter.attention_scale_dims` after growing to ``qk_dims_after``: a grown
+    layer's scale follows its new width, or stays with ``keep_scale``; layers that do not grow keep theirs."""
+    pairs = zip(qk_dims_before, scale_dims_before, qk_dims_after)
+    return [scale if keep_scale or after == before else after for before, scale, after in pairs]
 
 
 class ArchitectureAdapter(GrownModelBuilder, ABC):
@@ -80,9 +89,12 @@ class ArchitectureAdapter(GrownModelBuilder, ABC):
         """The names (relative to ``attention``) of the parameters that hold query or key weights."""
 
     @abstractmethod
-    def set_qk_head_dim(self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> None:
+    def set_qk_head_dim(
+        self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int, scale_dim: int
+    ) -> None:
         """Make a grown attention module compute with ``qk_head_dim`` query/key dims per head (parameters
-        already resized): its split sizes and scaling. For growth in place, during training."""
+        already resized), at the attention scale of ``scale_dim`` (`scaling`): its split sizes and scaling. For
+        growth in place, during training."""
 
     def num_heads(self, config: PreTrainedConfig) -> int:
         return config.num_attention_heads
@@ -107,9 +119,19 @@ class ArchitectureAdapter(GrownModelBuilder, ABC):
         default = config.hidden_size // config.num_attention_heads
         return list(getattr(config, "qk_head_dims", None) or [default] * config.num_hidden_layers)
 
-    def scaling(self, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> float:
-        """The factor the attention applies to Q K^T in ``layer`` when its heads have ``qk_head_dim`` dims."""
-        return qk_head_dim**-0.5
+    def attention_scale_dims(self, config: PreTrainedConfig) -> list[int]:
+        """The width whose attention scale (`scaling`) each layer takes: its query/key width, unless a growth
+        kept an older width's scale (a grown config's ``attention_scale_dims``)."""
+        return list(getattr(config, "attention_scale_dims", None) or self.qk_head_dims(config))
+
+    def current_scaling(self, config: PreTrainedConfig, layer: int) -> float:
+        """The factor the attention of ``layer`` applies to Q K^T under ``config``."""
+        return self.scaling(config, layer, self.attention_scale_dims(config)[layer])
+
+    def scaling(self, config: PreTrainedConfig, layer: int, scale_dim: int) -> float:
+        """The factor the attention applies to Q K^T in ``layer`` at the scale of ``scale_dim`` dims (by default
+        its query/key width; `attention_scale_dims`)."""
+        return scale_dim**-0.5
 
     def write_qk(self, attention: nn.Module, query: Tensor, key: Tensor) -> None:
         """Set a layer's query and key weights, in place, from augmented weights of its current width."""

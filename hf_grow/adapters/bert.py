@@ -78,9 +78,11 @@ class BertAdapter(ArchitectureAdapter):
     def qk_parameter_names(self, attention: nn.Module) -> list[str]:
         return ["query.weight", "query.bias", "key.weight", "key.bias"]
 
-    def set_qk_head_dim(self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> None:
+    def set_qk_head_dim(
+        self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int, scale_dim: int
+    ) -> None:
         attention.qk_head_dim = qk_head_dim
-        attention.scaling = self.scaling(config, layer, qk_head_dim)
+        attention.scaling = self.scaling(config, layer, scale_dim)
         attention.query.out_features = attention.key.out_features = attention.num_attention_heads * qk_head_dim
 
     def grown_init_kwargs(self, model: PreTrainedModel) -> dict:

@@ -16,8 +16,16 @@ from transformers import PreTrainedConfig, PreTrainedModel
 # Config entries that describe a checkpoint rather than the architecture, or that grown configs derive from their
 # query/key widths (`layer_types`, e.g. Qwen2's): the grown config sets its own.
 CONFIG_KEYS_NOT_INHERITED = (
-    "model_type", "qk_head_dims", "architectures", "auto_map", "transformers_version", "layer_types"
+    "model_type", "qk_head_dims", "attention_scale_dims", "architectures", "auto_map", "transformers_version",
+    "layer_types",
 )
+
+
+def attention_scale_entry(qk_head_dims: Sequence[int], scale_dims: Sequence[int] | None) -> list[int] | None:
+    """A grown config's ``attention_scale_dims``: None where every layer's scale follows its query/key width."""
+    if scale_dims is None or list(scale_dims) == list(qk_head_dims):
+        return None
+    return [int(dim) for dim in scale_dims]
 
 
 class GrownModelBuilder:
@@ -31,10 +39,17 @@ class GrownModelBuilder:
     #: Plain model class -> grown model class.
     grown_classes: Mapping[type[PreTrainedModel], type[PreTrainedModel]] = {}
 
-    def grown_config(self, config: PreTrainedConfig, qk_head_dims: Sequence[int]) -> PreTrainedConfig:
-        """The config of the grown model type with the given per-layer query/key widths."""
+    def grown_config(
+        self, config: PreTrainedConfig, qk_head_dims: Sequence[int], attention_scale_dims: Sequence[int] | None = None
+    ) -> PreTrainedConfig:
+        """The config of the grown model type with the given per-layer query/key widths, and the widths whose
+        attention scale each layer takes (None: its query/key width)."""
         inherited = {k: v for k, v in config.to_dict().items() if k not in CONFIG_KEYS_NOT_INHERITED}
-        return self.grown_config_class(**inherited, qk_head_dims=list(qk_head_dims))
+        return self.grown_config_class(
+            **inherited,
+            qk_head_dims=list(qk_head_dims),
+            attention_scale_dims=attention_scale_entry(qk_head_dims, attention_scale_dims),
+        )
 
     def grown_class(self, model: PreTrainedModel) -> type[PreTrainedModel]:
         """The grown model class matching the class of ``model`` (its own class for grown models)."""
@@ -69,14 +84,19 @@ class GrownModelBuilder:
         return state_dict
 
     def build_grown_model(
-        self, model: PreTrainedModel, qk_head_dims: Sequence[int], qk_weights: Mapping[int, tuple[Tensor, Tensor]]
+        self,
+        model: PreTrainedModel,
+        qk_head_dims: Sequence[int],
+        qk_weights: Mapping[int, tuple[Tensor, Tensor]],
+        attention_scale_dims: Sequence[int] | None = None,
     ) -> PreTrainedModel:
-        """A new grown model: ``model``'s weights, with the given augmented Q/K weights per layer.
+        """A new grown model: ``model``'s weights, with the given augmented Q/K weights per layer (and the widths
+        whose attention scale each layer takes, as in `grown_config`).
 
         Built on the meta device and filled by copying from the state dict, so no time is spent on random
         init, no storage is shared with ``model``, and no third copy of the weights is made.
         """
-        config = self.grown_config(model.config, qk_head_dims)
+        config = self.grown_config(model.config, qk_head_dims, attention_scale_dims)
         config._attn_implementation_internal = model.config._attn_implementation
         state_dict = self.grown_state_dict(model, qk_weights)
         reference = next(model.parameters())

@@ -53,8 +53,8 @@ class GPT2Adapter(ArchitectureAdapter):
     def qk_input_module(self, attention: nn.Module) -> nn.Module:
         return attention.c_attn
 
-    def scaling(self, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> float:
-        scaling = qk_head_dim**-0.5 if config.scale_attn_weights else 1.0
+    def scaling(self, config: PreTrainedConfig, layer: int, scale_dim: int) -> float:
+        scaling = scale_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             scaling /= float(layer + 1)
         return scaling
@@ -82,10 +82,12 @@ class GPT2Adapter(ArchitectureAdapter):
     def qk_parameter_names(self, attention: nn.Module) -> list[str]:
         return ["c_attn.weight", "c_attn.bias"]
 
-    def set_qk_head_dim(self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> None:
+    def set_qk_head_dim(
+        self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int, scale_dim: int
+    ) -> None:
         attention.qk_head_dim = qk_head_dim
         attention.split_size = [attention.num_heads * qk_head_dim] * 2 + [attention.embed_dim]
-        attention.scaling = self.scaling(config, layer, qk_head_dim)
+        attention.scaling = self.scaling(config, layer, scale_dim)
         attention.c_attn.nf = sum(attention.split_size)
 
     def shifts_labels(self, model: PreTrainedModel) -> bool:

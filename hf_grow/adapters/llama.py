@@ -39,7 +39,7 @@ from ..models.grown_llama import (
     GrownLlamaPreTrainedModel,
 )
 from .base import ArchitectureAdapter
-from .building import CONFIG_KEYS_NOT_INHERITED
+from .building import CONFIG_KEYS_NOT_INHERITED, attention_scale_entry
 
 
 def _head_dim(config: PreTrainedConfig) -> int:
@@ -125,14 +125,18 @@ class LlamaAdapter(ArchitectureAdapter):
         parameters = dict(attention.named_parameters())
         return [name for name in names if name in parameters]
 
-    def set_qk_head_dim(self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int) -> None:
+    def set_qk_head_dim(
+        self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int, scale_dim: int
+    ) -> None:
         attention.qk_head_dim = qk_head_dim
         attention.qk_nope_dim = qk_head_dim - attention.head_dim
-        attention.scaling = self.scaling(config, layer, qk_head_dim)
+        attention.scaling = self.scaling(config, layer, scale_dim)
         attention.q_proj.out_features = config.num_attention_heads * qk_head_dim
         attention.k_proj.out_features = self.num_key_value_heads(config) * qk_head_dim
 
-    def grown_config(self, config: PreTrainedConfig, qk_head_dims: Sequence[int]) -> PreTrainedConfig:
+    def grown_config(
+        self, config: PreTrainedConfig, qk_head_dims: Sequence[int], attention_scale_dims: Sequence[int] | None = None
+    ) -> PreTrainedConfig:
         skipped = (*CONFIG_KEYS_NOT_INHERITED, "qk_nope_dims", "qkv_bias", "head_dim")
         inherited = {k: v for k, v in config.to_dict().items() if k not in skipped}
         head_dim = _head_dim(config)
@@ -140,7 +144,11 @@ class LlamaAdapter(ArchitectureAdapter):
         if config.model_type == "qwen2":  # biases on Q/K/V, none on the output projection
             inherited["attention_bias"], qkv_bias = False, True
         return self.grown_config_class(
-            **inherited, head_dim=head_dim, qkv_bias=qkv_bias, qk_nope_dims=[dim - head_dim for dim in qk_head_dims]
+            **inherited,
+            head_dim=head_dim,
+            qkv_bias=qkv_bias,
+            qk_nope_dims=[dim - head_dim for dim in qk_head_dims],
+            attention_scale_dims=attention_scale_entry(qk_head_dims, attention_scale_dims),
         )
 
     def check_supported(self, model: PreTrainedModel) -> None:

@@ -95,7 +95,8 @@ def grow_model(
         progress=progress,
     )
     tick = time.perf_counter()
-    grown = prepared.adapter.build_grown_model(model, prepared.qk_after, prepared.problem.weights(0.0))
+    scale_dims = prepared.problem.attention_scale_dims(prepared.qk_after)
+    grown = prepared.adapter.build_grown_model(model, prepared.qk_after, prepared.problem.weights(0.0), scale_dims)
     prepared.seconds["solve"] += time.perf_counter() - tick
     grown.growth_report = search_and_report(
         prepared, grown, measure_realized_gains=config.measure_realized_gains, progress=progress, started=started

@@ -268,6 +268,7 @@ def prepare_growth(
             model, adapter, statistics, qk_before if growth is None else qk_after, solved_for, config.rtol,
             config.solver, mode, step_mode, max_dims_after=widest, with_rates=growth is None,
             layers=layers, release=release, cross_fit=config.cross_fit, sharding=sharding,
+            keep_attention_scale=config.keep_attention_scale,
         )
 
     problem: GrowthProblem | None = None

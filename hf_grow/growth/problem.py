@@ -16,7 +16,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from .. import compact, linalg
-from ..adapters import ArchitectureAdapter
+from ..adapters import ArchitectureAdapter, scale_dims_after_growth
 from ..config import SIMPLEST_STEP_MODE, STEP_MODES
 from ..statistics import GrowthStatistics, return_free_memory
 from .layer_solve import LayerProblem, decomposition_method, solve_layer
@@ -151,6 +151,7 @@ class GrowthProblem(StepWeights):
         release: bool = False,
         cross_fit: bool = False,
         sharding: Sharding | None = None,
+        keep_attention_scale: bool = False,
     ):
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
@@ -169,6 +170,9 @@ class GrowthProblem(StepWeights):
         self._methods: dict[int, set[str]] = {}
         self._max_dims = list(max_dims_after or qk_dims_after)
         self._qk_dims_after = list(qk_dims_after)
+        self.keep_attention_scale = keep_attention_scale
+        self._qk_dims_before = adapter.qk_head_dims(model.config)  # before an in-place growth changes the config
+        self._scale_dims_before = adapter.attention_scale_dims(model.config)
         self._attentions = adapter.attention_modules(model)
         self.layers: list[LayerProblem | None] = [None] * len(self._attentions)
         #: Each layer's step relative to the others: lam_l = step_size * layer_lam_units[l] * layer_scales[l].
@@ -197,6 +201,7 @@ class GrowthProblem(StepWeights):
     def _solve(self, layers: list[int]) -> None:
         truncations = (self.truncation,) if self.truncation == "whitened" else (self.truncation, "whitened")
         config = self._model.config
+        scale_dims_after = self.attention_scale_dims(self._qk_dims_after)
         with torch.no_grad():
             for layer in layers:
                 query, key = self._adapter.read_qk(self._attentions[layer])
@@ -207,8 +212,8 @@ class GrowthProblem(StepWeights):
                 part = LayerProblem(
                     query=query.to(torch.float64),
                     key=key.to(torch.float64),
-                    scaling_before=self._adapter.scaling(config, layer, query.shape[-1]),
-                    scaling_after=self._adapter.scaling(config, layer, self._qk_dims_after[layer]),
+                    scaling_before=self._adapter.scaling(config, layer, self._scale_dims_before[layer]),
+                    scaling_after=self._adapter.scaling(config, layer, scale_dims_after[layer]),
                     qk_dim_after=self._qk_dims_after[layer],
                     metric=linalg.metric_from_second_moment(second_moment, rtol=self._rtol),
                     norms={},
@@ -263,9 +268,17 @@ class GrowthProblem(StepWeights):
         too_wide = [layer for layer, dim in enumerate(qk_dims_after) if dim > self._max_dims[layer]]
         if too_wide:
             raise ValueError(f"layers {too_wide} were solved for narrower widths {self._max_dims}")
+        scale_dims_after = self.attention_scale_dims(qk_dims_after)
         for layer, problem in enumerate(self.layers):
             problem.qk_dim_after = qk_dims_after[layer]
-            problem.scaling_after = adapter.scaling(config, layer, qk_dims_after[layer])
+            problem.scaling_after = adapter.scaling(config, layer, scale_dims_after[layer])
+
+    def attention_scale_dims(self, qk_dims_after: list[int]) -> list[int]:
+        """The widths whose attention scale the layers take once grown to ``qk_dims_after`` (the grown config's
+        `attention_scale_dims`): the new widths, or the old scales with ``keep_attention_scale``."""
+        return scale_dims_after_growth(
+            self._qk_dims_before, self._scale_dims_before, qk_dims_after, self.keep_attention_scale
+        )
 
     def gain_rates(self, layer: int) -> linalg.GainRates:
         """First-order expected gains of ``layer`` per unit step size (see `linalg.growth_gain_rates`): solved with

@@ -219,8 +219,11 @@ def line_search(
                 losses = search_step_size(tracked("rank", evaluate_step), 1.0, factor=2.0) if gains else {0.0: 0.0}
             elif config.search == "fast":
                 full_rank = [part.target.width for part in problem.layers]
-                scalings = [adapter.scaling(model.config, layer, width) for layer, width in enumerate(full_rank)]
-                reference = adapter.build_grown_model(target, full_rank, unconstrained_weights(problem, 0.0, scalings))
+                scale_dims = problem.attention_scale_dims(full_rank)
+                scalings = [adapter.scaling(model.config, layer, dim) for layer, dim in enumerate(scale_dims)]
+                reference = adapter.build_grown_model(
+                    target, full_rank, unconstrained_weights(problem, 0.0, scalings), scale_dims
+                )
 
                 def evaluate_unconstrained(step: float) -> float:
                     write_weights(adapter, reference, unconstrained_weights(problem, step, scalings))

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ..adapters import ArchitectureAdapter, get_adapter
+from ..adapters import ArchitectureAdapter, get_adapter, scale_dims_after_growth
 from ..config import SIMPLEST_STEP_MODE, GrowthConfig, resolve_config
 from ..distributed import Processes, ddp_wrappers, refuse_sharded_training, synchronize_after_growth, unwrap_model
 from ..growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
@@ -48,19 +48,31 @@ IN_TRAINING_STEP_SCALE = 0.1
 
 
 def _initialized_weights(
-    model: PreTrainedModel, adapter: ArchitectureAdapter, added: list[int], mode: str, init_std: float, seed: int
+    model: PreTrainedModel,
+    adapter: ArchitectureAdapter,
+    added: list[int],
+    mode: str,
+    init_std: float,
+    seed: int,
+    keep_attention_scale: bool,
 ) -> QKWeights:
-    """The baselines' weights: old Q/K kept (scale folded into the queries), new dims random or zero, on the
-    model's device (drawn on the host, so that a seed gives the same dims on every device)."""
+    """The baselines' weights: old Q/K kept (any change of attention scale folded into the queries), new dims
+    random or zero, on the model's device (drawn on the host, so that a seed gives the same dims on every
+    device)."""
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     config = model.config
+    qk_dims = adapter.qk_head_dims(config)
+    scale_dims = adapter.attention_scale_dims(config)
+    scale_dims_after = scale_dims_after_growth(
+        qk_dims, scale_dims, [dim + extra for dim, extra in zip(qk_dims, added)], keep_attention_scale
+    )
     for layer, (attention, extra) in enumerate(zip(adapter.attention_modules(model), added)):
         if extra == 0:
             continue
         query, key = adapter.read_qk(attention)
-        old_dim = query.shape[-1]
-        fold = adapter.scaling(config, layer, old_dim) / adapter.scaling(config, layer, old_dim + extra)
+        scaling_before = adapter.scaling(config, layer, scale_dims[layer])
+        fold = scaling_before / adapter.scaling(config, layer, scale_dims_after[layer])
         width = query.shape[1]
         has_bias = width == adapter.hidden_size(config) + 1  # augmented weights (Llama's have no bias row)
 
@@ -168,8 +180,11 @@ def grow_in_training(
         std = getattr(model.config, "initializer_range", 0.02) if init_std is None else init_std
         if not math.isfinite(std) or std < 0:
             raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
-        weights = _initialized_weights(model, adapter, added, mode, std, seed)
-        resize_qk_(model, weights, torch_optimizer, keep_moments=True, new_moments=new_moments)
+        weights = _initialized_weights(model, adapter, added, mode, std, seed, config.keep_attention_scale)
+        resize_qk_(
+            model, weights, torch_optimizer, keep_moments=True, new_moments=new_moments,
+            keep_attention_scale=config.keep_attention_scale,
+        )
         synchronize_after_growth(_qk_parameters(model, adapter, weights), wrappers, accelerator)
         return None
 
@@ -188,7 +203,10 @@ def grow_in_training(
     at_zero = prepared.problem.weights(0.0)
     if mode == "append":  # layers that do not grow keep their weights and moments untouched
         at_zero = {layer: w for layer, w in at_zero.items() if prepared.qk_after[layer] > prepared.qk_before[layer]}
-    resize_qk_(model, at_zero, torch_optimizer, keep_moments=mode == "append", new_moments=new_moments)
+    resize_qk_(
+        model, at_zero, torch_optimizer, keep_moments=mode == "append", new_moments=new_moments,
+        keep_attention_scale=config.keep_attention_scale,
+    )
     try:
         report = search_and_report(
             prepared, model, measure_realized_gains=config.measure_realized_gains, progress=progress and is_main,

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ..adapters import ArchitectureAdapter, get_adapter
+from ..adapters import ArchitectureAdapter, get_adapter, scale_dims_after_growth
+from ..adapters.building import attention_scale_entry
 from ..growth import QKWeights
 from ..optimizer_state import fill_new_moments
 
@@ -86,14 +87,17 @@ def resize_qk_(
     *,
     keep_moments: bool,
     new_moments: str = "zero",
+    keep_attention_scale: bool = False,
 ) -> None:
     """Give the layers in ``weights`` these augmented Q/K weights, of any width, in place; remap the optimizer.
 
     ``weights[layer]`` is ``(query, key)`` of shape ``(heads, d_e + 1, qk_dim)``. The Parameter objects stay,
     their ``.grad`` is cleared, ``model.config.qk_head_dims`` and the attention modules follow the new width.
-    With ``keep_moments`` the optimizer state of the old Q/K dimensions is kept, the queries' rescaled by the
-    change of attention scale (the weights must then hold the old queries times ``scaling_before /
-    scaling_after``, as every mode but "refactor" does); otherwise the Q/K state is reset to zero. New
+    The attention scale of a grown layer follows its new width, or with ``keep_attention_scale`` stays (the
+    config's ``attention_scale_dims`` records it). With ``keep_moments`` the optimizer state of the old Q/K
+    dimensions is kept, the queries' rescaled by the change of attention scale (the weights must then hold the
+    old queries times ``scaling_before / scaling_after``, as every mode but "refactor" does); otherwise the Q/K
+    state is reset to zero. New
     dimensions start at zero, or with ``new_moments="head_mean"`` their second moments at the mean of the old
     entries' of the same head and role (`hf_grow.optimizer_state`); entries that are not Q/K (GPT-2's fused
     values) and scalars (``step``) are kept.
@@ -103,6 +107,7 @@ def resize_qk_(
     _check_growable(model, adapter, optimizer)
     config = model.config
     dims = adapter.qk_head_dims(config)
+    scale_dims = adapter.attention_scale_dims(config)
     attentions = adapter.attention_modules(model)
     with torch.no_grad():
         for layer, (query, key) in weights.items():
@@ -114,7 +119,10 @@ def resize_qk_(
                 )
             parameters = dict(attention.named_parameters())
             names = adapter.qk_parameter_names(attention)
-            fold = adapter.scaling(config, layer, dims[layer]) / adapter.scaling(config, layer, new_dim)
+            [new_scale_dim] = scale_dims_after_growth(
+                dims[layer:layer + 1], scale_dims[layer:layer + 1], [new_dim], keep_attention_scale
+            )
+            fold = adapter.scaling(config, layer, scale_dims[layer]) / adapter.scaling(config, layer, new_scale_dim)
             states = [optimizer.state.get(parameters[name], {}) for name in names] if optimizer is not None else []
             for state_key in {key for state in states for key in state}:
                 present = [state.get(state_key) for state in states]
@@ -136,9 +144,10 @@ def resize_qk_(
                     optimizer.state[parameters[name]][state_key] = value
             for name, value in adapter.qk_parameters(attention, query, key).items():
                 _resize_parameter(parameters[name], value)
-            adapter.set_qk_head_dim(attention, config, layer, new_dim)
-            dims[layer] = new_dim
+            adapter.set_qk_head_dim(attention, config, layer, new_dim, new_scale_dim)
+            dims[layer], scale_dims[layer] = new_dim, new_scale_dim
     config.qk_head_dims = dims
+    config.attention_scale_dims = attention_scale_entry(dims, scale_dims)
 
 
 def _resize_parameter(parameter: torch.nn.Parameter, value: Tensor) -> None:

@@ -126,7 +126,7 @@ def score_change(original, grown, batches: list[dict]) -> float:
                 query, key = adapter.read_qk(attention)  # (heads, d + 1, width), augmented by the bias
                 hidden = states[layer]
                 augmented = torch.cat([hidden, torch.ones_like(hidden[..., :1])], dim=-1).double()
-                scale = query.shape[-1] ** -0.5
+                scale = adapter.current_scaling(model.config, layer)
                 captured[name].append(scale * (augmented @ query[:, None]) @ (augmented @ key[:, None]).mT)
 
     scores_of(original, "original")
@@ -201,7 +201,8 @@ def capped_growth(
             change = (part.scaling_after * query @ key.mT - part.bilinear).flatten(1).norm(dim=1)
             shrunk = problem.head_factors[layer] * bound / change.clamp_min(torch.finfo(change.dtype).tiny)
             problem.head_factors[layer] = torch.minimum(shrunk, chosen)
-    grown = prepared.adapter.build_grown_model(original, prepared.qk_after, problem.weights(step))
+    scale_dims = problem.attention_scale_dims(prepared.qk_after)
+    grown = prepared.adapter.build_grown_model(original, prepared.qk_after, problem.weights(step), scale_dims)
     grown.growth_report = dataclasses.replace(searched.growth_report, eval_loss_after=mean_loss(grown, held_out))
     return grown
 
@@ -211,9 +212,11 @@ def head_changes(original: PreTrainedModel, grown: PreTrainedModel) -> torch.Ten
     Frobenius norm), all layers."""
     adapter = hf_grow.get_adapter(original)
     changes = []
-    for before, after in zip(adapter.attention_modules(original), adapter.attention_modules(grown)):
-        forms = [query.double() @ key.double().mT / query.shape[-1] ** 0.5
-                 for query, key in (adapter.read_qk(before), adapter.read_qk(after))]
+    pairs = zip(adapter.attention_modules(original), adapter.attention_modules(grown))
+    for layer, (before, after) in enumerate(pairs):
+        scales = [adapter.current_scaling(model.config, layer) for model in (original, grown)]
+        forms = [scale * query.double() @ key.double().mT
+                 for scale, (query, key) in zip(scales, (adapter.read_qk(before), adapter.read_qk(after)))]
         changes.append((forms[1] - forms[0]).flatten(1).norm(dim=1) / forms[0].flatten(1).norm(dim=1))
     return torch.cat(changes)
 

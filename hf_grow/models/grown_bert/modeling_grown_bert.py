@@ -77,7 +77,7 @@ class GrownBertSelfAttention(nn.Module):
         self.attention_head_size = config.hidden_size // config.num_attention_heads
         self.all_head_size = self.num_attention_heads * self.attention_head_size
         self.qk_head_dim = config.qk_head_dims[layer_idx]
-        self.scaling = self.qk_head_dim**-0.5
+        self.scaling = config.attention_scale_dim(layer_idx) ** -0.5
 
         self.query = nn.Linear(config.hidden_size, self.num_attention_heads * self.qk_head_dim)
         self.key = nn.Linear(config.hidden_size, self.num_attention_heads * self.qk_head_dim)

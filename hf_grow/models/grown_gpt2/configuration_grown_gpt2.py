@@ -51,17 +51,26 @@ class GrownGPT2Config(GPT2Config):
         Width of the query and key of every head, one entry per layer. Values keep `n_embd // n_head`, which
         stays the width of every value head. Defaults to `n_embd // n_head` in every layer (a plain GPT-2).
 
-    The attention scale is `1 / sqrt(qk_head_dims[layer])` (when `scale_attn_weights`), further divided by
-    `layer + 1` when `scale_attn_by_inverse_layer_idx`: the same rule as GPT-2, applied to the query/key width.
+    attention_scale_dims (`list[int]`, *optional*):
+        The width whose attention scale each layer keeps, one entry per layer: a growth that keeps the old scale
+        (hf_grow's `keep_attention_scale`) records the old width here. `None` (default): every layer's scale
+        follows its own query/key width.
+
+    The attention scale is `1 / sqrt(attention_scale_dim(layer))` (when `scale_attn_weights`), further divided by
+    `layer + 1` when `scale_attn_by_inverse_layer_idx`: the same rule as GPT-2, applied by default to the query/key
+    width.
     """
 
     model_type = "grown_gpt2"
     qk_head_dims: list[int] | None = None
+    attention_scale_dims: list[int] | None = None
 
     def __post_init__(self, **kwargs):
         if self.qk_head_dims is None:
             self.qk_head_dims = [self.n_embd // self.n_head] * self.n_layer
         self.qk_head_dims = [int(dim) for dim in self.qk_head_dims]
+        if self.attention_scale_dims is not None:
+            self.attention_scale_dims = [int(dim) for dim in self.attention_scale_dims]
         super().__post_init__(**kwargs)
 
     @property
@@ -73,6 +82,10 @@ class GrownGPT2Config(GPT2Config):
         """Part of `@strict` validation, replaced: `layer_types` is derived from the widths, so it is valid, but
         transformers' check allows only its own layer types and would refuse the grown ones."""
 
+    def attention_scale_dim(self, layer: int) -> int:
+        """The width whose attention scale `layer` takes: `attention_scale_dims[layer]`, else its query/key width."""
+        return self.attention_scale_dims[layer] if self.attention_scale_dims else self.qk_head_dims[layer]
+
     def validate_architecture(self):
         """Part of `@strict` validation: one positive query/key width per layer, no cross-attention."""
         if len(self.qk_head_dims) != self.n_layer:
@@ -83,6 +96,12 @@ class GrownGPT2Config(GPT2Config):
             raise ValueError(f"Every entry of qk_head_dims must be positive, got {self.qk_head_dims}.")
         if self.add_cross_attention:
             raise ValueError("GrownGPT2Config does not support add_cross_attention=True.")
+        scale_dims = self.attention_scale_dims
+        if scale_dims is not None and (len(scale_dims) != self.n_layer or any(dim <= 0 for dim in scale_dims)):
+            raise ValueError(
+                f"attention_scale_dims must hold one positive width per layer ({self.n_layer} layers), got "
+                f"{scale_dims}."
+            )
 
 
 __all__ = ["GrownGPT2Config"]

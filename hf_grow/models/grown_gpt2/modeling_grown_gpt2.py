@@ -82,7 +82,7 @@ class GrownGPT2Attention(GPT2Attention):
         self.is_cross_attention = False
         self.layer_idx = layer_idx
 
-        self.scaling = self.qk_head_dim**-0.5 if self.scale_attn_weights else 1.0
+        self.scaling = config.attention_scale_dim(layer_idx) ** -0.5 if self.scale_attn_weights else 1.0
         if self.scale_attn_by_inverse_layer_idx:
             self.scaling /= float(self.layer_idx + 1)
 

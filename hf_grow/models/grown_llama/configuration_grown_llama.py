@@ -55,18 +55,27 @@ class GrownLlamaConfig(LlamaConfig):
         Whether the query, key and value projections have a bias; `None` (default) follows `attention_bias`,
         as Llama does. Qwen2 checkpoints set it to `True` with `attention_bias=False` (no output bias).
 
-    The attention scale is `1 / sqrt(head_dim + qk_nope_dims[layer])`, Llama's rule applied to the query/key width.
+    attention_scale_dims (`list[int]`, *optional*):
+        The width whose attention scale each layer keeps, one entry per layer: a growth that keeps the old scale
+        (hf_grow's `keep_attention_scale`) records the old width here. `None` (default): every layer's scale
+        follows its own query/key width.
+
+    The attention scale is `1 / sqrt(attention_scale_dim(layer))`, by default `1 / sqrt(head_dim +
+    qk_nope_dims[layer])`: Llama's rule applied to the query/key width.
     `qk_head_dims` (read and set) is that width per layer.
     """
 
     model_type = "grown_llama"
     qk_nope_dims: list[int] | None = None
     qkv_bias: bool | None = None
+    attention_scale_dims: list[int] | None = None
 
     def __post_init__(self, **kwargs):
         if self.qk_nope_dims is None:
             self.qk_nope_dims = [0] * self.num_hidden_layers
         self.qk_nope_dims = [int(dim) for dim in self.qk_nope_dims]
+        if self.attention_scale_dims is not None:
+            self.attention_scale_dims = [int(dim) for dim in self.attention_scale_dims]
         super().__post_init__(**kwargs)
 
     @property
@@ -87,6 +96,10 @@ class GrownLlamaConfig(LlamaConfig):
         """Part of `@strict` validation, replaced: `layer_types` is derived from the widths, so it is valid, but
         transformers' check allows only its own layer types and would refuse the grown ones."""
 
+    def attention_scale_dim(self, layer: int) -> int:
+        """The width whose attention scale `layer` takes: `attention_scale_dims[layer]`, else its query/key width."""
+        return self.attention_scale_dims[layer] if self.attention_scale_dims else self.qk_head_dims[layer]
+
     def validate_architecture(self):
         """Part of `@strict` validation: Llama's checks, and one non-negative content width per layer."""
         super().validate_architecture()
@@ -97,6 +110,13 @@ class GrownLlamaConfig(LlamaConfig):
             )
         if any(dim < 0 for dim in self.qk_nope_dims):
             raise ValueError(f"Every entry of qk_nope_dims must be >= 0, got {self.qk_nope_dims}.")
+        scale_dims = self.attention_scale_dims
+        layers = self.num_hidden_layers
+        if scale_dims is not None and (len(scale_dims) != layers or any(dim <= 0 for dim in scale_dims)):
+            raise ValueError(
+                f"attention_scale_dims must hold one positive width per layer ({layers} layers), got "
+                f"{scale_dims}."
+            )
 
 
 __all__ = ["GrownLlamaConfig"]

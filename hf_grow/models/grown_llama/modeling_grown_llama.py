@@ -77,7 +77,7 @@ class GrownLlamaAttention(LlamaAttention):
         self.qk_nope_dim = config.qk_nope_dims[layer_idx]
         self.qk_head_dim = self.head_dim + self.qk_nope_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.qk_head_dim**-0.5
+        self.scaling = config.attention_scale_dim(layer_idx) ** -0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
 
