@@ -65,11 +65,15 @@ from hf_grow import GrownGPT2Config  # noqa: E402
 #: Variants beyond the standard ones: (standard variant, options of `grow_in_training`), named after both.
 #: ``step_scale``: the fraction of the line-searched step taken at each growth (issue #35: a step for the training
 #: after); `grow_in_training` takes a tenth by default (`IN_TRAINING_STEP_SCALE`), the whole step with 1.0.
+#: ``keep_attention_scale``: every layer keeps the initial width's attention scale through the growths (no change of
+#: scale folded into the queries).
 OPTION_VARIANTS = [
     ("grown-refactor", {"new_moments": "head_mean"}),
     ("grown-append", {"new_moments": "head_mean"}),
     ("grown-refactor", {"step_scale": 1.0}),
     ("grown-refactor", {"step_scale": 0.25}),
+    ("grown-refactor", {"keep_attention_scale": True}),
+    ("grown-append", {"keep_attention_scale": True}),
 ]
 PRESETS = {
     "cpu": dict(

@@ -11,6 +11,8 @@ every ``--eval-every`` steps on fixed windows of other modules. Arms (``--arms``
 - ``zero``: `GrowthCallback(mode="zero")` at ``--grow-at`` (the same function, new dims at zero);
 - ``default``: `GrowthCallback`'s defaults (refactor, steps per head, a tenth of the searched step);
 - ``whole``: the same with the whole searched step (``step_scale=1.0``);
+- ``keep``, ``zero-keep``: ``default`` and ``zero`` with each layer's old attention scale kept
+  (``keep_attention_scale=True``: no change of scale folded into the queries);
 - ``wide``: trained at the grown width from the start (a reference; its initialisation differs);
 - ``restart``: no growth, but at ``--grow-at`` the Q/K entries' optimizer moments restart at zero, as growth in
   mode "refactor" restarts them (a diagnostic: what the restart alone does);
@@ -60,7 +62,8 @@ PRESETS = {
 }
 #: The named arms' `GrowthCallback` options (None: no callback).
 ARMS = {"original": None, "wide": None, "restart": None, "zero": dict(mode="zero"), "default": {},
-        "whole": dict(step_scale=1.0)}
+        "whole": dict(step_scale=1.0), "keep": dict(keep_attention_scale=True),
+        "zero-keep": dict(mode="zero", keep_attention_scale=True)}
 
 
 class MomentRestart(TrainerCallback):
