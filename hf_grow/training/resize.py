@@ -119,9 +119,8 @@ def resize_qk_(
                 )
             parameters = dict(attention.named_parameters())
             names = adapter.qk_parameter_names(attention)
-            [new_scale_dim] = scale_dims_after_growth(
-                dims[layer:layer + 1], scale_dims[layer:layer + 1], [new_dim], keep_attention_scale
-            )
+            keep = keep_attention_scale
+            [new_scale_dim] = scale_dims_after_growth([dims[layer]], [scale_dims[layer]], [new_dim], keep)
             fold = adapter.scaling(config, layer, scale_dims[layer]) / adapter.scaling(config, layer, new_scale_dim)
             states = [optimizer.state.get(parameters[name], {}) for name in names] if optimizer is not None else []
             for state_key in {key for state in states for key in state}:
