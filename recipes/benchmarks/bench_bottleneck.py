@@ -74,6 +74,7 @@ OPTION_VARIANTS = [
     ("grown-refactor", {"step_scale": 0.25}),
     ("grown-refactor", {"keep_attention_scale": True}),
     ("grown-append", {"keep_attention_scale": True}),
+    ("zero", {"keep_attention_scale": True}),
 ]
 PRESETS = {
     "cpu": dict(
