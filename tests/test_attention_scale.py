@@ -146,3 +146,17 @@ def test_growth_callback_keeps_the_scale_in_its_checkpoints(trained, tmp_path): 
     model.save_pretrained(tmp_path / "checkpoint")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
     assert loaded.config.attention_scale_dims == [8, 8] and scalings(loaded) == scalings(model) == [8 ** -0.5] * 2
+
+
+def test_the_fast_search_brackets_the_same_step_at_the_old_scale(trained_gpt2, stdlib_bytes):
+    """``search="fast"`` brackets the step on a full-rank reference model, which must take the kept scale too."""
+    batches = lm_batches(stdlib_bytes["stats"], 3)
+    evaluation = lm_batches(stdlib_bytes["eval"], 1, seed=11)
+    settings = dict(p=8, search="fast", eval_dataloader=evaluation, measure_realized_gains=False)
+    kept = grow_model(trained_gpt2, batches, keep_attention_scale=True, **settings).growth_report
+    folded = grow_model(trained_gpt2, batches, **settings).growth_report
+    assert kept.step_size == folded.step_size and kept.eval_loss_after < kept.eval_loss_before
+    assert kept.eval_loss_after == pytest.approx(folded.eval_loss_after, abs=1e-5)
+    unconstrained = [[point.loss for point in report.line_search if point.kind == "unconstrained"]
+                     for report in (kept, folded)]
+    assert unconstrained[0] and unconstrained[0] == pytest.approx(unconstrained[1], abs=1e-5)
