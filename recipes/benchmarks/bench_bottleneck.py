@@ -66,7 +66,7 @@ from hf_grow import GrownGPT2Config  # noqa: E402
 #: ``step_scale``: the fraction of the line-searched step taken at each growth (issue #35: a step for the training
 #: after); `grow_in_training` takes a tenth by default (`IN_TRAINING_STEP_SCALE`), the whole step with 1.0.
 #: ``keep_attention_scale``: every layer keeps the initial width's attention scale through the growths (no change of
-#: scale folded into the queries).
+#: scale folded into the queries). ``cross_fit``: the solve from what the statistics' two halves agree on.
 OPTION_VARIANTS = [
     ("grown-refactor", {"new_moments": "head_mean"}),
     ("grown-append", {"new_moments": "head_mean"}),
@@ -75,6 +75,8 @@ OPTION_VARIANTS = [
     ("grown-refactor", {"keep_attention_scale": True}),
     ("grown-append", {"keep_attention_scale": True}),
     ("zero", {"keep_attention_scale": True}),
+    ("grown-refactor", {"cross_fit": True}),
+    ("grown-refactor", {"cross_fit": True, "keep_attention_scale": True}),
 ]
 PRESETS = {
     "cpu": dict(
