@@ -97,17 +97,18 @@ def resize_qk_(
     config's ``attention_scale_dims`` records it). With ``keep_moments`` the optimizer state of the old Q/K
     dimensions is kept, the queries' rescaled by the change of attention scale (the weights must then hold the
     old queries times ``scaling_before / scaling_after``, as every mode but "refactor" does); otherwise the Q/K
-    state is reset to zero. New
-    dimensions start at zero, or with ``new_moments="head_mean"`` their second moments at the mean of the old
-    entries' of the same head and role (`hf_grow.optimizer_state`); entries that are not Q/K (GPT-2's fused
-    values) and scalars (``step``) are kept.
+    state is reset to zero. New dimensions start at zero, or with ``new_moments="head_mean"`` their second moments
+    at the mean of the old entries' of the same head and role (`hf_grow.optimizer_state`); entries that are not
+    Q/K (GPT-2's fused values) and scalars (``step``) are kept.
     """
     adapter = get_adapter(model)
     optimizer = _torch_optimizer(optimizer)
     _check_growable(model, adapter, optimizer)
     config = model.config
     dims = adapter.qk_head_dims(config)
+    widths = [weights[layer][0].shape[-1] if layer in weights else dim for layer, dim in enumerate(dims)]
     scale_dims = adapter.attention_scale_dims(config)
+    scale_dims_after = scale_dims_after_growth(dims, scale_dims, widths, keep_attention_scale)
     attentions = adapter.attention_modules(model)
     with torch.no_grad():
         for layer, (query, key) in weights.items():
@@ -119,9 +120,8 @@ def resize_qk_(
                 )
             parameters = dict(attention.named_parameters())
             names = adapter.qk_parameter_names(attention)
-            keep = keep_attention_scale
-            [new_scale_dim] = scale_dims_after_growth([dims[layer]], [scale_dims[layer]], [new_dim], keep)
-            fold = adapter.scaling(config, layer, scale_dims[layer]) / adapter.scaling(config, layer, new_scale_dim)
+            scaling_after = adapter.scaling(config, layer, scale_dims_after[layer])
+            fold = adapter.scaling(config, layer, scale_dims[layer]) / scaling_after
             states = [optimizer.state.get(parameters[name], {}) for name in names] if optimizer is not None else []
             for state_key in {key for state in states for key in state}:
                 present = [state.get(state_key) for state in states]
@@ -143,10 +143,10 @@ def resize_qk_(
                     optimizer.state[parameters[name]][state_key] = value
             for name, value in adapter.qk_parameters(attention, query, key).items():
                 _resize_parameter(parameters[name], value)
-            adapter.set_qk_head_dim(attention, config, layer, new_dim, new_scale_dim)
-            dims[layer], scale_dims[layer] = new_dim, new_scale_dim
+            adapter.set_qk_head_dim(attention, config, layer, new_dim, scale_dims_after[layer])
+            dims[layer] = new_dim
     config.qk_head_dims = dims
-    config.attention_scale_dims = attention_scale_entry(dims, scale_dims)
+    config.attention_scale_dims = attention_scale_entry(dims, scale_dims_after)
 
 
 def _resize_parameter(parameter: torch.nn.Parameter, value: Tensor) -> None:
