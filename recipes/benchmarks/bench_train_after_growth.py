@@ -21,8 +21,9 @@ and largest over heads). ``--fine-tune-pairs``: fine-tune on the statistics' pai
 training data, then trains on it, does), on 320 other pairs of the same files (``disjoint``), or on 320 pairs of
 the line-search files that the line search does not use (``other-files``). ``--statistics-pairs``: how many pairs
 the statistics come from (320; at most 640 with ``disjoint``, 829 otherwise). An arm's ``"cross_fit": true`` solves
-from M kept to what the statistics' two halves agree on (`hf_grow.linalg.cross_fitted_gradient`: each half's top
-singular directions in the metric of C, valued by the other half). An arm's ``"max_change": c`` (an arm option of
+from M kept to what the statistics' two halves (odd- and even-numbered batches) agree on (`GrowthConfig.cross_fit`:
+each half's top singular directions in the metric of C, valued by the other half; until 2026-11-27 this script
+split the batches into a first and a second half instead). An arm's ``"max_change": c`` (an arm option of
 this script) takes the step the line search chooses with the other options, then shrinks each head's lam until its
 Z changes by at most c of the old Z (plain Frobenius norm): a step bounded relative to the old weights, e.g.
 ``'cap0.25={"max_change": 0.25}'``.
@@ -56,10 +57,8 @@ from sentence_pairs import contrastive_loss, mean_pooled, pair_batches  # noqa: 
 
 import hf_grow  # noqa: E402
 from bench_st_retrieval import split_pairs  # noqa: E402
-from hf_grow import compact, linalg  # noqa: E402
 from hf_grow.config import resolve_config  # noqa: E402
 from hf_grow.growth.prepare import prepare_growth  # noqa: E402
-from hf_grow.statistics import GrowthStatistics  # noqa: E402
 
 
 @torch.no_grad()
@@ -136,27 +135,6 @@ def score_change(original, grown, batches: list[dict]) -> float:
         rms = lambda tensor: tensor.pow(2).mean(dim=(1, 2, 3)).sqrt()  # noqa: E731 (per head)
         ratios.append(rms(after - before) / rms(before))
     return torch.cat(ratios).mean().item()
-
-
-def cross_fitted_statistics(model, batches: list[dict], p: int) -> GrowthStatistics:
-    """Statistics of ``batches`` whose M holds only what their two halves agree on (`linalg.cross_fitted_gradient`
-    at the compact solve's rank), C and the counts of all of them."""
-    adapter = hf_grow.get_adapter(model)
-    halves = [hf_grow.collect_statistics(model, part, adapter, loss_fn=contrastive_loss)
-              for part in (batches[: len(batches) // 2], batches[len(batches) // 2 :])]
-    first, second = halves
-    tokens, weight = first.num_tokens + second.num_tokens, first.loss_weight + second.loss_weight
-    width = adapter.hidden_size(model.config) // adapter.num_heads(model.config) + p
-    moments, gradients = [], []
-    for layer in range(len(first.second_moments)):
-        moment = first.second_moments[layer].double() + second.second_moments[layer].double()
-        metric = linalg.metric_from_second_moment(moment / tokens)
-        rank = compact.compact_rank(moment.shape[-1], width)
-        gradient = linalg.cross_fitted_gradient(first.mean_gradient(layer), second.mean_gradient(layer), metric, rank)
-        moments.append(moment)
-        gradients.append(gradient * weight)
-    return GrowthStatistics(moments, gradients, tokens, first.num_batches + second.num_batches, first.model_type,
-                            first.weights, first.method, weight)
 
 
 def grow(
@@ -278,19 +256,18 @@ def main() -> None:
         return (mean_loss(model, test), *retrieval(model, tokenizer, pairs["test"], args.seq_len))
 
     original = load()
-    statistics = hf_grow.collect_statistics(original, train, hf_grow.get_adapter(original), loss_fn=contrastive_loss)
-    results, diagnostics, cross_fitted = {}, {}, None
+    cross_fit = any((parse_arm(arm)[1] or {}).get("cross_fit", False) for arm in args.arms)  # M's halves too
+    statistics = hf_grow.collect_statistics(
+        original, train, hf_grow.get_adapter(original), loss_fn=contrastive_loss, cross_fit=cross_fit
+    )
+    results, diagnostics = {}, {}
     for arm in args.arms:
         name, options = parse_arm(arm)
         tick = time.perf_counter()
         if options is None:
             start = original
         else:
-            cross_fit = options.pop("cross_fit", False)
-            if cross_fit and cross_fitted is None:
-                cross_fitted = cross_fitted_statistics(original, train, args.p)
-            start = grow(original, options, train, held_out, cross_fitted if cross_fit else statistics, args.p,
-                         contrastive_loss)
+            start = grow(original, options, train, held_out, statistics, args.p, contrastive_loss)
             report = start.growth_report
             diagnostics[name] = dict(
                 step=report.step_size, held_out=(report.eval_loss_before, report.eval_loss_after),

@@ -19,7 +19,8 @@ the original's), on random windows drawn from a generator seeded by the seed alo
 the same batches. Scored by the test loss at each step count in ``--at``.
 
 Arms (``--arms``, as in part (a)): ``original``, ``zero`` (widened by p with step 0: the same function),
-``default`` (`grow_model`'s defaults) and growth options as ``name={json}``. Per grown arm, diagnostics: the chosen
+``default`` (`grow_model`'s defaults) and growth options as ``name={json}`` (with ``"cross_fit": true`` in any
+arm the statistics also hold M's two halves; M itself is the same sum). Per grown arm, diagnostics: the chosen
 step and the loss before -> after growth on the line-search, statistics and other texts.
 
     python recipes/benchmarks/bench_train_after_growth_lm.py --cache runs/candidates   # bpe-en, llama-en; 3 seeds
@@ -100,7 +101,10 @@ def run_model(
     """Each arm of ``arms`` grown from statistics on ``batches["statistics"]`` (collected once, shared), then
     trained on ``train_text`` once per seed: (test losses per arm and seed, diagnostics per grown arm)."""
     batch_size, seq_len = batches["test"][0]["input_ids"].shape
-    statistics = hf_grow.collect_statistics(model, batches["statistics"], hf_grow.get_adapter(model))
+    cross_fit = any((parse_arm(arm)[1] or {}).get("cross_fit", False) for arm in arms)  # M's halves, M unchanged
+    statistics = hf_grow.collect_statistics(
+        model, batches["statistics"], hf_grow.get_adapter(model), cross_fit=cross_fit
+    )
     losses = {name: hf_grow.evaluate_loss(model, batches[name])[0] for name in ("search", "statistics", "other")}
     results, diagnostics = {}, {}
     for arm in arms:
