@@ -1,6 +1,8 @@
 """Cross-fitting (``cross_fit=True``): M's sum over the odd-numbered batches collected in the same pass as M, the same
 in memory, on disk and over several passes, kept in the statistics file, and solved from (issue #35)."""
 
+import copy
+
 import pytest
 import torch
 from conftest import lm_batches, tiny_gpt2_config
@@ -189,3 +191,31 @@ def test_growth_in_training_and_the_callback_take_cross_fit(stdlib_bytes):
     report = grow_in_training(model, None, batches, 8, mode="refactor", step_size=0.5, cross_fit=True)
     assert report.cross_fit and report.config["cross_fit"] is True
     assert GrowthCallback(grow_at={10: 8}, config=GrowthConfig(cross_fit=True)).config.cross_fit
+
+
+def test_growth_in_training_cross_fits_by_default_where_the_statistics_can_have_halves(trained_gpt2, data,
+                                                                                        statistics_of):
+    """Without a config, growth in a training loop solves from the cross-fitted M and keeps every layer's attention
+    scale (issue #35), where the statistics can have two halves: precomputed ones without them, or one statistics
+    batch, grow without cross-fitting instead of failing; an explicit cross_fit=False is taken as given."""
+    widths = get_adapter(trained_gpt2).qk_head_dims(trained_gpt2.config)
+
+    def in_training(batches, mode="refactor", **options):
+        model = to_grown_model(copy.deepcopy(trained_gpt2))
+        report = grow_in_training(model, None, batches, 8, mode=mode, eval_dataloader=data["eval"], **options)
+        return model, report
+
+    model, default = in_training(data["stats"])
+    assert default.cross_fit and default.config["cross_fit"] and default.config["keep_attention_scale"]
+    assert model.config.attention_scale_dims == widths and model.config.qk_head_dims == [w + 8 for w in widths]
+    _, explicit = in_training(data["stats"], cross_fit=True, keep_attention_scale=True)
+    assert (explicit.step_size, explicit.eval_loss_after) == (default.step_size, default.eval_loss_after)
+    assert in_training(None, statistics=statistics_of)[1].cross_fit
+    plain = collect_statistics(trained_gpt2, data["stats"], get_adapter(trained_gpt2))
+    assert not in_training(None, statistics=plain)[1].cross_fit
+    assert not in_training(data["stats"][:1])[1].cross_fit  # one batch: no second half
+    assert not in_training(data["stats"], cross_fit=False)[1].cross_fit
+    with pytest.raises(ValueError, match="leave cross_fit off"):  # one batch from an iterable of unknown length
+        in_training(iter(data["stats"][:1]))
+    zero, _ = in_training(None, mode="zero")
+    assert zero.config.attention_scale_dims == widths

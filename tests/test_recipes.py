@@ -177,28 +177,29 @@ def test_bench_bottleneck_names_the_step_scale_variants_for_variants_selection()
 
 def test_bench_growth_callback_trains_every_arm_alike_and_grows_through_the_trainer():
     """Every arm of a seed starts from the same model and batches: zero widening and the moments' restart (the
-    same function) score as the original right after the growth; the default takes a tenth of the step that
-    "whole" takes, both from the Trainer's own training set through `GrowthCallback`; the table pairs each arm
-    with the original by seed."""
+    same function) score as the original right after the growth; the previous default takes a tenth of the step
+    that "whole" takes, both from the Trainer's own training set through `GrowthCallback`; the table pairs each
+    arm with the original by seed."""
     from bench_growth_callback import PRESETS, parse_arm, run_seed, table
 
-    assert parse_arm("whole") == ("whole", {"step_scale": 1.0})
+    assert parse_arm("whole") == ("whole", {"step_scale": 1.0, "cross_fit": False, "keep_attention_scale": False})
     assert parse_arm('step0={"step_size": 0.0}') == ("step0", {"step_size": 0.0})
     with pytest.raises(Exception, match="name=\\{json options\\}"):
         parse_arm("halfway")
     # 12 steps of 4 windows: the training set holds the callback's 8 + 4 batches
     settings = {**PRESETS["cpu"], "n_embd": 32, "n_head": 2, "seq_len": 32, "batch_size": 4, "steps": 12,
                 "grow_at": 3, "eval_every": 3, "eval_windows": 8, "threads": 1, "cpu": True}
-    settings["arms"] = dict(parse_arm(arm) for arm in ("original", "zero", "default", "whole", "restart"))
+    arms = ("original", "zero", "default", "previous-default", "whole", "restart")
+    settings["arms"] = dict(parse_arm(arm) for arm in arms)
     results = {r["arm"]: r for r in run_seed(0, settings)}
-    assert set(results) == {"original", "zero", "default", "whole", "restart"}
+    assert set(results) == set(arms)
     for arm in ("zero", "restart"):  # the same function right after the growth (the moments' restart)
         assert results[arm]["losses"][3] == pytest.approx(results["original"]["losses"][3], abs=1e-5)
     assert results["restart"]["qk_head_dims"] == [8, 8]
     assert results["restart"]["losses"][12] != results["original"]["losses"][12]  # the restart changes training
     assert results["default"]["qk_head_dims"] == [16, 16] and results["original"]["qk_head_dims"] == [8, 8]
-    assert results["whole"]["step_size"] > 0
-    assert results["default"]["step_size"] == pytest.approx(0.1 * results["whole"]["step_size"])
+    assert results["whole"]["step_size"] > 0 and results["default"]["step_size"] > 0
+    assert results["previous-default"]["step_size"] == pytest.approx(0.1 * results["whole"]["step_size"])
     assert results["original"]["losses"][12] < results["original"]["losses"][3]  # it trains
     text = table(list(results.values()), settings)
     assert "| zero | +0.0000 ± 0.0000 (0/1)" in text and "| whole | 0 |" in text

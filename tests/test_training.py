@@ -52,8 +52,9 @@ def c_attn_state(model, optimizer) -> dict[str, torch.Tensor]:
     return {"weight": weight.detach().clone(), **{k: v.clone() for k, v in state.items()}}
 
 
+@pytest.mark.parametrize("keep_attention_scale", [True, False], ids=["scale-kept", "scale-folded"])
 @pytest.mark.parametrize("mode", ["refactor", "append", "zero"])
-def test_growth_keeps_the_function_parameters_and_moments(trained, stdlib_bytes, mode):
+def test_growth_keeps_the_function_parameters_and_moments(trained, stdlib_bytes, mode, keep_attention_scale):
     model, optimizer = copied(trained)
     batch = lm_batches(stdlib_bytes["eval"], 1, seed=5)[0]
     model.eval()
@@ -67,7 +68,10 @@ def test_growth_keeps_the_function_parameters_and_moments(trained, stdlib_bytes,
     model.train()
     live_graph = model(**batch).loss  # a user's loop often keeps the last loss, and so its graph, alive
     live_graph.backward()
-    report = grow_in_training(model, optimizer, stats, 8, mode=mode, step_size=0.0, new_moments="zero")
+    report = grow_in_training(
+        model, optimizer, stats, 8, mode=mode, step_size=0.0, new_moments="zero",
+        keep_attention_scale=keep_attention_scale,
+    )
     assert (report is None) == (mode == "zero")
 
     # Same Parameter objects (the optimizer's param_groups stay valid), new widths everywhere.
@@ -98,7 +102,7 @@ def test_growth_keeps_the_function_parameters_and_moments(trained, stdlib_bytes,
             assert not new_query.any() and not new_key.any()
             continue
         degree = 1 if key == "exp_avg" else 2
-        fold = math.sqrt(16 / 8)  # scaling 1/sqrt(8) -> 1/sqrt(16) folded into the queries
+        fold = 1.0 if keep_attention_scale else math.sqrt(16 / 8)  # 1/sqrt(8) -> 1/sqrt(16) folded into queries
         assert torch.equal(new_key[..., :8], old_key)
         torch.testing.assert_close(new_query[..., :8], old_query * fold**-degree, rtol=1e-6, atol=0)
         assert not new_query[..., 8:].any() and not new_key[..., 8:].any()
@@ -265,7 +269,10 @@ def test_head_mean_moments_start_new_entries_at_their_head_s_second_moment(train
     moved = {}
     for new_moments in ("zero", "head_mean"):
         model, optimizer = copied(trained)
-        grow_in_training(model, optimizer, stats, 8, mode=mode, step_size=0.0, new_moments=new_moments)
+        # The scale folded into the queries (not the default): their moments then change units as well.
+        grow_in_training(
+            model, optimizer, stats, 8, mode=mode, step_size=0.0, new_moments=new_moments, keep_attention_scale=False
+        )
         model.eval()
         with torch.no_grad():
             assert float(model(**batch).loss) == pytest.approx(loss_before, abs=2e-6)

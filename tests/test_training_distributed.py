@@ -63,9 +63,11 @@ def grow_between_steps(rank, world_size, state_dict, train, stats, search, accel
         model, optimizer = accelerator.prepare(model, optimizer)
     losses = train_steps(model, optimizer, train[:3], rank, world_size, accelerator)
     plain = model.module if accelerator is not None else model
-    report = grow_in_training(  # one candidate: under "auto" each process confirms on its own shard (README)
+    # One candidate: under "auto" each process confirms on its own shard (README). No cross-fitting: its halves
+    # are each process's odd- and even-numbered batches, other halves than one process's; M's sum is the same.
+    report = grow_in_training(
         model, optimizer, stats[rank::world_size], 8, eval_dataloader=search[rank::world_size], accelerator=accelerator,
-        truncation="whitened", step_mode="per_head",
+        truncation="whitened", step_mode="per_head", cross_fit=False,
     )
     grown = {name: tensor.clone() for name, tensor in plain.state_dict().items()}
     losses += train_steps(model, optimizer, train[3:], rank, world_size, accelerator)

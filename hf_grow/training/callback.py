@@ -17,7 +17,7 @@ from ..config import GrowthConfig
 from ..distributed import refuse_sharded_training, sharded_training_message
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
-from .grow import GROWTH_MODES, _resolved_mode, grow_in_training
+from .grow import GROWTH_MODES, SOLVED_MODES, _resolved_mode, grow_in_training
 from .resize import _check_growable, _torch_optimizer
 
 logger = logging.getLogger("hf_grow")
@@ -136,7 +136,7 @@ class GrowthCallback(TrainerCallback):
         eval_dataloader = self.eval_dataloader
         batches = self.dataloader
         mode = _resolved_mode(model, self.mode)
-        if batches is None and mode in ("refactor", "append"):  # the baselines need no data
+        if batches is None and mode in SOLVED_MODES:  # the baselines need no data
             eval_count = 0 if self.eval_dataloader is not None else self.eval_batches
             batches, drawn_eval = _draw_batches(
                 train_dataloader, args, self.seed + step, self.statistics_batches, eval_count

@@ -65,18 +65,19 @@ from hf_grow import GrownGPT2Config  # noqa: E402
 #: Variants beyond the standard ones: (standard variant, options of `grow_in_training`), named after both.
 #: ``step_scale``: the fraction of the line-searched step taken at each growth (issue #35: a step for the training
 #: after); `grow_in_training` takes a tenth by default (`IN_TRAINING_STEP_SCALE`), the whole step with 1.0.
-#: ``keep_attention_scale``: every layer keeps the initial width's attention scale through the growths (no change of
-#: scale folded into the queries). ``cross_fit``: the solve from what the statistics' two halves agree on.
+#: ``keep_attention_scale=False``: the change of attention scale folded into the queries at each growth (the
+#: default keeps every layer's initial scale); ``cross_fit=False``: the solve from all of M, not from what the
+#: statistics' two halves agree on (the default). Both False: the defaults until 2026-11-27.
 OPTION_VARIANTS = [
     ("grown-refactor", {"new_moments": "head_mean"}),
     ("grown-append", {"new_moments": "head_mean"}),
     ("grown-refactor", {"step_scale": 1.0}),
     ("grown-refactor", {"step_scale": 0.25}),
-    ("grown-refactor", {"keep_attention_scale": True}),
-    ("grown-append", {"keep_attention_scale": True}),
-    ("zero", {"keep_attention_scale": True}),
-    ("grown-refactor", {"cross_fit": True}),
-    ("grown-refactor", {"cross_fit": True, "keep_attention_scale": True}),
+    ("grown-refactor", {"cross_fit": False, "keep_attention_scale": False}),
+    ("grown-refactor", {"cross_fit": False}),
+    ("grown-refactor", {"keep_attention_scale": False}),
+    ("grown-append", {"cross_fit": False, "keep_attention_scale": False}),
+    ("zero", {"keep_attention_scale": False}),
 ]
 PRESETS = {
     "cpu": dict(

@@ -8,11 +8,14 @@ takes, where the Trainer's default is 0.999), a cosine schedule after a warm-up,
 every ``--eval-every`` steps on fixed windows of other modules. Arms (``--arms``):
 
 - ``original``: no growth, the old query/key width throughout;
-- ``zero``: `GrowthCallback(mode="zero")` at ``--grow-at`` (the same function, new dims at zero);
-- ``default``: `GrowthCallback`'s defaults (refactor, steps per head, a tenth of the searched step);
-- ``whole``: the same with the whole searched step (``step_scale=1.0``);
-- ``keep``, ``zero-keep``: ``default`` and ``zero`` with each layer's old attention scale kept
-  (``keep_attention_scale=True``: no change of scale folded into the queries);
+- ``default``: `GrowthCallback`'s defaults (refactor, steps per head, a tenth of the searched step, M
+  cross-fitted, each layer's old attention scale kept);
+- ``previous-default``: the defaults until 2026-11-27: no cross-fitting, the change of attention scale folded
+  into the queries (``cross_fit=False, keep_attention_scale=False``);
+- ``whole``: ``previous-default`` with the whole searched step (``step_scale=1.0``);
+- ``keep``: ``previous-default`` with the scale kept (``keep_attention_scale=True``);
+- ``zero``, ``zero-keep``: `GrowthCallback(mode="zero")` at ``--grow-at`` (the same function, new dims at zero),
+  the scale folded into the queries, or kept (zero widening's default);
 - ``wide``: trained at the grown width from the start (a reference; its initialisation differs);
 - ``restart``: no growth, but at ``--grow-at`` the Q/K entries' optimizer moments restart at zero, as growth in
   mode "refactor" restarts them (a diagnostic: what the restart alone does);
@@ -61,8 +64,11 @@ PRESETS = {
                 grow_at=300, eval_every=50, eval_windows=256, lr=1e-3, adam_beta2=0.95),
 }
 #: The named arms' `GrowthCallback` options (None: no callback).
-ARMS = {"original": None, "wide": None, "restart": None, "zero": dict(mode="zero"), "default": {},
-        "whole": dict(step_scale=1.0), "keep": dict(keep_attention_scale=True),
+#: Every arm but ``default`` names the options it was measured with, so that it keeps its meaning when defaults change.
+FOLDED = dict(cross_fit=False, keep_attention_scale=False)
+ARMS = {"original": None, "wide": None, "restart": None, "default": {}, "previous-default": FOLDED,
+        "whole": dict(FOLDED, step_scale=1.0), "keep": dict(FOLDED, keep_attention_scale=True),
+        "zero": dict(mode="zero", keep_attention_scale=False),
         "zero-keep": dict(mode="zero", keep_attention_scale=True)}
 
 
@@ -215,7 +221,7 @@ def table(results: list[dict], settings: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=PRESETS, default="cpu")
-    default_arms = [parse_arm(arm) for arm in ("original", "zero", "default", "whole")]
+    default_arms = [parse_arm(arm) for arm in ("original", "zero-keep", "default", "previous-default")]
     parser.add_argument("--arms", nargs="+", type=parse_arm, default=default_arms,
                         help=f"{', '.join(ARMS)} or name={{json GrowthCallback options}}")
     parser.add_argument("--seeds", type=int, default=3)
