@@ -44,9 +44,10 @@ class GrowthCallback(TrainerCallback):
             as in `grow_in_training`.
         new_moments: how the optimizer moments of new Q/K entries start (see `grow_in_training`).
         statistics_batches, eval_batches: batches drawn for the statistics and for the line search. Draw
-            enough for the statistics: a MiniLM grown from 20 batches of 16 pairs fine-tuned worse than the
-            original, from 30 level with it, from 50 better (BENCHMARKS.md); the default of 8 was not measured
-            that way.
+            enough for the statistics: with the plain M a MiniLM grown from 20 batches of 16 pairs fine-tuned
+            worse than the original, from 30 level with it, from 50 better; with the cross-fitted M (the default
+            from 2 statistics batches on; 1 gives the plain M) from 20 it was ahead in test loss and level in
+            retrieval (BENCHMARKS.md). The default of 8 was not measured that way.
         dataloader, eval_dataloader: fixed batches to use instead of drawing from the training set.
         seed: seed of the batch draw (plus the global step) and of the baselines' random dims.
         config: the growth options (`GrowthConfig`) of every growth, passed to `grow_in_training` (used as it
