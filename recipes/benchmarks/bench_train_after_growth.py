@@ -207,6 +207,11 @@ def parse_arm(text: str) -> tuple[str, dict | None]:
     return name, json.loads(brace[1:] + options)
 
 
+def any_cross_fits(arms: list[str]) -> bool:
+    """Whether an arm of ``arms`` cross-fits: the statistics then also collect M's two halves (M is the same sum)."""
+    return any((parse_arm(arm)[1] or {}).get("cross_fit", False) for arm in arms)
+
+
 def spread(values: list[float]) -> str:
     """``mean ± std`` of ``values`` (std 0 for one value)."""
     return f"{pystats.mean(values):.4f} ± {pystats.stdev(values) if len(values) > 1 else 0.0:.4f}"
@@ -256,9 +261,8 @@ def main() -> None:
         return (mean_loss(model, test), *retrieval(model, tokenizer, pairs["test"], args.seq_len))
 
     original = load()
-    cross_fit = any((parse_arm(arm)[1] or {}).get("cross_fit", False) for arm in args.arms)  # M's halves too
     statistics = hf_grow.collect_statistics(
-        original, train, hf_grow.get_adapter(original), loss_fn=contrastive_loss, cross_fit=cross_fit
+        original, train, hf_grow.get_adapter(original), loss_fn=contrastive_loss, cross_fit=any_cross_fits(args.arms)
     )
     results, diagnostics = {}, {}
     for arm in args.arms:

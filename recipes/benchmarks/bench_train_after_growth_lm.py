@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from bench_candidates import BATCH_SIZE, SEQ_LEN, english_documents, english_model, english_streams
-from bench_train_after_growth import grow, parse_arm
+from bench_train_after_growth import any_cross_fits, grow, parse_arm
 
 import hf_grow
 
@@ -101,9 +101,8 @@ def run_model(
     """Each arm of ``arms`` grown from statistics on ``batches["statistics"]`` (collected once, shared), then
     trained on ``train_text`` once per seed: (test losses per arm and seed, diagnostics per grown arm)."""
     batch_size, seq_len = batches["test"][0]["input_ids"].shape
-    cross_fit = any((parse_arm(arm)[1] or {}).get("cross_fit", False) for arm in arms)  # M's halves, M unchanged
     statistics = hf_grow.collect_statistics(
-        model, batches["statistics"], hf_grow.get_adapter(model), cross_fit=cross_fit
+        model, batches["statistics"], hf_grow.get_adapter(model), cross_fit=any_cross_fits(arms)
     )
     losses = {name: hf_grow.evaluate_loss(model, batches[name])[0] for name in ("search", "statistics", "other")}
     results, diagnostics = {}, {}
