@@ -202,7 +202,8 @@ def test_growth_in_training_cross_fits_by_default_where_the_statistics_can_have_
 
     def in_training(batches, mode="refactor", **options):
         model = to_grown_model(copy.deepcopy(trained_gpt2))
-        report = grow_in_training(model, None, batches, 8, mode=mode, eval_dataloader=data["eval"], **options)
+        options = {"eval_dataloader": data["eval"], **options}
+        report = grow_in_training(model, None, batches, 8, mode=mode, **options)
         return model, report
 
     model, default = in_training(data["stats"])
@@ -214,6 +215,8 @@ def test_growth_in_training_cross_fits_by_default_where_the_statistics_can_have_
     plain = collect_statistics(trained_gpt2, data["stats"], get_adapter(trained_gpt2))
     assert not in_training(None, statistics=plain)[1].cross_fit
     assert not in_training(data["stats"][:1])[1].cross_fit  # one batch: no second half
+    # Without held-out batches the last quarter (at least one) is held out: of two batches one is left.
+    assert not in_training(data["stats"][:2], eval_dataloader=None)[1].cross_fit
     assert not in_training(data["stats"], cross_fit=False)[1].cross_fit
     with pytest.raises(ValueError, match="leave cross_fit off"):  # one batch from an iterable of unknown length
         in_training(iter(data["stats"][:1]))
