@@ -91,3 +91,25 @@ def test_plot_without_matplotlib_is_refused_before_reading_data(model_folder, tm
                      str(tmp_path / "x.png")]) == 2
     error = capsys.readouterr().err
     assert "pip install 'hf_grow[plot]'" in error and len(error.strip().splitlines()) == 1
+
+
+def test_grows_for_training_from_saved_statistics_only_with_their_halves(model_folder, tmp_path, capsys):
+    """``--for-training`` cross-fits: statistics saved without M's halves are refused in one line that says what to
+    do, before the model is read; saved with them (``inspect --cross-fit``), the command grows for training."""
+    plain, halves = tmp_path / "plain.safetensors", tmp_path / "halves.safetensors"
+    assert cli.main(["inspect", str(model_folder), "--data", TEXT_GLOB, "--save-stats", str(plain), *SMALL]) == 0
+    assert cli.main(["inspect", str(model_folder), "--data", TEXT_GLOB, "--save-stats", str(halves), "--cross-fit",
+                     *SMALL]) == 0
+    capsys.readouterr()
+    output = tmp_path / "grown"
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--stats", str(plain), "--for-training",
+                     "--output-dir", str(output), *SMALL]) == 2
+    error = capsys.readouterr().err
+    assert "--cross-fit (of --for-training) needs statistics saved by" in error and "--cross-fit false" in error
+    assert len(error.strip().splitlines()) == 1 and not output.exists()
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--stats", str(halves), "--for-training",
+                     "--output-dir", str(output), *SMALL]) == 0
+    report = load_growth_report(output)
+    assert report.cross_fit is True and report.step_mode == "per_head"
+    assert report.step_size == pytest.approx(0.1 * report.searched_step_size, rel=1e-12)
+    assert report.config["keep_attention_scale"] is True and report.eval_loss_after <= report.eval_loss_before

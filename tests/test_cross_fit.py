@@ -13,6 +13,7 @@ from hf_grow import (
     grow_model, linalg, model_card, to_grown_model,
 )
 from hf_grow.cli import build_parser
+from hf_grow.cli.checks import _growth_config
 from hf_grow.growth.memory_plan import plan_memory
 from hf_grow.statistics import layer_groups, statistics_bytes
 
@@ -180,8 +181,10 @@ def test_the_memory_plan_counts_m_twice():
 
 
 def test_the_command_takes_cross_fit():
-    assert build_parser().parse_args(["gpt2", "--cross-fit"]).cross_fit is True
-    assert build_parser().parse_args(["gpt2"]).cross_fit is False
+    def config(*flags):
+        return _growth_config(build_parser().parse_args(["gpt2", "--output-dir", "out", *flags]))
+
+    assert config("--cross-fit").cross_fit is True and config().cross_fit is False
 
 
 def test_growth_in_training_and_the_callback_take_cross_fit(stdlib_bytes):

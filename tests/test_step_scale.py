@@ -79,10 +79,10 @@ def test_growth_in_training_takes_the_fraction_too(trained_gpt2, stdlib_bytes):
 
 
 def test_growth_in_training_takes_a_tenth_of_the_searched_step_by_default(trained_gpt2, stdlib_bytes):
-    """Training follows every growth in a training loop: without a config it takes `IN_TRAINING_STEP_SCALE` of the
+    """Training follows every growth in a training loop: without a config it takes `FOR_TRAINING`'s step_scale of the
     searched step (measured never behind training at the old width, issue #35); a given step is taken as it is,
     and a config is used as given (its step_scale 1.0: the whole searched step)."""
-    from hf_grow.training.grow import IN_TRAINING_STEP_SCALE
+    from hf_grow.config import FOR_TRAINING
 
     batches = lm_batches(stdlib_bytes["stats"], 4, seed=55)
 
@@ -90,7 +90,7 @@ def test_growth_in_training_takes_a_tenth_of_the_searched_step_by_default(traine
         return grow_in_training(to_grown_model(copy.deepcopy(trained_gpt2)), None, batches, p=8, **options)
 
     default = in_training()
-    assert IN_TRAINING_STEP_SCALE == 0.1 and default.searched_step_size > 0
+    assert FOR_TRAINING["step_scale"] == 0.1 and default.searched_step_size > 0
     assert default.step_size == pytest.approx(0.1 * default.searched_step_size, rel=1e-12)
     assert in_training(step_size=0.05).step_size == 0.05  # no fraction of a given step
     whole = in_training(config=GrowthConfig(p=8, eval_fraction=0.25, measure_realized_gains=False,

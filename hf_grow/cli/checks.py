@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import hub
-from ..config import GrowthConfig
+from ..config import FOR_TRAINING, GrowthConfig
 from ..statistics import check_offload_dir, parse_bytes
 
 
@@ -86,12 +86,14 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def _growth_config(args: argparse.Namespace) -> GrowthConfig:
-    """The `GrowthConfig` of the growth flags; its checks as one-line errors, before any data is read."""
+    """The `GrowthConfig` of the growth flags (on top of `GrowthConfig.for_training` with ``--for-training``); its
+    checks as one-line errors, before any data is read."""
     options = {option.name: getattr(args, option.name) for option in dataclasses.fields(GrowthConfig)}
-    if options["eval_fraction"] is None:  # not given: the config's default, which the command holds out too
-        del options["eval_fraction"]
+    for name in ("eval_fraction", *FOR_TRAINING):  # None: not given (the parser's default), the config's default
+        if options[name] is None:
+            del options[name]
     try:
-        return GrowthConfig(**options)
+        return GrowthConfig.for_training(**options) if args.for_training else GrowthConfig(**options)
     except (TypeError, ValueError) as error:
         raise CommandError(str(error)) from None
 

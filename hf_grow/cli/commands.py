@@ -53,7 +53,10 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     if statistics is not None and accelerator is not None:
         raise CommandError("--stats holds the statistics of all the data: run it in one process")
     if statistics is not None and args.config.cross_fit and statistics.half_gradients is None:
-        raise CommandError("--cross-fit needs statistics saved by `hf-grow inspect --cross-fit --save-stats`")
+        raise CommandError(
+            f"--cross-fit{' (of --for-training)' * args.for_training} needs statistics saved by `hf-grow inspect "
+            "--cross-fit --save-stats`, or --cross-fit false for the plain M"
+        )
     tokenizer = _load_tokenizer(args)
     statistics_batches, held_out_batches = _batches(args, tokenizer, objective, is_main)  # data before the model
     statistics_batches = _shard(statistics_batches, accelerator, "statistics")

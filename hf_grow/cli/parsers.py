@@ -12,7 +12,7 @@ import torch
 from transformers import HfArgumentParser
 
 from .. import __version__
-from ..config import GrowthConfig
+from ..config import FOR_TRAINING, GrowthConfig
 from ..data import DEFAULT_EVAL_TOKENS
 from .loading import DTYPES
 from .pairs import add_pairs_arguments
@@ -31,6 +31,8 @@ EXAMPLES = """examples:
       96 added dims per head in all, allocated to the layers by expected gain; pushed to the Hub
   hf-grow sentence-transformers/all-MiniLM-L6-v2 --p 8 --pairs pairs.tsv --batch-size 32 --output-dir minilm-grown
       a SentenceTransformer on text pairs with MultipleNegativesRankingLoss (the last 10% held out)
+  hf-grow ./my-gpt2 --p 8 --data 'corpus/*.txt' --for-training --output-dir my-gpt2-grown
+      a model that will be trained on after growth: a tenth of the searched step, cross-fitted, the scale kept
 
   hf-grow inspect MODEL --help: the expected gain of adding 1..k dims per layer and head, without growing
 """
@@ -80,6 +82,15 @@ def _add_data_arguments(parser: argparse.ArgumentParser, eval_fraction: bool = T
     data.add_argument("--mlm-probability", type=float, default=0.15, help="masked LMs: share of tokens masked")
 
 
+FOR_TRAINING_HELP = (
+    "for a model that will be trained after growth (GrowthConfig.for_training()): "
+    + ", ".join(f"--{name.replace('_', '-')} {str(value).lower()}" for name, value in FOR_TRAINING.items())
+    + ", where not given. Pretrained models grown so and then trained on were never behind the original's same "
+    "training beyond the seed spread; the default whole searched step (the largest one-shot decrease) fell behind "
+    "where that training overfits (BENCHMARKS.md)"
+)
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     run = parser.add_argument_group("run")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -105,6 +116,10 @@ def build_parser() -> HfArgumentParser:
         action.option_strings.sort(key=lambda option: "_" in option)
         if action.dest == "eval_fraction":  # the share of text held out (None: not given, the config's default)
             action.help, action.default = EVAL_FRACTION_HELP, None
+        if action.dest in FOR_TRAINING:  # None: not given, the config's default or --for-training's
+            action.default = None
+    growth = next(group for group in parser._action_groups if group.title == GrowthConfig._argument_group_name)
+    growth.add_argument("--for-training", action="store_true", help=FOR_TRAINING_HELP)
     _add_model_argument(parser)
     parser.add_argument("--output-dir", help="folder for the grown model (must be empty; required but with --dry-run)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")

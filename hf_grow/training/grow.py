@@ -12,7 +12,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter, get_adapter, scale_dims_after_growth
-from ..config import SIMPLEST_STEP_MODE, GrowthConfig, resolve_config
+from ..config import GrowthConfig, resolve_config, training_options
 from ..distributed import Processes, ddp_wrappers, refuse_sharded_training, synchronize_after_growth, unwrap_model
 from ..growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
 from ..growth.line_search import held_out_count
@@ -31,30 +31,16 @@ GROWTH_MODES: tuple[str, ...] = ("refactor", "append", "zero", "random")
 #: 0.86x); on the easy retrieval task and on text the two tie (BENCHMARKS.md). Architectures that cannot
 #: refactor (rotary models) take their own default (`ArchitectureAdapter.check_mode`) when mode is None.
 DEFAULT_MODE = "refactor"
-#: `GrowthConfig` defaults of growth in a training loop, without a config: a quarter of the (few) statistics
-#: batches held out, no per-layer replays, steps per head, the simplest candidate of "auto" (docstring of
-#: `grow_in_training`), and each layer's old attention scale kept (training follows: the change of scale folded
-#: into the queries is what put the tenth of the step behind the original at lr 3e-3 inside transformers.Trainer;
-#: zero widening with the scale kept was never behind there on any seed; BENCHMARKS.md, issue #35).
-IN_TRAINING_DEFAULTS = dict(
-    eval_fraction=0.25, measure_realized_gains=False, step_mode=SIMPLEST_STEP_MODE, keep_attention_scale=True
-)
-#: The fraction of the line-searched step taken in a training loop without a config (`GrowthConfig.step_scale`),
-#: wherever the step is searched: training follows every growth here. Measured (BENCHMARKS.md, issue #35): never
-#: behind training at the old width during pretraining (a retrieval plateau and text, 8 seeds; the plateau left at
-#: a median step 275 against 300-337, AUC 0.82x the better of zero and random widening against the full step's
-#: 0.77x), nor behind the original when pretrained models were grown and then trained on new text or pairs
-#: (three models, seven learning-rate regimes, 3 seeds), where the full step fell behind at a high learning rate;
-#: 0.001 nats behind in an eighth, MiniLM grown from 320 pairs (the full step 0.018). With GrowthCallback inside
-#: transformers.Trainer: ahead of the original by 0.037 at 8 layers x 512 on an H100 (the full step behind for 350
-#: steps), within the seed spread at 2 layers x 128 on the CPU but behind on 7 of 8 seeds at lr 3e-3 (the attention
-#: scale folded into the queries, since kept by default; bench_growth_callback.py).
-IN_TRAINING_STEP_SCALE = 0.1
+#: `GrowthConfig` defaults of growth in a training loop, without a config, beside the options for training after
+#: growth (`FOR_TRAINING`: training follows every growth here): a quarter of the (few) statistics batches held out
+#: and no per-layer replays (docstring of `grow_in_training`). Of `FOR_TRAINING`, measured in training loops
+#: (BENCHMARKS.md, issue #35): a tenth of the searched step was never behind training at the old width during
+#: pretraining (a retrieval plateau and text, 8 seeds; the plateau left at a median step 275 against 300-337), and
+#: with GrowthCallback inside transformers.Trainer ahead of the original by 0.037 at 8 layers x 512 on an H100
+#: (the whole step behind for 350 steps); the kept scale put zero widening never behind there on any seed (CPU).
+IN_TRAINING_DEFAULTS = dict(eval_fraction=0.25, measure_realized_gains=False)
 #: The modes whose new weights are solved from statistics (the rest are the baselines). Without a config they
-#: solve from the cross-fitted M where the statistics can have two halves (`_in_training_defaults`): with the scale
-#: kept, ahead of the plain M in the mean in five CPU pretraining settings (8 seeds), level with it and never
-#: behind the original on pretrained models trained on after growth, and the one setting not behind the original
-#: in test loss on MiniLM grown from 320 pairs, where M is mostly noise (BENCHMARKS.md, issue #35).
+#: solve from the cross-fitted M where the statistics can have two halves (`_in_training_defaults`).
 SOLVED_MODES: tuple[str, ...] = ("refactor", "append")
 
 
@@ -108,19 +94,20 @@ def _in_training_defaults(
     processes: Processes,
     device: torch.device,
 ) -> dict[str, Any]:
-    """`grow_in_training`'s `GrowthConfig` defaults: `IN_TRAINING_DEFAULTS`, a tenth of the step where it is
-    searched (`IN_TRAINING_STEP_SCALE`), and for the solved modes ``cross_fit`` where the statistics can have two
-    halves: precomputed ones that hold them, or batches collected here of which the statistics get at least two on
-    some process (or an unknown number: an iterable without ``len``). Every process takes the same decision."""
-    searched = overrides.get("step_size") is None and overrides.get("step_mode") != "coordinate"
-    defaults = {**IN_TRAINING_DEFAULTS, **({"step_scale": IN_TRAINING_STEP_SCALE} if searched else {})}
+    """`grow_in_training`'s `GrowthConfig` defaults: `IN_TRAINING_DEFAULTS` and the options for training after
+    growth (`training_options`), of which the baselines take no ``cross_fit`` and the solved modes take it where the
+    statistics can have two halves: precomputed ones that hold them, or batches collected here of which the
+    statistics get at least two on some process (or an unknown number: an iterable without ``len``). Every process
+    takes the same decision."""
+    defaults = {**IN_TRAINING_DEFAULTS, **training_options(overrides)}
     if mode not in SOLVED_MODES or "cross_fit" in overrides:
-        return defaults
+        return {name: value for name, value in defaults.items() if name != "cross_fit"}
     if statistics is not None:
         halves = statistics.half_gradients is not None
     else:
         count = len(dataloader) if isinstance(dataloader, Sized) else None
-        if count is not None and eval_dataloader is None and searched:  # the last batches are held out
+        searched = "step_scale" in defaults  # a line search, on the last batches when no held-out ones are given
+        if count is not None and eval_dataloader is None and searched:
             count -= held_out_count(count, overrides.get("eval_fraction", IN_TRAINING_DEFAULTS["eval_fraction"]))
         halves = count is None or count >= 2
     if processes.world_size > 1:  # the odd-numbered half needs a second batch on one process at least
@@ -183,15 +170,15 @@ def grow_in_training(
         p: dimensions added per head, in every layer, or ``{layer: p}``; None takes ``config.p`` (default 8,
             for the solved modes).
         config, overrides: the growth options as in `grow_model`. Without a config, this function's defaults
-            differ from `GrowthConfig`'s: ``eval_fraction=0.25``, ``measure_realized_gains=False``,
-            ``step_mode="per_head"``, the simplest candidate of "auto" (a quarter of a few statistics batches can
-            hardly confirm a choice of step mode, and growth during training was measured with it),
-            ``step_scale=0.1`` where the step is searched (`IN_TRAINING_STEP_SCALE`: a tenth of the searched step
-            was never behind training at the old width; BENCHMARKS.md), ``keep_attention_scale=True`` (every
-            mode), and for the solved modes ``cross_fit=True`` where the statistics can have two halves
-            (precomputed statistics collected with ``cross_fit=True``, or at least two statistics batches; M's
-            accumulators are then held twice). Keyword overrides apply on top of them; a config passed is used
-            as it is. A ``budget`` is `grow_model`'s.
+            differ from `GrowthConfig`'s: ``eval_fraction=0.25`` and ``measure_realized_gains=False`` (a quarter
+            of a few statistics batches held out, no per-layer replays), and the options for training after
+            growth (`GrowthConfig.for_training`, `hf_grow.config.FOR_TRAINING`): ``step_scale=0.1`` where the step
+            is searched (a tenth of the searched step was never behind training at the old width; BENCHMARKS.md),
+            ``step_mode="per_head"`` (a quarter of a few batches can hardly confirm a choice of step mode),
+            ``keep_attention_scale=True`` (every mode), and for the solved modes ``cross_fit=True`` where the
+            statistics can have two halves (precomputed statistics collected with ``cross_fit=True``, or at
+            least two statistics batches; M's accumulators are then held twice; otherwise the plain M). Keyword
+            overrides apply on top of them; a config passed is used as it is. A ``budget`` is `grow_model`'s.
         Other arguments as in `grow_model`.
 
     Returns:

@@ -64,7 +64,7 @@ from hf_grow import GrownGPT2Config  # noqa: E402
 
 #: Variants beyond the standard ones: (standard variant, options of `grow_in_training`), named after both.
 #: ``step_scale``: the fraction of the line-searched step taken at each growth (issue #35: a step for the training
-#: after); `grow_in_training` takes a tenth by default (`IN_TRAINING_STEP_SCALE`), the whole step with 1.0.
+#: after); `grow_in_training` takes a tenth by default (`hf_grow.config.FOR_TRAINING`), the whole step with 1.0.
 #: ``keep_attention_scale=False``: the change of attention scale folded into the queries at each growth (the
 #: default keeps every layer's initial scale); ``cross_fit=False``: the solve from all of M, not from what the
 #: statistics' two halves agree on (the default). Both False: the defaults until 2026-11-27.
