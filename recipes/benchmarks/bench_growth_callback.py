@@ -225,6 +225,9 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", type=parse_arm, default=default_arms,
                         help=f"{', '.join(ARMS)} or name={{json GrowthCallback options}}")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="run seeds from this one (more seeds for an earlier run: one thread per run is "
+                        "deterministic)")
     parser.add_argument("--parallel", type=int, default=1, help="processes, each running whole seeds")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is available")
@@ -243,7 +246,7 @@ def main() -> None:
           f"torch {torch.__version__}, hf_grow {hf_grow.__version__}, Python {platform.python_version()}")
     print(f"# {' '.join(sys.argv[1:])}: {settings}", flush=True)
     started = time.perf_counter()
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     if args.parallel > 1:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(args.parallel, mp_context=context) as pool:
