@@ -20,6 +20,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .config import FOR_TRAINING
 from .report import CROSS_FIT_NOTES, REPORT_FILENAME, GrowthReport, load_growth_report
 
 
@@ -108,6 +109,20 @@ def _selection(report: GrowthReport) -> str:
     return f"\n- Candidate: {report.selection_summary()} (`selection` {report.selection}).{table}"
 
 
+def _step_purpose(config: Mapping | None) -> str:
+    """What the step was chosen for, where the options say: training after growth, or the held-out loss now."""
+    if not config:  # reports written before GrowthConfig
+        return ""
+    if all(config.get(name) == value for name, value in FOR_TRAINING.items()):
+        return "; chosen for training after growth (`GrowthConfig.for_training()`, `hf-grow --for-training`)"
+    if config.get("step_size") is None and config.get("step_scale") == 1:
+        return (
+            "; the whole searched step, chosen for the held-out loss now (to train on after growth, "
+            "`GrowthConfig.for_training()` takes a tenth of it: hf_grow's BENCHMARKS.md)"
+        )
+    return ""
+
+
 def _loss(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
@@ -143,6 +158,7 @@ def _card_body(
         if report.budget is not None
         else ""
     )
+    step += _step_purpose(report.config)
     kept = (report.config or {}).get("keep_attention_scale", False)
     scale = (
         "kept at the old widths' (`keep_attention_scale`; the config's `attention_scale_dims`)"

@@ -59,9 +59,16 @@ def test_grow_model_for_training_takes_a_tenth_of_the_cross_fitted_step_and_keep
     assert grown.config.attention_scale_dims == [old_dim] * 2  # the scale kept at the old width's
     (before, _), (after, _) = evaluate_loss(trained_gpt2, held_out), evaluate_loss(grown, held_out)
     assert after < before and report.eval_loss_after == pytest.approx(after, rel=1e-5)
-    grown.save_pretrained(tmp_path)
-    card = str(model_card(tmp_path, base_model="tiny-gpt2"))
+    grown.save_pretrained(tmp_path / "for-training")
+    card = str(model_card(tmp_path / "for-training", base_model="tiny-gpt2"))
     assert "`step_scale`" in card and "`cross_fit`" in card and "`keep_attention_scale`" in card
+    assert "chosen for training after growth (`GrowthConfig.for_training()`" in card
+    # the default's card says its step is the one-shot one, and where the other is
+    one_shot = grow_model(trained_gpt2, statistics_batches, p=8, eval_dataloader=held_out, measure_realized_gains=False)
+    one_shot.save_pretrained(tmp_path / "one-shot")
+    card = str(model_card(tmp_path / "one-shot", base_model="tiny-gpt2"))
+    assert "the whole searched step, chosen for the held-out loss now" in card
+    assert "chosen for training after growth" not in card
 
 
 def _config(*flags: str) -> GrowthConfig:
