@@ -26,6 +26,7 @@ def pair_list():
 
 @pytest.mark.parametrize(
     "step", [pytest.param(["--step-size", "0.01"], id="fixed-step"),
+             pytest.param(["--step-size", "0.01", "--for-training"], id="for-training"),
              pytest.param(["--initial-step-size", "0.01"], id="line-search", marks=pytest.mark.slow)],
 )
 def test_pairs_file_grows_a_sentence_transformer(pair_list, tmp_path, capsys, step):
@@ -44,6 +45,8 @@ def test_pairs_file_grows_a_sentence_transformer(pair_list, tmp_path, capsys, st
         assert report["eval_loss_after"] <= report["eval_loss_before"] and len(report["line_search"]) > 1
     else:
         assert report["step_size"] == 0.01 and report["eval_loss_before"] > 0
+    training = "--for-training" in step  # cross-fitted over the two statistics batches, the scale kept
+    assert report["cross_fit"] is training and report["config"]["keep_attention_scale"] is training
     loaded = sentence_transformers.SentenceTransformer(str(output), device="cpu")
     assert isinstance(loaded[0].model, hf_grow.GrownBertModel) and loaded[0].model.config.qk_head_dims == [40] * 6
     assert loaded.max_seq_length == 32 and (output / "1_Pooling").is_dir() and (output / "2_Normalize").is_dir()
