@@ -19,6 +19,9 @@ every ``--eval-every`` steps on fixed windows of other modules. Arms (``--arms``
 - ``wide``: trained at the grown width from the start (a reference; its initialisation differs);
 - ``restart``: no growth, but at ``--grow-at`` the Q/K entries' optimizer moments restart at zero, as growth in
   mode "refactor" restarts them (a diagnostic: what the restart alone does);
+- ``append-query-init``: the defaults in mode "append", then each head's new query dims scaled to the norm of a
+  random initialisation and its new key dims by the inverse (the same function; a diagnostic of the balanced
+  split of the new dims);
 - ``name={json}``: `GrowthCallback` with these keyword arguments, e.g. ``'step0={"step_size": 0.0}'`` (refactored
   at step 0: the old function, its Q/K and their optimizer moments made anew) or ``'append={"mode": "append"}'``.
 
@@ -52,6 +55,7 @@ from transformers.utils import logging as transformers_logging
 import hf_grow
 from hf_grow import GrowthCallback, GrownGPT2Config, GrownGPT2LMHeadModel, resize_qk_
 from hf_grow.adapters import get_adapter
+from hf_grow.growth import write_weights
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from grow_with_trainer import byte_windows  # noqa: E402
@@ -69,7 +73,8 @@ FOLDED = dict(cross_fit=False, keep_attention_scale=False)
 ARMS = {"original": None, "wide": None, "restart": None, "default": {}, "previous-default": FOLDED,
         "whole": dict(FOLDED, step_scale=1.0), "keep": dict(FOLDED, keep_attention_scale=True),
         "zero": dict(mode="zero", keep_attention_scale=False),
-        "zero-keep": dict(mode="zero", keep_attention_scale=True)}
+        "zero-keep": dict(mode="zero", keep_attention_scale=True),
+        "append-query-init": dict(mode="append")}
 
 
 class MomentRestart(TrainerCallback):
@@ -85,6 +90,32 @@ class MomentRestart(TrainerCallback):
             weights = {layer: adapter.read_qk(attention) for layer, attention in
                        enumerate(adapter.attention_modules(model))}
             resize_qk_(model, weights, optimizer, keep_moments=False)
+
+
+class QueryInitSplit(TrainerCallback):
+    """The ``append-query-init`` arm (a diagnostic of the split of the new dims, issue #35): right after the
+    growth at step ``at``, each head's p new query dims are scaled by c and its new key dims by 1/c (the function
+    unchanged; their optimizer moments are still zero), c such that the new query dims have the norm of a random
+    initialisation with standard deviation ``std``, as zero widening's: the balanced split made unbalanced."""
+
+    def __init__(self, at: int, p: int, std: float):
+        self.at, self.p, self.std = at, p, std
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step != self.at:
+            return
+        adapter = get_adapter(model)
+        weights = {}
+        with torch.no_grad():
+            for layer, attention in enumerate(adapter.attention_modules(model)):
+                query, key = (weight.clone() for weight in adapter.read_qk(attention))
+                new_query = query[..., -self.p:]
+                target = self.std * (new_query.shape[1] * self.p) ** 0.5
+                scale = (target / new_query.flatten(1).norm(dim=1).clamp_min(1e-30)).view(-1, 1, 1)
+                query[..., -self.p:] = new_query * scale
+                key[..., -self.p:] = key[..., -self.p:] / scale
+                weights[layer] = (query, key)
+        write_weights(adapter, model, weights)
 
 
 def parse_arm(text: str) -> tuple[str, dict | None]:
@@ -138,6 +169,8 @@ def run_arm(arm: str, options: dict | None, seed: int, settings: dict) -> dict:
         if options is not None:
             growth = GrowthCallback({settings["grow_at"]: settings["p"]}, seed=seed, trainer=trainer, **options)
             trainer.add_callback(growth)
+        if arm == "append-query-init":  # after the growth's callback: the new dims it wrote
+            trainer.add_callback(QueryInitSplit(settings["grow_at"], settings["p"], config.initializer_range))
         started = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - started
