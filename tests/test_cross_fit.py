@@ -220,6 +220,7 @@ def test_growth_in_training_cross_fits_by_default_where_the_statistics_can_have_
     assert not in_training(data["stats"][:1])[1].cross_fit  # one batch: no second half
     # Without held-out batches the last quarter (at least one) is held out: of two batches one is left.
     assert not in_training(data["stats"][:2], eval_dataloader=None)[1].cross_fit
+    assert not in_training(data["stats"][:2], eval_dataloader=None, step_mode="coordinate")[1].cross_fit  # as well
     assert not in_training(data["stats"], cross_fit=False)[1].cross_fit
     with pytest.raises(ValueError, match="leave cross_fit off"):  # one batch from an iterable of unknown length
         in_training(iter(data["stats"][:1]))

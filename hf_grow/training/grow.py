@@ -106,8 +106,8 @@ def _in_training_defaults(
         halves = statistics.half_gradients is not None
     else:
         count = len(dataloader) if isinstance(dataloader, Sized) else None
-        searched = "step_scale" in defaults  # a line search, on the last batches when no held-out ones are given
-        if count is not None and eval_dataloader is None and searched:
+        # without held-out batches, every search (coordinate steps too) holds out the last ones (`split_batches`)
+        if count is not None and eval_dataloader is None and overrides.get("step_size") is None:
             count -= held_out_count(count, overrides.get("eval_fraction", IN_TRAINING_DEFAULTS["eval_fraction"]))
         halves = count is None or count >= 2
     if processes.world_size > 1:  # the odd-numbered half needs a second batch on one process at least
