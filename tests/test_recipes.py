@@ -203,3 +203,26 @@ def test_bench_growth_callback_trains_every_arm_alike_and_grows_through_the_trai
     assert results["original"]["losses"][12] < results["original"]["losses"][3]  # it trains
     text = table(list(results.values()), settings)
     assert "| zero | +0.0000 ± 0.0000 (0/1)" in text and "| whole | 0 |" in text
+
+
+def test_bench_growth_callback_diagnostics_change_only_what_they_name():
+    """The probe measures without changing training (one thread: the same losses to the last digit); a learning
+    rate of the new dims at 1x trains as the plain arm, at 0x leaves the new dims where the growth put them; the
+    probe sees the new dims move in the first and not in the second."""
+    from bench_growth_callback import PRESETS, parse_arm, run_seed, table
+
+    settings = {**PRESETS["cpu"], "n_embd": 32, "n_head": 2, "seq_len": 32, "batch_size": 4, "steps": 12,
+                "grow_at": 3, "eval_every": 3, "eval_windows": 8, "threads": 1, "cpu": True, "probe": False}
+    arms = ['append={"mode": "append"}', 'lr1={"mode": "append", "new_dims_lr": 1.0}',
+            'frozen={"mode": "append", "new_dims_lr": 0.0}']
+    settings["arms"] = dict(parse_arm(arm) for arm in arms)
+    plain = {r["arm"]: r for r in run_seed(0, settings)}
+    probed = {r["arm"]: r for r in run_seed(0, {**settings, "probe": True})}
+    assert probed["append"]["losses"] == plain["append"]["losses"]
+    assert plain["lr1"]["losses"] == plain["append"]["losses"]
+    assert plain["frozen"]["losses"][12] != plain["append"]["losses"][12]
+    moving, frozen = probed["append"]["probe"]["2-10"], probed["frozen"]["probe"]["2-10"]
+    assert moving["step_q_new"] > 0.01 and moving["score_rate"] > 0 and 0 < moving["gain_q_new"]
+    assert frozen["step_q_new"] == 0 and frozen["step_k_new"] == 0 and frozen["score_rate"] == 0
+    assert frozen["step_q_old"] > 0.01  # the old dims still train
+    assert "| frozen | 2-10 |" in table(list(probed.values()), settings)

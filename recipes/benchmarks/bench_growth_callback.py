@@ -23,7 +23,12 @@ every ``--eval-every`` steps on fixed windows of other modules. Arms (``--arms``
   random initialisation and its new key dims by the inverse (the same function; a diagnostic of the balanced
   split of the new dims);
 - ``name={json}``: `GrowthCallback` with these keyword arguments, e.g. ``'step0={"step_size": 0.0}'`` (refactored
-  at step 0: the old function, its Q/K and their optimizer moments made anew) or ``'append={"mode": "append"}'``.
+  at step 0: the old function, its Q/K and their optimizer moments made anew) or ``'append={"mode": "append"}'``;
+  one more key is the benchmark's own: ``"new_dims_lr": f`` trains the new dims after the growth at f times the
+  learning rate (a diagnostic; modes "append" and "zero", whose new dims are the last p of each head).
+
+``--probe`` measures, for 150 steps after the growth, the optimizer's updates of the old and new Q/K dims and the
+rate at which the new dims' scores change (callback_diagnostics.UpdateProbe; the losses are unchanged).
 
 Every arm of a seed starts from the same initialisation and sees the same batches in the same order (the
 Trainer's seed; the callback draws its own batches from a generator of its own). Differences to the original are
@@ -56,7 +61,7 @@ import hf_grow
 from hf_grow import GrowthCallback, GrownGPT2Config, GrownGPT2LMHeadModel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from callback_diagnostics import MomentRestart, QueryInitSplit  # noqa: E402
+from callback_diagnostics import MomentRestart, NewDimsLR, QueryInitSplit, UpdateProbe  # noqa: E402
 from grow_with_trainer import byte_windows  # noqa: E402
 from sentence_pairs import stdlib_files  # noqa: E402
 
@@ -121,12 +126,19 @@ def run_arm(arm: str, options: dict | None, seed: int, settings: dict) -> dict:
         held_out = byte_windows(held_out_files, settings["eval_windows"], settings["seq_len"], seed=1)
         trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out)
         trainer.remove_callback(PrinterCallback)  # the losses are the table's
-        growth = None
+        growth = probe = None
         if arm == "restart":
             trainer.add_callback(MomentRestart(settings["grow_at"]))
         if options is not None:
+            options = dict(options)
+            new_dims_lr = options.pop("new_dims_lr", None)
             growth = GrowthCallback({settings["grow_at"]: settings["p"]}, seed=seed, trainer=trainer, **options)
             trainer.add_callback(growth)
+            if new_dims_lr is not None:
+                trainer.add_callback(NewDimsLR(settings["grow_at"], settings["p"], new_dims_lr))
+            if settings.get("probe"):  # after NewDimsLR: it measures the updates as applied
+                probe = UpdateProbe(settings["grow_at"], settings["p"])
+                trainer.add_callback(probe)
         if arm == "append-query-init":  # after the growth's callback: the new dims it wrote
             trainer.add_callback(QueryInitSplit(settings["grow_at"], settings["p"], config.initializer_range))
         started = time.perf_counter()
@@ -134,6 +146,8 @@ def run_arm(arm: str, options: dict | None, seed: int, settings: dict) -> dict:
         seconds = time.perf_counter() - started
     losses = {entry["step"]: entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry}
     result = dict(arm=arm, seed=seed, losses=losses, seconds=seconds, qk_head_dims=list(model.config.qk_head_dims))
+    if probe is not None:
+        result["probe"] = probe.summary()
     report = None if growth is None else growth.reports.get(settings["grow_at"])
     if report is not None:
         result.update(step_size=report.step_size, growth_loss=[report.eval_loss_before, report.eval_loss_after],
@@ -167,6 +181,20 @@ def spread(values: list[float], digits: int = 4) -> str:
     return f"{pystats.fmean(values):+.{digits}f} ± {std:.{digits}f}"
 
 
+def probe_table(results: list[dict], arms: list[str]) -> str:
+    """UpdateProbe's measures per arm and window of steps after the growth, mean over seeds."""
+    runs = {arm: [r["probe"] for r in results if r["arm"] == arm and "probe" in r] for arm in arms}
+    windows = list(next(iter(runs.values()))[0])
+    measures = list(next(iter(runs.values()))[0][windows[0]])
+    lines = ["Updates after the growth (UpdateProbe; mean over layers, steps of the window and seeds):", "",
+             "| arm | steps | " + " | ".join(measures) + " |", "|---" * (len(measures) + 2) + "|"]
+    for arm, probes in runs.items():
+        for window in windows:
+            cells = [f"{pystats.fmean(probe[window][name] for probe in probes):.3g}" for name in measures]
+            lines.append(f"| {arm} | {window} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(results: list[dict], settings: dict) -> str:
     """Held-out loss per arm (mean over seeds) at each evaluation, then each arm's paired difference to the
     original, with the seeds behind it; the growth's step and held-out losses."""
@@ -198,6 +226,9 @@ def table(results: list[dict], settings: dict) -> str:
         worst = max(range(len(after)), key=lambda index: means[index])
         cells += [spread(areas), f"{means[worst]:+.4f} (@{after[worst]})"]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    probed = [arm for arm in arms if any("probe" in r for r in results if r["arm"] == arm)]
+    if probed:
+        lines += ["", probe_table(results, probed)]
     growths = [r for r in results if "step_size" in r]
     if growths:
         lines += ["", "| arm | seed | step | growth's held-out loss before -> after | growth seconds |",
@@ -223,12 +254,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is available")
     parser.add_argument("--json", default=None, help="write every run's losses here")
+    parser.add_argument("--probe", action="store_true",
+                        help="measure the Q/K updates after the growth (UpdateProbe; printed, and in --json)")
     for name, value in PRESETS["cpu"].items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
     args = parser.parse_args()
     given = {name: value for name, value in vars(args).items() if name in PRESETS["cpu"] and value is not None}
     settings = {**PRESETS[args.preset], **given}
-    settings.update(arms=dict(args.arms), threads=args.threads, cpu=args.cpu)
+    settings.update(arms=dict(args.arms), threads=args.threads, cpu=args.cpu, probe=args.probe)
     if not 0 < settings["grow_at"] < settings["steps"]:
         parser.error("--grow-at must fall within the training steps")
     cuda = torch.cuda.is_available() and not args.cpu
