@@ -103,6 +103,7 @@ class UpdateProbe(TrainerCallback):
       norms over all query/key positions of ``sequences`` training sequences, per head, mean over heads), on the
       attention inputs X of the first step after the growth, kept fixed;
     - ``score_rate``: the change per step of the new dims' scores, relative to the old dims' scores.
+    - ``score_share_now``: ``score_share`` on the step's own training sequences (the inputs as they are now);
     - ``size_q_new``, ``size_k_new``: the new dims' norm per dim relative to the old dims' (per head);
     - ``gain_q_new``, ``gain_k_new``: ||X'W||² / ||W||² of the new dims relative to the old dims' (per head): below
       1, the new dims' weight lies in directions where the data varies less than where the old dims' lies.
@@ -112,29 +113,32 @@ class UpdateProbe(TrainerCallback):
         self.at, self.p, self.sequences = at, p, sequences
         self.before = None
         self.inputs: dict[int, torch.Tensor] = {}
+        self.current: dict[int, torch.Tensor] = {}
+        self.handles: list = []
         self.rows: dict[int, dict[str, float]] = {}
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if state.global_step != self.at:
             return
         adapter = get_adapter(model)
-        handles = {}
 
         def keep(layer: int, inputs: tuple) -> None:
             x = inputs[0][: self.sequences].detach().to(torch.float64)
-            self.inputs[layer] = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-            handles.pop(layer).remove()
+            self.current[layer] = torch.cat([x, torch.ones_like(x[..., :1])], -1)
+            self.inputs.setdefault(layer, self.current[layer])
 
-        for layer, attention in enumerate(adapter.attention_modules(model)):
-            handles[layer] = adapter.qk_input_module(attention).register_forward_pre_hook(
+        self.handles = [
+            adapter.qk_input_module(attention).register_forward_pre_hook(
                 lambda module, inputs, layer=layer: keep(layer, inputs))
+            for layer, attention in enumerate(adapter.attention_modules(model))
+        ]
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         after_growth = self.at <= state.global_step < self.at + PROBE_WINDOWS[-1][1]
         self.before = _split_qk(model, self.p) if after_growth else None
 
-    def _scores(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        x = self.inputs[layer][..., : query.shape[1]]  # architectures without Q/K biases: no ones column
+    def _scores(self, layer: int, query: torch.Tensor, key: torch.Tensor, now: bool = False) -> torch.Tensor:
+        x = (self.current if now else self.inputs)[layer][..., : query.shape[1]]  # no Q/K biases: no ones column
         scores = torch.einsum("btd,hdk->hbtk", x, query) @ torch.einsum("bsd,hdk->hbks", x, key)
         return scores.flatten(1)
 
@@ -158,11 +162,16 @@ class UpdateProbe(TrainerCallback):
             new_before, new_after = self._scores(layer, before[1], before[3]), self._scores(layer, after[1], after[3])
             row["score_share"] = (new_after.norm(dim=1) / old_scores).mean().item()
             row["score_rate"] = ((new_after - new_before).norm(dim=1) / old_scores).mean().item()
+            now = self._scores(layer, after[1], after[3], now=True).norm(dim=1)
+            row["score_share_now"] = (now / self._scores(layer, after[0], after[2], now=True).norm(dim=1)).mean().item()
             for name, (old, new) in (("q", (after[0], after[1])), ("k", (after[2], after[3]))):
                 old_norm, new_norm = old.flatten(1).norm(dim=1), new.flatten(1).norm(dim=1)
                 row[f"size_{name}_new"] = (new_norm / old_norm).mean().item() * (old.shape[-1] / new.shape[-1]) ** 0.5
                 row[f"gain_{name}_new"] = (self._gain(layer, new) / self._gain(layer, old)).mean().item()
             per_layer.append(row)
+        if state.global_step + 1 - self.at == PROBE_WINDOWS[-1][1]:
+            for handle in self.handles:
+                handle.remove()
         self.rows[state.global_step + 1 - self.at] = {
             name: sum(row[name] for row in per_layer) / len(per_layer) for name in per_layer[0]}
 
