@@ -225,4 +225,9 @@ def test_bench_growth_callback_diagnostics_change_only_what_they_name():
     assert moving["step_q_new"] > 0.01 and moving["score_rate"] > 0 and 0 < moving["gain_q_new"]
     assert frozen["step_q_new"] == 0 and frozen["step_k_new"] == 0 and frozen["score_rate"] == 0
     assert frozen["step_q_old"] > 0.01  # the old dims still train
+    # frozen new dims on the inputs fixed at the growth: their scores move only with the old dims' (the ratio's
+    # denominator); on each step's own inputs they differ
+    first = probed["frozen"]["probe"]["1-1"]
+    assert first["score_share"] == pytest.approx(first["score_share_now"])
+    assert frozen["score_share_now"] != pytest.approx(frozen["score_share"], rel=1e-3)
     assert "| frozen | 2-10 |" in table(list(probed.values()), settings)
