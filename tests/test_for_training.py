@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from hf_grow import GrowthConfig, evaluate_loss, grow_in_training, grow_model, model_card, to_grown_model
+from hf_grow.adapters import get_adapter
+from hf_grow.training import DEFAULT_MODE
 from hf_grow.cli import build_parser
 from hf_grow.cli.checks import _growth_config
 from hf_grow.config import FOR_TRAINING
@@ -41,8 +43,67 @@ def test_growth_in_training_defaults_to_the_options_for_training(trained_gpt2, s
     beside its own held-out quarter and no per-layer replays."""
     batches = lm_batches(stdlib_bytes["stats"], 8, batch_size=8, seed=71)
     report = grow_in_training(to_grown_model(copy.deepcopy(trained_gpt2)), None, batches, p=8)
-    expected = GrowthConfig.for_training(p=8, eval_fraction=0.25, measure_realized_gains=False)
+    expected = GrowthConfig.for_training(p=8, eval_fraction=0.25, measure_realized_gains=False, rtol=1e-3)
     assert report.config == expected.to_dict()
+
+
+def test_growth_in_training_appends_by_default(trained_gpt2, stdlib_bytes):
+    """Without a mode, growth in a training loop appends (`DEFAULT_MODE`): every old query/key weight is kept bit
+    for bit (each layer's scale kept) and p solved dims follow them in each head; mode="refactor" rewrites them."""
+    batches = lm_batches(stdlib_bytes["stats"], 8, batch_size=8, seed=71)
+    adapter = get_adapter(trained_gpt2)
+    before = [adapter.read_qk(attention) for attention in adapter.attention_modules(trained_gpt2)]
+    grown = {}
+    for mode in (None, "refactor"):
+        model = to_grown_model(copy.deepcopy(trained_gpt2))
+        grow_in_training(model, None, batches, p=8, **({} if mode is None else {"mode": mode}))
+        grown[mode] = [adapter.read_qk(attention) for attention in adapter.attention_modules(model)]
+    assert DEFAULT_MODE == "append"
+    for (query, key), (old_query, old_key) in zip(grown[None], before):
+        assert query.shape[-1] == old_query.shape[-1] + 8
+        assert torch.equal(query[..., :-8], old_query) and torch.equal(key[..., :-8], old_key)
+        assert query[..., -8:].abs().amax() > 0
+    assert not torch.equal(grown["refactor"][0][0][..., :-8], before[0][0])
+
+
+def test_growth_in_training_puts_the_new_dims_where_the_inputs_vary(trained_gpt2, stdlib_bytes):
+    """Growth in a training loop drops C's eigenvalues below a thousandth of the largest (``rtol=1e-3``): its
+    new dims hold no large weight in directions the inputs hardly vary in (which pretraining then fills, issue
+    #35). Against C's tolerance 1e-6: the appended query dims are no longer several times the old dims' size per
+    dim, and the share of their weight that the inputs see, ||X'W||^2 / ||W||^2 relative to the old dims', is
+    larger in every head."""
+    batches = lm_batches(stdlib_bytes["stats"], 8, batch_size=8, seed=71)
+    probe = lm_batches(stdlib_bytes["test"], 1, batch_size=8, seed=5)[0]["input_ids"]
+    sizes, gains = {}, {}
+    for rtol in (None, 1e-6):
+        model = to_grown_model(copy.deepcopy(trained_gpt2))
+        report = grow_in_training(model, None, batches, p=8, mode="append", **({} if rtol is None else {"rtol": rtol}))
+        assert report.config["rtol"] == (rtol or 1e-3)
+        adapter = get_adapter(model)
+        attentions = adapter.attention_modules(model)
+        inputs = {}
+        hooks = [adapter.qk_input_module(attention).register_forward_pre_hook(
+            lambda module, args, layer=layer: inputs.setdefault(layer, args[0])) for layer, attention in
+            enumerate(attentions)]
+        with torch.no_grad():
+            model(input_ids=probe)
+        for hook in hooks:
+            hook.remove()
+        size, gain = [], []
+        for layer, attention in enumerate(attentions):
+            query, _ = adapter.read_qk(attention)
+            x = inputs[layer].flatten(0, 1).double()
+            x = torch.cat([x, torch.ones_like(x[:, :1])], -1)
+
+            def seen(weight):
+                return (x @ weight).square().sum((-2, -1)) / weight.square().sum((-2, -1))
+
+            old, new = query[..., :-8], query[..., -8:]
+            size.append(new.flatten(1).norm(dim=1) / old.flatten(1).norm(dim=1) * (old.shape[-1] / 8) ** 0.5)
+            gain.append(seen(new) / seen(old))
+        sizes[rtol], gains[rtol] = torch.cat(size), torch.cat(gain)
+    assert sizes[None].max() < 2 < 5 < sizes[1e-6].max()
+    assert (gains[None] > 1.3 * gains[1e-6]).all()
 
 
 def test_grow_model_for_training_takes_a_tenth_of_the_cross_fitted_step_and_keeps_the_scale(trained_gpt2,

@@ -182,7 +182,8 @@ def test_bench_growth_callback_trains_every_arm_alike_and_grows_through_the_trai
     arm with the original by seed."""
     from bench_growth_callback import PRESETS, parse_arm, run_seed, table
 
-    assert parse_arm("whole") == ("whole", {"step_scale": 1.0, "cross_fit": False, "keep_attention_scale": False})
+    assert parse_arm("whole") == ("whole", {"mode": "refactor", "step_scale": 1.0, "cross_fit": False,
+                                            "keep_attention_scale": False, "rtol": 1e-6})
     assert parse_arm('step0={"step_size": 0.0}') == ("step0", {"step_size": 0.0})
     with pytest.raises(Exception, match="name=\\{json options\\}"):
         parse_arm("halfway")

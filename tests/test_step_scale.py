@@ -93,7 +93,7 @@ def test_growth_in_training_takes_a_tenth_of_the_searched_step_by_default(traine
     assert FOR_TRAINING["step_scale"] == 0.1 and default.searched_step_size > 0
     assert default.step_size == pytest.approx(0.1 * default.searched_step_size, rel=1e-12)
     assert in_training(step_size=0.05).step_size == 0.05  # no fraction of a given step
-    whole = in_training(config=GrowthConfig(p=8, eval_fraction=0.25, measure_realized_gains=False,
+    whole = in_training(config=GrowthConfig(p=8, eval_fraction=0.25, measure_realized_gains=False, rtol=1e-3,
                                             step_mode="per_head", keep_attention_scale=True, cross_fit=True))
     assert whole.searched_step_size is None and whole.step_size == default.searched_step_size
 

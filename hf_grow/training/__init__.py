@@ -12,9 +12,9 @@ Growth modes (the first two solved from the loss statistics, the last two baseli
 
 - ``"refactor"``: every Q/K weight becomes the rank-(d_k + p) truncation of Z - lam P (`grow_model`'s solve);
   their optimizer moments are reset to zero, since no old entry keeps its meaning.
-- ``"append"``: the old Q/K weights are kept (the change of attention scale folded into the queries) and the
-  p new dimensions hold the best rank-p approximation of the step -lam P in the metric of C; the moments of
-  the old entries are kept (the queries' rescaled by the same fold, the keys' bit for bit).
+- ``"append"`` (the default): the old Q/K weights are kept (with ``keep_attention_scale=False`` the change of
+  attention scale is folded into the queries) and the p new dimensions hold the best rank-p approximation of the
+  step -lam P in the metric of C; the moments of the old entries are kept (the queries' rescaled by a fold).
 - ``"zero"``: plain function-preserving widening: new query dims random (``init_std``), new key dims zero.
 - ``"random"``: new query and key dims both random (``init_std``): not function-preserving.
 
@@ -23,8 +23,10 @@ usual update size for their first ~1/(1 - beta2) steps (the bias correction assu
 ``new_moments="head_mean"`` avoids that; it measured no better on the plateau task, and worse inside
 `transformers.Trainer` (BENCHMARKS.md), so it is not the default.
 
-The default ``mode="refactor"`` is what measured best on a retrieval task whose training stalls on a plateau
-(`recipes/benchmarks/bench_bottleneck.py`, BENCHMARKS.md).
+The default ``mode="append"`` (since 2026-11-27; before, ``"refactor"``) is what measured best in language-model
+pretraining with `GrowthCallback` (ahead of the original in every setting measured, without the dip after the
+growth that refactor showed); ``"refactor"`` left a retrieval plateau earlier (`recipes/benchmarks/bench_bottleneck.py`,
+`recipes/benchmarks/bench_growth_callback.py`, BENCHMARKS.md).
 """
 
 from .callback import GrowthCallback

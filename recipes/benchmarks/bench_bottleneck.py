@@ -73,13 +73,13 @@ OPTION_VARIANTS = [
     ("grown-append", {"new_moments": "head_mean"}),
     ("grown-refactor", {"step_scale": 1.0}),
     ("grown-refactor", {"step_scale": 0.25}),
-    ("grown-refactor", {"cross_fit": False, "keep_attention_scale": False}),
+    ("grown-refactor", {"cross_fit": False, "keep_attention_scale": False, "rtol": 1e-6}),
     ("grown-refactor", {"cross_fit": False}),
     ("grown-refactor", {"keep_attention_scale": False}),
-    ("grown-append", {"cross_fit": False, "keep_attention_scale": False}),
+    ("grown-append", {"cross_fit": False, "keep_attention_scale": False, "rtol": 1e-6}),
     ("zero", {"keep_attention_scale": False}),
-    ("grown-refactor", {"rtol": 1e-3}),
-    ("grown-append", {"rtol": 1e-3}),
+    ("grown-refactor", {"rtol": 1e-6}),
+    ("grown-append", {"rtol": 1e-6}),
 ]
 PRESETS = {
     "cpu": dict(

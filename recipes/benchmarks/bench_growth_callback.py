@@ -8,10 +8,12 @@ takes, where the Trainer's default is 0.999), a cosine schedule after a warm-up,
 every ``--eval-every`` steps on fixed windows of other modules. Arms (``--arms``):
 
 - ``original``: no growth, the old query/key width throughout;
-- ``default``: `GrowthCallback`'s defaults (refactor, steps per head, a tenth of the searched step, M
-  cross-fitted, each layer's old attention scale kept);
-- ``previous-default``: the defaults until 2026-11-27: no cross-fitting, the change of attention scale folded
-  into the queries (``cross_fit=False, keep_attention_scale=False``);
+- ``default``: `GrowthCallback`'s defaults (mode "append", steps per head, a tenth of the searched step, M
+  cross-fitted, each layer's old attention scale kept, C's eigenvalues below 1e-3 of the largest dropped);
+- ``refactor``: the defaults in mode "refactor"; ``refactor-rtol-1e-6``: with C's tolerance 1e-6 too (the
+  defaults from the morning of 2026-11-27 until the evening: mode "refactor", ``rtol=1e-6``);
+- ``previous-default``: the defaults before those of 2026-11-27: refactor, no cross-fitting, the change of
+  attention scale folded into the queries, C's tolerance 1e-6 (``cross_fit=False, keep_attention_scale=False``);
 - ``whole``: ``previous-default`` with the whole searched step (``step_scale=1.0``);
 - ``keep``: ``previous-default`` with the scale kept (``keep_attention_scale=True``);
 - ``zero``, ``zero-keep``: `GrowthCallback(mode="zero")` at ``--grow-at`` (the same function, new dims at zero),
@@ -19,9 +21,9 @@ every ``--eval-every`` steps on fixed windows of other modules. Arms (``--arms``
 - ``wide``: trained at the grown width from the start (a reference; its initialisation differs);
 - ``restart``: no growth, but at ``--grow-at`` the Q/K entries' optimizer moments restart at zero, as growth in
   mode "refactor" restarts them (a diagnostic: what the restart alone does);
-- ``append-query-init``: the defaults in mode "append", then each head's new query dims scaled to the norm of a
-  random initialisation and its new key dims by the inverse (the same function; a diagnostic of the balanced
-  split of the new dims);
+- ``append-query-init``: the defaults with C's tolerance 1e-6 (as measured), then each head's
+  new query dims scaled to the norm of a random initialisation and its new key dims by the inverse (the same
+  function; a diagnostic of the balanced split of the new dims);
 - ``name={json}``: `GrowthCallback` with these keyword arguments, e.g. ``'step0={"step_size": 0.0}'`` (refactored
   at step 0: the old function, its Q/K and their optimizer moments made anew) or ``'append={"mode": "append"}'``;
   one more key is the benchmark's own: ``"new_dims_lr": f`` trains the new dims after the growth at f times the
@@ -73,12 +75,14 @@ PRESETS = {
 }
 #: The named arms' `GrowthCallback` options (None: no callback).
 #: Every arm but ``default`` names the options it was measured with, so that it keeps its meaning when defaults change.
-FOLDED = dict(cross_fit=False, keep_attention_scale=False)
+FOLDED = dict(mode="refactor", cross_fit=False, keep_attention_scale=False, rtol=1e-6)
 ARMS = {"original": None, "wide": None, "restart": None, "default": {}, "previous-default": FOLDED,
-        "whole": dict(FOLDED, step_scale=1.0), "keep": dict(FOLDED, keep_attention_scale=True),
+        "refactor": dict(mode="refactor"), "refactor-rtol-1e-6": dict(mode="refactor", rtol=1e-6),
+        "whole": dict(FOLDED, step_scale=1.0),
+        "keep": dict(FOLDED, keep_attention_scale=True),
         "zero": dict(mode="zero", keep_attention_scale=False),
         "zero-keep": dict(mode="zero", keep_attention_scale=True),
-        "append-query-init": dict(mode="append")}
+        "append-query-init": dict(mode="append", rtol=1e-6)}
 
 
 def parse_arm(text: str) -> tuple[str, dict | None]:
