@@ -14,7 +14,7 @@ Growth modes (the first two solved from the loss statistics, the last two baseli
   their optimizer moments are reset to zero, since no old entry keeps its meaning.
 - ``"append"`` (the default): the old Q/K weights are kept (with ``keep_attention_scale=False`` the change of
   attention scale is folded into the queries) and the p new dimensions hold the best rank-p approximation of the
-  step -lam P in the metric of C; the moments of the old entries are kept (the queries' rescaled by a fold).
+  step -lam P in the metric of C; the moments of the old entries are kept (the queries' rescaled where folded).
 - ``"zero"``: plain function-preserving widening: new query dims random (``init_std``), new key dims zero.
 - ``"random"``: new query and key dims both random (``init_std``): not function-preserving.
 

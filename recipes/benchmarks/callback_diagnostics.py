@@ -102,7 +102,7 @@ class UpdateProbe(TrainerCallback):
     - ``score_share``: the new dims' pre-softmax scores (X'Q_new)(X'K_new)ᵀ relative to the old dims' (Frobenius
       norms over all query/key positions of ``sequences`` training sequences, per head, mean over heads), on the
       attention inputs X of the first step after the growth, kept fixed;
-    - ``score_rate``: the change per step of the new dims' scores, relative to the old dims' scores.
+    - ``score_rate``: the change per step of the new dims' scores, relative to the old dims' scores;
     - ``score_share_now``: ``score_share`` on the step's own training sequences (the inputs as they are now);
     - ``size_q_new``, ``size_k_new``: the new dims' norm per dim relative to the old dims' (per head);
     - ``gain_q_new``, ``gain_k_new``: ||X'W||² / ||W||² of the new dims relative to the old dims' (per head): below
