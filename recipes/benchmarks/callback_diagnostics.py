@@ -88,6 +88,22 @@ class NewDimsLR(TrainerCallback):
         write_weights(adapter, model, weights)
 
 
+def _project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """X'W per head, (heads, sequences, positions, dims), for ``inputs`` X' (sequences, positions, d) and ``weight``
+    (heads, d or d - 1, dims): architectures without Q/K biases have no ones column."""
+    return torch.einsum("btd,hdk->hbtk", inputs[..., : weight.shape[1]], weight)
+
+
+def _score_norms(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Per head, the Frobenius norm of the pre-softmax scores (X'Q)(X'K)^T of projected queries and keys."""
+    return (query @ key.mT).flatten(1).norm(dim=1)
+
+
+def _gain(projected: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per head, ||X'W||^2 / ||W||^2 from X'W: how much of the data's variance the weight's dims see."""
+    return projected.flatten(1).square().sum(1) / weight.flatten(1).square().sum(1)
+
+
 #: UpdateProbe's windows of optimizer steps after the growth (first and last, inclusive).
 PROBE_WINDOWS = ((1, 1), (2, 10), (11, 50), (51, 150))
 
@@ -137,16 +153,6 @@ class UpdateProbe(TrainerCallback):
         after_growth = self.at <= state.global_step < self.at + PROBE_WINDOWS[-1][1]
         self.before = _split_qk(model, self.p) if after_growth else None
 
-    def _scores(self, layer: int, query: torch.Tensor, key: torch.Tensor, now: bool = False) -> torch.Tensor:
-        x = (self.current if now else self.inputs)[layer][..., : query.shape[1]]  # no Q/K biases: no ones column
-        scores = torch.einsum("btd,hdk->hbtk", x, query) @ torch.einsum("bsd,hdk->hbks", x, key)
-        return scores.flatten(1)
-
-    def _gain(self, layer: int, weight: torch.Tensor) -> torch.Tensor:
-        """Per head, ||X' W||^2 / ||W||^2: how much of the data's variance the weight's dims see."""
-        x = self.inputs[layer][..., : weight.shape[1]]
-        return torch.einsum("btd,hdk->hbtk", x, weight).flatten(1).square().sum(1) / weight.flatten(1).square().sum(1)
-
     def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.before is None:
             return
@@ -158,16 +164,18 @@ class UpdateProbe(TrainerCallback):
             for name, index in (("q_new", 1), ("k_new", 3)):
                 norm = before[index].norm().item()
                 row[f"rel_{name}"] = (after[index] - before[index]).norm().item() / norm if norm else float("nan")
-            old_scores = self._scores(layer, after[0], after[2]).norm(dim=1)
-            new_before, new_after = self._scores(layer, before[1], before[3]), self._scores(layer, after[1], after[3])
-            row["score_share"] = (new_after.norm(dim=1) / old_scores).mean().item()
-            row["score_rate"] = ((new_after - new_before).norm(dim=1) / old_scores).mean().item()
-            now = self._scores(layer, after[1], after[3], now=True).norm(dim=1)
-            row["score_share_now"] = (now / self._scores(layer, after[0], after[2], now=True).norm(dim=1)).mean().item()
-            for name, (old, new) in (("q", (after[0], after[1])), ("k", (after[2], after[3]))):
+            q_old, q_new, k_old, k_new = (_project(self.inputs[layer], weight) for weight in after)
+            old_scores = _score_norms(q_old, k_old)
+            new_before = _project(self.inputs[layer], before[1]) @ _project(self.inputs[layer], before[3]).mT
+            row["score_share"] = (_score_norms(q_new, k_new) / old_scores).mean().item()
+            row["score_rate"] = ((q_new @ k_new.mT - new_before).flatten(1).norm(dim=1) / old_scores).mean().item()
+            now = [_project(self.current[layer], weight) for weight in after]
+            row["score_share_now"] = (_score_norms(now[1], now[3]) / _score_norms(now[0], now[2])).mean().item()
+            for name, (old, new, seen_old, seen_new) in (("q", (after[0], after[1], q_old, q_new)),
+                                                         ("k", (after[2], after[3], k_old, k_new))):
                 old_norm, new_norm = old.flatten(1).norm(dim=1), new.flatten(1).norm(dim=1)
                 row[f"size_{name}_new"] = (new_norm / old_norm).mean().item() * (old.shape[-1] / new.shape[-1]) ** 0.5
-                row[f"gain_{name}_new"] = (self._gain(layer, new) / self._gain(layer, old)).mean().item()
+                row[f"gain_{name}_new"] = (_gain(seen_new, new) / _gain(seen_old, old)).mean().item()
             per_layer.append(row)
         if state.global_step + 1 - self.at == PROBE_WINDOWS[-1][1]:
             for handle in self.handles:
