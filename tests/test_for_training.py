@@ -8,10 +8,10 @@ import torch
 
 from hf_grow import GrowthConfig, evaluate_loss, grow_in_training, grow_model, model_card, to_grown_model
 from hf_grow.adapters import get_adapter
-from hf_grow.training import DEFAULT_MODE
 from hf_grow.cli import build_parser
 from hf_grow.cli.checks import _growth_config
 from hf_grow.config import FOR_TRAINING
+from hf_grow.training import DEFAULT_MODE
 
 from conftest import lm_batches
 
