@@ -232,3 +232,30 @@ def test_bench_growth_callback_diagnostics_change_only_what_they_name():
     assert first["score_share"] == pytest.approx(first["score_share_now"])
     assert frozen["score_share_now"] != pytest.approx(frozen["score_share"], rel=1e-3)
     assert "| frozen | 2-10 |" in table(list(probed.values()), settings)
+
+
+def test_bench_input_spectrum_counts_the_directions_each_tolerance_keeps():
+    """bench_input_spectrum: C summed from the attention inputs the growth would see (layer 0: LayerNorm of the
+    embeddings, with the ones column), and per tolerance the eigenvalues kept and the trace share dropped."""
+    from bench_growth_callback import PRESETS
+    from bench_input_spectrum import input_second_moments, spectrum_rows, table, trained_to_growth
+
+    settings = {**PRESETS["cpu"], "n_embd": 32, "n_head": 2, "seq_len": 16, "batch_size": 4, "steps": 6,
+                "grow_at": 2, "cpu": True}
+    model = trained_to_growth(settings, seed=0)
+    ids = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(0))
+    moments = input_second_moments(model, [{"input_ids": row} for row in ids], batch_size=4)
+    assert len(moments) == 2 and moments[0].shape == (33, 33) and moments[0].dtype == torch.float64
+    with torch.no_grad():
+        embeddings = model(input_ids=ids, output_hidden_states=True).hidden_states[0]
+        x = model.transformer.h[0].ln_1(embeddings).flatten(0, 1).double()
+    x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+    torch.testing.assert_close(moments[0], x.T @ x, rtol=1e-10, atol=1e-8)
+
+    eigenvalues = torch.tensor([1.0, 2e-2, 5e-4, 2e-5, 3e-6, 0.0], dtype=torch.float64)
+    basis = torch.linalg.qr(torch.randn(6, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64))[0]
+    (row,) = spectrum_rows([basis @ torch.diag(eigenvalues) @ basis.T])
+    assert [row[f"kept@{rtol:g}"] for rtol in (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)] == [5, 4, 3, 2, 2]
+    assert row["dropped_trace@1e-05"] == pytest.approx(3e-6 / eigenvalues.sum().item(), rel=1e-6)
+    assert row["largest_over_mean"] == pytest.approx(6 / eigenvalues.sum().item(), rel=1e-9)
+    assert "| 0 | 6 | 5 | 4 | 3 | 2 | 2 |" in table([row])

@@ -1,0 +1,149 @@
+"""Benchmark: the spectrum of C = Σ X'ᵀX' at the growth step of bench_growth_callback's models: how many of its
+directions each tolerance ``rtol`` keeps, and how much of the inputs' variance the dropped ones hold (issue #35: C's
+tolerance in growth during training)
+
+The model is trained as bench_growth_callback trains it (the same preset, seed, batches and schedule) and stopped
+at ``--grow-at``; C is then summed over ``--batches`` training batches of each layer's attention input (float64,
+with the ones column), as the growth's statistics would be. Per layer: the number of eigenvalues at or above
+``rtol`` times the largest, the share of C's trace below it, and the largest eigenvalue over the mean (how
+dominant the top direction is).
+
+    python recipes/benchmarks/bench_input_spectrum.py --preset cpu
+    python recipes/benchmarks/bench_input_spectrum.py --preset gpu --json runs/spectrum.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel
+from hf_grow.adapters import get_adapter
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_growth_callback import PRESETS, corpus  # noqa: E402
+from grow_with_trainer import byte_windows  # noqa: E402
+
+TOLERANCES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
+
+
+class StopAt(TrainerCallback):
+    """Ends training after ``step`` optimizer steps (the schedule stays that of the whole run)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def trained_to_growth(settings: dict, seed: int) -> GrownGPT2LMHeadModel:
+    """bench_growth_callback's original arm, trained until the growth step."""
+    train_files, _ = corpus()
+    config = GrownGPT2Config(
+        vocab_size=256, n_positions=settings["seq_len"], n_embd=settings["n_embd"], n_layer=settings["n_layer"],
+        n_head=settings["n_head"], qk_head_dims=[settings["qk_dim"]] * settings["n_layer"],
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    torch.manual_seed(seed)
+    model = GrownGPT2LMHeadModel(config)
+    cuda = torch.cuda.is_available() and not settings["cpu"]
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = TrainingArguments(
+            output_dir=output_dir, max_steps=settings["steps"], per_device_train_batch_size=settings["batch_size"],
+            learning_rate=settings["lr"], weight_decay=0.01, adam_beta2=settings["adam_beta2"], max_grad_norm=1.0,
+            lr_scheduler_type="cosine", warmup_steps=settings["steps"] // 20, save_strategy="no", report_to=[],
+            use_cpu=not cuda, bf16=cuda, seed=seed, data_seed=seed, disable_tqdm=True, logging_steps=10**9,
+        )
+        windows = settings["steps"] * settings["batch_size"]
+        train = byte_windows(train_files, windows, settings["seq_len"], seed=1000 + seed)
+        trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[StopAt(settings["grow_at"])])
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+    return model.eval()
+
+
+@torch.no_grad()
+def input_second_moments(model: GrownGPT2LMHeadModel, windows: list[dict], batch_size: int) -> list[torch.Tensor]:
+    """C = Σ X'ᵀX' of every layer's attention input X' = [X | 1], float64, over ``windows``."""
+    adapter = get_adapter(model)
+    attentions = adapter.attention_modules(model)
+    sums: list[torch.Tensor | None] = [None] * len(attentions)
+
+    def accumulate(layer: int, inputs: tuple) -> None:
+        x = inputs[0].detach().flatten(0, -2).double()
+        x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+        sums[layer] = x.T @ x if sums[layer] is None else sums[layer] + x.T @ x
+
+    hooks = [adapter.qk_input_module(attention).register_forward_pre_hook(
+        lambda module, inputs, layer=layer: accumulate(layer, inputs)) for layer, attention in enumerate(attentions)]
+    try:
+        for start in range(0, len(windows), batch_size):
+            ids = torch.stack([w["input_ids"] for w in windows[start : start + batch_size]]).to(model.device)
+            with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+                model(input_ids=ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [c.cpu() for c in sums]
+
+
+def spectrum_rows(moments: list[torch.Tensor]) -> list[dict]:
+    """Per layer: directions kept and trace share dropped at each tolerance, and the largest over the mean."""
+    rows = []
+    for layer, moment in enumerate(moments):
+        eigenvalues = torch.linalg.eigvalsh(moment).flip(0).clamp_min(0)
+        largest, total = eigenvalues[0].item(), eigenvalues.sum().item()
+        row = {"layer": layer, "dim": len(eigenvalues), "largest_over_mean": largest * len(eigenvalues) / total}
+        for rtol in TOLERANCES:
+            kept = eigenvalues >= rtol * largest
+            row[f"kept@{rtol:g}"] = int(kept.sum())
+            row[f"dropped_trace@{rtol:g}"] = eigenvalues[~kept].sum().item() / total
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    header = " | ".join(f"kept @{rtol:g}" for rtol in TOLERANCES)
+    dropped = " | ".join(f"trace dropped @{rtol:g}" for rtol in TOLERANCES)
+    lines = [f"| layer | dims | {header} | {dropped} | largest / mean |", "|---" * (3 + 2 * len(TOLERANCES)) + "|"]
+    for row in rows:
+        kept = " | ".join(str(row[f"kept@{rtol:g}"]) for rtol in TOLERANCES)
+        share = " | ".join(f"{100 * row[f'dropped_trace@{rtol:g}']:.2f}%" for rtol in TOLERANCES)
+        lines.append(f"| {row['layer']} | {row['dim']} | {kept} | {share} | {row['largest_over_mean']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=PRESETS, default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batches", type=int, default=8, help="training batches C is summed over")
+    parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is available")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    for name, value in PRESETS["cpu"].items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
+    args = parser.parse_args()
+    given = {name: value for name, value in vars(args).items() if name in PRESETS["cpu"] and value is not None}
+    settings = {**PRESETS[args.preset], **given, "cpu": args.cpu}
+    print(f"# bench_input_spectrum {' '.join(sys.argv[1:])}: {settings}", flush=True)
+    model = trained_to_growth(settings, args.seed)
+    train_files, _ = corpus()
+    windows = byte_windows(train_files, args.batches * settings["batch_size"], settings["seq_len"], seed=7)
+    rows = spectrum_rows(input_second_moments(model, windows, settings["batch_size"]))
+    print(f"\nC's eigenvalues at step {settings['grow_at']} (seed {args.seed}, {args.batches} batches):\n")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(dict(settings=settings, seed=args.seed, rows=rows), file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
