@@ -43,7 +43,7 @@ def test_growth_in_training_defaults_to_the_options_for_training(trained_gpt2, s
     beside its own held-out quarter and no per-layer replays."""
     batches = lm_batches(stdlib_bytes["stats"], 8, batch_size=8, seed=71)
     report = grow_in_training(to_grown_model(copy.deepcopy(trained_gpt2)), None, batches, p=8)
-    expected = GrowthConfig.for_training(p=8, eval_fraction=0.25, measure_realized_gains=False, rtol=1e-3)
+    expected = GrowthConfig.for_training(p=8, eval_fraction=0.25, measure_realized_gains=False, rtol=1e-5)
     assert report.config == expected.to_dict()
 
 
@@ -66,19 +66,19 @@ def test_growth_in_training_appends_by_default(trained_gpt2, stdlib_bytes):
     assert not torch.equal(grown["refactor"][0][0][..., :-8], before[0][0])
 
 
-def test_growth_in_training_puts_the_new_dims_where_the_inputs_vary(trained_gpt2, stdlib_bytes):
-    """Growth in a training loop drops C's eigenvalues below a thousandth of the largest (``rtol=1e-3``): its
-    new dims hold no large weight in directions the inputs hardly vary in (which pretraining then fills, issue
-    #35). Against C's tolerance 1e-6: the appended query dims are no longer several times the old dims' size per
-    dim, and the share of their weight that the inputs see, ||X'W||^2 / ||W||^2 relative to the old dims', is
-    larger in every head."""
+def test_cs_tolerance_puts_the_new_dims_where_the_inputs_vary(trained_gpt2, stdlib_bytes):
+    """C's tolerance decides how much new weight goes where the inputs hardly vary at the growth (which
+    pretraining then fills, issue #35; growth in a training loop drops C's eigenvalues below 1e-5 of the largest,
+    and this test model has none there). Dropping those below a thousandth against 1e-6: the appended query dims
+    are no longer several times the old dims' size per dim, and the share of their weight that the inputs see,
+    ||X'W||^2 / ||W||^2 relative to the old dims', is larger in every head."""
     batches = lm_batches(stdlib_bytes["stats"], 8, batch_size=8, seed=71)
     probe = lm_batches(stdlib_bytes["test"], 1, batch_size=8, seed=5)[0]["input_ids"]
     sizes, gains = {}, {}
-    for rtol in (None, 1e-6):
+    for rtol in (1e-3, 1e-6):
         model = to_grown_model(copy.deepcopy(trained_gpt2))
-        report = grow_in_training(model, None, batches, p=8, mode="append", **({} if rtol is None else {"rtol": rtol}))
-        assert report.config["rtol"] == (rtol or 1e-3)
+        report = grow_in_training(model, None, batches, p=8, mode="append", rtol=rtol)
+        assert report.config["rtol"] == rtol
         adapter = get_adapter(model)
         attentions = adapter.attention_modules(model)
         inputs = {}
@@ -102,8 +102,8 @@ def test_growth_in_training_puts_the_new_dims_where_the_inputs_vary(trained_gpt2
             size.append(new.flatten(1).norm(dim=1) / old.flatten(1).norm(dim=1) * (old.shape[-1] / 8) ** 0.5)
             gain.append(seen(new) / seen(old))
         sizes[rtol], gains[rtol] = torch.cat(size), torch.cat(gain)
-    assert sizes[None].max() < 2 < 5 < sizes[1e-6].max()
-    assert (gains[None] > 1.3 * gains[1e-6]).all()
+    assert sizes[1e-3].max() < 2 < 5 < sizes[1e-6].max()
+    assert (gains[1e-3] > 1.3 * gains[1e-6]).all()
 
 
 def test_grow_model_for_training_takes_a_tenth_of_the_cross_fitted_step_and_keeps_the_scale(trained_gpt2,
