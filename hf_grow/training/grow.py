@@ -181,7 +181,7 @@ def grow_in_training(
         config, overrides: the growth options as in `grow_model`. Without a config, this function's defaults
             differ from `GrowthConfig`'s: ``eval_fraction=0.25`` and ``measure_realized_gains=False`` (a quarter
             of a few statistics batches held out, no per-layer replays), ``rtol=1e-5`` (C's eigenvalues below
-            1e-5 of the largest dropped: no large new weight where the inputs do not vary yet, which pretraining
+            1e-5 of the largest dropped: less new weight where the inputs do not vary yet, which pretraining
             would then activate; `IN_TRAINING_DEFAULTS`), and the options for training after
             growth (`GrowthConfig.for_training`, `hf_grow.config.FOR_TRAINING`): ``step_scale=0.1`` where the step
             is searched (a tenth of the searched step was never behind training at the old width; BENCHMARKS.md),
