@@ -36,8 +36,10 @@ rate at which the new dims' scores change (callback_diagnostics.UpdateProbe; the
 
 Every arm of a seed starts from the same initialisation and sees the same batches in the same order (the
 Trainer's seed; the callback draws its own batches from a generator of its own). Differences to the original are
-paired by seed: mean ± standard deviation over seeds, and the number of seeds behind. ``--parallel`` runs the
-seeds in as many processes (on a GPU, a small model leaves most of it idle).
+paired by seed: mean ± standard deviation over seeds, and the number of seeds behind. One CPU thread per run is
+deterministic (a rerun gives the same losses to the last digit, so arms of separate runs pair by seed); on a GPU
+runs are not (arms of one seed differ by ~0.007 nats before the growth on the gpu preset): compare arms run
+together. ``--parallel`` runs the seeds in as many processes (on a GPU, a small model leaves most of it idle).
 
     python recipes/benchmarks/bench_growth_callback.py --preset cpu
     python recipes/benchmarks/bench_growth_callback.py --preset gpu --parallel 3 --json runs/callback.json
