@@ -83,6 +83,7 @@ def test_growth_in_training_takes_a_tenth_of_the_searched_step_by_default(traine
     searched step (measured never behind training at the old width, issue #35); a given step is taken as it is,
     and a config is used as given (its step_scale 1.0: the whole searched step)."""
     from hf_grow.config import FOR_TRAINING
+    from hf_grow.training.grow import IN_TRAINING_DEFAULTS
 
     batches = lm_batches(stdlib_bytes["stats"], 4, seed=55)
 
@@ -93,8 +94,8 @@ def test_growth_in_training_takes_a_tenth_of_the_searched_step_by_default(traine
     assert FOR_TRAINING["step_scale"] == 0.1 and default.searched_step_size > 0
     assert default.step_size == pytest.approx(0.1 * default.searched_step_size, rel=1e-12)
     assert in_training(step_size=0.05).step_size == 0.05  # no fraction of a given step
-    whole = in_training(config=GrowthConfig(p=8, eval_fraction=0.25, measure_realized_gains=False, rtol=1e-3,
-                                            step_mode="per_head", keep_attention_scale=True, cross_fit=True))
+    whole = in_training(config=GrowthConfig(p=8, **IN_TRAINING_DEFAULTS, step_mode="per_head",
+                                            keep_attention_scale=True, cross_fit=True))
     assert whole.searched_step_size is None and whole.step_size == default.searched_step_size
 
 
