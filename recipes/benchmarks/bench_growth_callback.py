@@ -107,31 +107,44 @@ def corpus() -> tuple[list[str], list[str]]:
     return files[0::2], files[1::8]
 
 
-def run_arm(arm: str, options: dict | None, seed: int, settings: dict) -> dict:
-    """Train one arm from scratch (with `GrowthCallback(**options)` unless None); its held-out loss at each
-    evaluation, its growth and its time."""
-    train_files, held_out_files = corpus()
-    qk_dim = settings["qk_dim"] + (settings["p"] if arm == "wide" else 0)
+def initial_model(settings: dict, seed: int, qk_dim: int) -> GrownGPT2LMHeadModel:
+    """The byte-level GPT-2 every arm of ``seed`` starts from (Q/K width ``qk_dim``, no dropout)."""
     config = GrownGPT2Config(
         vocab_size=256, n_positions=settings["seq_len"], n_embd=settings["n_embd"], n_layer=settings["n_layer"],
         n_head=settings["n_head"], qk_head_dims=[qk_dim] * settings["n_layer"],
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     torch.manual_seed(seed)
-    model = GrownGPT2LMHeadModel(config)
+    return GrownGPT2LMHeadModel(config)
+
+
+def training_arguments(settings: dict, seed: int, output_dir: str, **evaluation) -> TrainingArguments:
+    """The Trainer's optimizer, schedule and seeds for every arm; ``evaluation``: its evaluation and logging."""
     cuda = torch.cuda.is_available() and not settings["cpu"]
+    return TrainingArguments(
+        output_dir=output_dir, max_steps=settings["steps"], per_device_train_batch_size=settings["batch_size"],
+        learning_rate=settings["lr"], weight_decay=0.01, adam_beta2=settings["adam_beta2"], max_grad_norm=1.0,
+        lr_scheduler_type="cosine", warmup_steps=settings["steps"] // 20, save_strategy="no", report_to=[],
+        use_cpu=not cuda, bf16=cuda, seed=seed, data_seed=seed, disable_tqdm=True, **evaluation,
+    )
+
+
+def training_windows(settings: dict, seed: int, train_files: list[str]) -> list[dict[str, torch.Tensor]]:
+    """The training set of ``seed``: one batch of windows per step, the same for every arm."""
+    return byte_windows(train_files, settings["steps"] * settings["batch_size"], settings["seq_len"], seed=1000 + seed)
+
+
+def run_arm(arm: str, options: dict | None, seed: int, settings: dict) -> dict:
+    """Train one arm from scratch (with `GrowthCallback(**options)` unless None); its held-out loss at each
+    evaluation, its growth and its time."""
+    train_files, held_out_files = corpus()
+    model = initial_model(settings, seed, settings["qk_dim"] + (settings["p"] if arm == "wide" else 0))
     with tempfile.TemporaryDirectory() as output_dir:
-        args = TrainingArguments(
-            output_dir=output_dir, max_steps=settings["steps"], per_device_train_batch_size=settings["batch_size"],
-            per_device_eval_batch_size=settings["batch_size"], learning_rate=settings["lr"], weight_decay=0.01,
-            adam_beta2=settings["adam_beta2"], max_grad_norm=1.0, lr_scheduler_type="cosine",
-            warmup_steps=settings["steps"] // 20,
-            eval_strategy="steps", eval_steps=settings["eval_every"], logging_steps=settings["eval_every"],
-            save_strategy="no", report_to=[], use_cpu=not cuda, bf16=cuda, seed=seed, data_seed=seed,
-            disable_tqdm=True,
+        args = training_arguments(
+            settings, seed, output_dir, per_device_eval_batch_size=settings["batch_size"], eval_strategy="steps",
+            eval_steps=settings["eval_every"], logging_steps=settings["eval_every"],
         )
-        windows = settings["steps"] * settings["batch_size"]
-        train = byte_windows(train_files, windows, settings["seq_len"], seed=1000 + seed)
+        train = training_windows(settings, seed, train_files)
         held_out = byte_windows(held_out_files, settings["eval_windows"], settings["seq_len"], seed=1)
         trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out)
         trainer.remove_callback(PrinterCallback)  # the losses are the table's
@@ -149,7 +162,7 @@ def run_arm(arm: str, options: dict | None, seed: int, settings: dict) -> dict:
                 probe = UpdateProbe(settings["grow_at"], settings["p"])
                 trainer.add_callback(probe)
         if arm == "append-query-init":  # after the growth's callback: the new dims it wrote
-            trainer.add_callback(QueryInitSplit(settings["grow_at"], settings["p"], config.initializer_range))
+            trainer.add_callback(QueryInitSplit(settings["grow_at"], settings["p"], model.config.initializer_range))
         started = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - started

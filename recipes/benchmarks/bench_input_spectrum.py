@@ -21,13 +21,13 @@ import sys
 import tempfile
 
 import torch
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainerCallback
 
-from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel
+from hf_grow import GrownGPT2LMHeadModel
 from hf_grow.adapters import get_adapter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_growth_callback import PRESETS, corpus  # noqa: E402
+from bench_growth_callback import PRESETS, corpus, initial_model, training_arguments, training_windows  # noqa: E402
 from grow_with_trainer import byte_windows  # noqa: E402
 
 TOLERANCES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
@@ -47,23 +47,10 @@ class StopAt(TrainerCallback):
 def trained_to_growth(settings: dict, seed: int) -> GrownGPT2LMHeadModel:
     """bench_growth_callback's original arm, trained until the growth step."""
     train_files, _ = corpus()
-    config = GrownGPT2Config(
-        vocab_size=256, n_positions=settings["seq_len"], n_embd=settings["n_embd"], n_layer=settings["n_layer"],
-        n_head=settings["n_head"], qk_head_dims=[settings["qk_dim"]] * settings["n_layer"],
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )
-    torch.manual_seed(seed)
-    model = GrownGPT2LMHeadModel(config)
-    cuda = torch.cuda.is_available() and not settings["cpu"]
+    model = initial_model(settings, seed, settings["qk_dim"])
     with tempfile.TemporaryDirectory() as output_dir:
-        args = TrainingArguments(
-            output_dir=output_dir, max_steps=settings["steps"], per_device_train_batch_size=settings["batch_size"],
-            learning_rate=settings["lr"], weight_decay=0.01, adam_beta2=settings["adam_beta2"], max_grad_norm=1.0,
-            lr_scheduler_type="cosine", warmup_steps=settings["steps"] // 20, save_strategy="no", report_to=[],
-            use_cpu=not cuda, bf16=cuda, seed=seed, data_seed=seed, disable_tqdm=True, logging_steps=10**9,
-        )
-        windows = settings["steps"] * settings["batch_size"]
-        train = byte_windows(train_files, windows, settings["seq_len"], seed=1000 + seed)
+        args = training_arguments(settings, seed, output_dir, logging_steps=10**9)
+        train = training_windows(settings, seed, train_files)
         trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[StopAt(settings["grow_at"])])
         trainer.remove_callback(PrinterCallback)
         trainer.train()
