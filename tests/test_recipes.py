@@ -244,7 +244,7 @@ def test_bench_input_spectrum_counts_the_directions_each_tolerance_keeps():
                 "grow_at": 2, "cpu": True}
     model = trained_to_growth(settings, seed=0)
     ids = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(0))
-    moments = input_second_moments(model, [{"input_ids": row} for row in ids], batch_size=4)
+    moments = input_second_moments(model, [{"input_ids": row, "labels": row} for row in ids], batch_size=4)
     assert len(moments) == 2 and moments[0].shape == (33, 33) and moments[0].dtype == torch.float64
     with torch.no_grad():
         embeddings = model(input_ids=ids, output_hidden_states=True).hidden_states[0]

@@ -3,8 +3,8 @@ directions each tolerance ``rtol`` keeps, and how much of the inputs' variance t
 tolerance in growth during training)
 
 The model is trained as bench_growth_callback trains it (the same preset, seed, batches and schedule) and stopped
-at ``--grow-at``; C is then summed over ``--batches`` training batches of each layer's attention input (float64,
-with the ones column), as the growth's statistics would be. Per layer: the number of eigenvalues at or above
+at ``--grow-at``; C is then summed over ``--batches`` training batches of each layer's attention input (with the
+ones column) by the growth's own `collect_statistics`, in float64. Per layer: the number of eigenvalues at or above
 ``rtol`` times the largest, the share of C's trace below it, and the largest eigenvalue over the mean (how
 dominant the top direction is).
 
@@ -25,6 +25,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback
 
 from hf_grow import GrownGPT2LMHeadModel
 from hf_grow.adapters import get_adapter
+from hf_grow.statistics import collect_statistics
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_growth_callback import PRESETS, corpus, initial_model, training_arguments, training_windows  # noqa: E402
@@ -57,29 +58,13 @@ def trained_to_growth(settings: dict, seed: int) -> GrownGPT2LMHeadModel:
     return model.eval()
 
 
-@torch.no_grad()
 def input_second_moments(model: GrownGPT2LMHeadModel, windows: list[dict], batch_size: int) -> list[torch.Tensor]:
-    """C = Σ X'ᵀX' of every layer's attention input X' = [X | 1], float64, over ``windows``."""
-    adapter = get_adapter(model)
-    attentions = adapter.attention_modules(model)
-    sums: list[torch.Tensor | None] = [None] * len(attentions)
-
-    def accumulate(layer: int, inputs: tuple) -> None:
-        x = inputs[0].detach().flatten(0, -2).double()
-        x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-        sums[layer] = x.T @ x if sums[layer] is None else sums[layer] + x.T @ x
-
-    hooks = [adapter.qk_input_module(attention).register_forward_pre_hook(
-        lambda module, inputs, layer=layer: accumulate(layer, inputs)) for layer, attention in enumerate(attentions)]
-    try:
-        for start in range(0, len(windows), batch_size):
-            ids = torch.stack([w["input_ids"] for w in windows[start : start + batch_size]]).to(model.device)
-            with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
-                model(input_ids=ids)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [c.cpu() for c in sums]
+    """C = Σ X'ᵀX' of every layer's attention input X' = [X | 1] over ``windows``, as the growth collects it
+    (`collect_statistics`, float64 products)."""
+    batches = [{key: torch.stack([w[key] for w in windows[start : start + batch_size]]) for key in windows[0]}
+               for start in range(0, len(windows), batch_size)]
+    statistics = collect_statistics(model, batches, get_adapter(model), compute_dtype=torch.float64)
+    return [moment.cpu() for moment in statistics.second_moments]
 
 
 def spectrum_rows(moments: list[torch.Tensor]) -> list[dict]:
