@@ -126,59 +126,12 @@ def line_search(
     already (the candidates of "auto" options share it), so that it is not evaluated again; ``near_loss``:
     likewise the loss at ``near``; ``known_part``: losses known on part of ``eval_batches`` at some steps, where
     only the rest is evaluated."""
-    model, adapter = prepared.model, prepared.adapter
-    accelerator = prepared.accelerator
-    config, loss_fn, step_size = prepared.config, prepared.loss_fn, prepared.config.step_size
-
-    passes = None if eval_batches is None else HeldOutPasses(target, adapter, eval_batches, loss_fn, accelerator)
-
-    def evaluate(candidate: PreTrainedModel) -> float:
-        if candidate is target:
-            return passes.loss()
-        return evaluate_loss(candidate, eval_batches, adapter, loss_fn, accelerator)[0]
-
-    # The best step's decompositions as evaluated: its weights are made from them again (the bases' products
-    # alone, bit for bit the same), and the report reads them instead of decomposing the chosen step once more.
-    evaluated: dict[str, Any] = {}
-
-    def evaluate_step(step: float) -> float:
-        decompositions: Decompositions = {}
-        write_weights(adapter, target, problem.weights(step, decompositions))
-        part = None if known_part is None else known_part.loss_at(step)
-        if part is None:
-            loss = evaluate(target)
-        else:
-            rest = evaluate_loss(target, known_part.rest, adapter, loss_fn, accelerator)[0]
-            loss = known_part.combine(part, rest)
-            passes.passes += known_part.share
-        if not evaluated or loss < evaluated["loss"]:
-            evaluated.update(loss=loss, step=step, decompositions=decompositions)
-        return loss
-
-    def evaluated_at(step: float) -> Decompositions:
-        return evaluated["decompositions"] if evaluated.get("step") == step else {}
-
-    points: list[LineSearchPoint] = []
+    search = _StepSearch(prepared, problem, target, eval_batches, known_part)
+    loss_before, eval_weight, step_zero = search.step_zero(record_step_zero, before)
+    measured = search.passes_done()  # the step-0 pass: the search's cost starts after it
+    step_size, loss_after = prepared.config.step_size, None
     chosen: QKWeights | None = None
-    decompositions: Decompositions = {}
     unconstrained_loss = None
-    eval_weight = 0
-    loss_before = loss_after = step_zero = None
-    # The pass at step 0 records every block where something replays them: the realized gains, and the search of
-    # each layer alone, which replays the same outputs (the other layers stay at step 0) from the same object. The
-    # coordinate search records each layer's chosen step instead: its own object.
-    alone = problem.step_mode == "layer_search" and step_size is None
-    if eval_batches is not None and (record_step_zero or alone):
-        recording = passes
-        if problem.step_mode == "coordinate":
-            recording = HeldOutPasses(target, adapter, eval_batches, loss_fn, accelerator)
-        loss_before, eval_weight = recording.loss_recording()
-        step_zero = recording if record_step_zero else None
-    elif eval_batches is not None and before is not None:
-        loss_before, eval_weight = before
-    elif eval_batches is not None:
-        loss_before, eval_weight = evaluate_loss(target, eval_batches, adapter, loss_fn, accelerator)
-    measured = 0.0 if passes is None else passes.passes  # the step-0 pass: the search's cost starts after it
     if step_size is None and not math.isfinite(loss_before):
         raise FloatingPointError(
             f"the held-out loss is {loss_before} before any step: the line search needs a finite loss. Check the "
@@ -189,76 +142,172 @@ def line_search(
         step_size, loss_after = 0.0, loss_before
     if step_size is None:
         with progress_bar(desc="line search", unit="eval", enabled=progress) as bar:
-
-            def tracked(kind: str, evaluate_at: Callable[[float], float]) -> Callable[[float], float]:
-                def run(step: float) -> float:
-                    # step 0 of the whole model is the old function; of one layer ("layer l") it is not
-                    loss = loss_before if step == 0 and kind == "rank" else evaluate_at(step)
-                    points.append(LineSearchPoint(step, loss if math.isfinite(loss) else None, kind))
-                    bar.update()
-                    bar.set_postfix(step=f"{step:.3g}", loss=f"{loss:.4f}")
-                    return loss
-
-                return run
-
-            start = config.initial_step_size
-            known = dict(known or {})
-            if near and near_loss is not None:
-                known[near] = near_loss
-            points += [
-                LineSearchPoint(step, loss if math.isfinite(loss) else None, "rank") for step, loss in known.items()
-            ]
-            if near:
-                factor, refinements = grid or (2.0, 2)
-                losses = search_step_size(
-                    tracked("rank", evaluate_step), near, factor=factor, refinements=refinements, known=known
-                )
-            elif problem.step_mode == "layer_search":
-                gains = search_layers_alone(problem, passes, adapter, target, start, loss_before, tracked)
-                # each layer at its own best step alone, then one multiplier t of all of them
-                losses = search_step_size(tracked("rank", evaluate_step), 1.0, factor=2.0) if gains else {0.0: 0.0}
-            elif config.search == "fast":
-                full_rank = [part.target.width for part in problem.layers]
-                scale_dims = problem.attention_scale_dims(full_rank)
-                scalings = [adapter.scaling(model.config, layer, dim) for layer, dim in enumerate(scale_dims)]
-                reference = adapter.build_grown_model(
-                    target, full_rank, unconstrained_weights(problem, 0.0, scalings), scale_dims
-                )
-
-                def evaluate_unconstrained(step: float) -> float:
-                    write_weights(adapter, reference, unconstrained_weights(problem, step, scalings))
-                    return evaluate(reference)
-
-                unconstrained = search_step_size(tracked("unconstrained", evaluate_unconstrained), start)
-                bracketed = best_step(unconstrained)
-                unconstrained_loss = unconstrained[bracketed]
-                del reference
-                # The rank-constrained optimum sits near the unconstrained one: a finer, shorter search.
-                losses = search_step_size(tracked("rank", evaluate_step), bracketed or start, factor=2.0, refinements=2)
-            else:
-                factor, refinements = grid or (4.0, 4)
-                losses = search_step_size(
-                    tracked("rank", evaluate_step), start, factor=factor, refinements=refinements, known=known
-                )
+            search.bar = bar
+            losses, unconstrained_loss = search.losses(near, grid, dict(known or {}), near_loss)
             step_size = best_step(losses)
             loss_after = loss_before if step_size == 0 else losses[step_size]
             if problem.step_mode == "coordinate" and step_size > 0:
-                searched = problem.weights(step_size, evaluated_at(step_size))
-                write_weights(adapter, target, searched)
-                # each layer's step refined in turn: the chosen weights are of no one step the search decomposed
-                chosen, loss_after = search_coordinates(
-                    problem, passes, adapter, target, step_size, searched, loss_after, tracked
-                )
+                chosen, loss_after = search.refine_each_layer(step_size, loss_after)
+    decompositions: Decompositions = {}
     if chosen is None:
-        decompositions = evaluated_at(step_size)
+        decompositions = search.decompositions_at(step_size)
         chosen = problem.weights(step_size, decompositions)
-    write_weights(adapter, target, chosen)
+    write_weights(prepared.adapter, target, chosen)
     if eval_batches is not None and loss_after is None:
-        loss_after = evaluate(target)
+        loss_after = search.loss(target)
     return SearchOutcome(
-        step_size, chosen, loss_before, loss_after, eval_weight, unconstrained_loss, points,
-        None if passes is None else passes.passes - measured, step_zero, decompositions, list(problem.layer_scales),
+        step_size, chosen, loss_before, loss_after, eval_weight, unconstrained_loss, search.points,
+        None if measured is None else search.passes_done() - measured, step_zero, decompositions,
+        list(problem.layer_scales),
     )
+
+
+class _StepSearch:
+    """The evaluations of one line search: the held-out loss of ``target`` at a step of ``problem``, the points
+    searched (shown on ``bar``, a progress bar), and the decompositions of the best step evaluated, from which its
+    weights are made again (the bases' products alone, bit for bit the same) and which the report reads instead
+    of decomposing the chosen step once more."""
+
+    def __init__(
+        self,
+        prepared: PreparedGrowth,
+        problem: GrowthProblem,
+        target: PreTrainedModel,
+        eval_batches: list[dict[str, Tensor]] | None,
+        known_part: KnownPart | None,
+    ):
+        self.prepared, self.problem, self.target = prepared, problem, target
+        self.eval_batches, self.known_part = eval_batches, known_part
+        self.passes = None if eval_batches is None else self._new_passes()
+        self.points: list[LineSearchPoint] = []
+        self.loss_before: float | None = None
+        self.bar: Any = None
+        self._best: dict[str, Any] = {}  # loss, step and decompositions of the best step evaluated
+
+    def _new_passes(self) -> HeldOutPasses:
+        prepared = self.prepared
+        return HeldOutPasses(self.target, prepared.adapter, self.eval_batches, prepared.loss_fn, prepared.accelerator)
+
+    def passes_done(self) -> float | None:
+        return None if self.passes is None else self.passes.passes
+
+    def _evaluate_loss(self, model: PreTrainedModel, batches: list[dict[str, Tensor]]) -> tuple[float, int]:
+        return evaluate_loss(model, batches, self.prepared.adapter, self.prepared.loss_fn, self.prepared.accelerator)
+
+    def loss(self, candidate: PreTrainedModel) -> float:
+        """The held-out loss of ``candidate``: the target as it now is, or another model (a full pass)."""
+        if candidate is self.target:
+            return self.passes.loss()
+        return self._evaluate_loss(candidate, self.eval_batches)[0]
+
+    def step_zero(
+        self, record: bool, before: tuple[float, int] | None
+    ) -> tuple[float | None, int, HeldOutPasses | None]:
+        """The old function's held-out loss and weight (given as ``before``, or measured), and the passes that
+        recorded every block's outputs while measuring it, where ``record`` asks for them."""
+        problem, step_size = self.problem, self.prepared.config.step_size
+        loss_before, eval_weight, step_zero = None, 0, None
+        # The pass at step 0 records every block where something replays them: the realized gains, and the search
+        # of each layer alone, which replays the same outputs (the other layers stay at step 0) from the same
+        # object. The coordinate search records each layer's chosen step instead: its own object.
+        alone = problem.step_mode == "layer_search" and step_size is None
+        if self.eval_batches is not None and (record or alone):
+            recording = self._new_passes() if problem.step_mode == "coordinate" else self.passes
+            loss_before, eval_weight = recording.loss_recording()
+            step_zero = recording if record else None
+        elif self.eval_batches is not None and before is not None:
+            loss_before, eval_weight = before
+        elif self.eval_batches is not None:
+            loss_before, eval_weight = self._evaluate_loss(self.target, self.eval_batches)
+        self.loss_before = loss_before
+        return loss_before, eval_weight, step_zero
+
+    def loss_at_step(self, step: float) -> float:
+        """The held-out loss of the problem's weights at ``step``, written into the target (only the batches
+        outside ``known_part`` evaluated where it knows the rest)."""
+        decompositions: Decompositions = {}
+        write_weights(self.prepared.adapter, self.target, self.problem.weights(step, decompositions))
+        part = None if self.known_part is None else self.known_part.loss_at(step)
+        if part is None:
+            loss = self.loss(self.target)
+        else:
+            rest = self._evaluate_loss(self.target, self.known_part.rest)[0]
+            loss = self.known_part.combine(part, rest)
+            self.passes.passes += self.known_part.share
+        if not self._best or loss < self._best["loss"]:
+            self._best.update(loss=loss, step=step, decompositions=decompositions)
+        return loss
+
+    def decompositions_at(self, step: float) -> Decompositions:
+        """The decompositions made at ``step`` if it is the best step evaluated (else none)."""
+        return self._best["decompositions"] if self._best.get("step") == step else {}
+
+    def tracked(self, kind: str, evaluate_at: Callable[[float], float]) -> Callable[[float], float]:
+        """``evaluate_at``, each step recorded as a point of ``kind`` and shown on the bar. Step 0 of the whole
+        model ("rank") is the old function; of one layer ("layer l") it is not."""
+        def run(step: float) -> float:
+            loss = self.loss_before if step == 0 and kind == "rank" else evaluate_at(step)
+            self.points.append(LineSearchPoint(step, loss if math.isfinite(loss) else None, kind))
+            self.bar.update()
+            self.bar.set_postfix(step=f"{step:.3g}", loss=f"{loss:.4f}")
+            return loss
+
+        return run
+
+    def losses(
+        self, near: float | None, grid: tuple[float, int] | None, known: dict[float, float], near_loss: float | None
+    ) -> tuple[dict[float, float], float | None]:
+        """The held-out loss at every step searched, by the search the arguments and the step mode ask for (see
+        `line_search`), and the best loss of the unconstrained reference (``search="fast"`` only)."""
+        problem, config = self.problem, self.prepared.config
+        start = config.initial_step_size
+        if near and near_loss is not None:
+            known[near] = near_loss
+        self.points += [
+            LineSearchPoint(step, loss if math.isfinite(loss) else None, "rank") for step, loss in known.items()
+        ]
+        by_rank = self.tracked("rank", self.loss_at_step)
+        if near:
+            factor, refinements = grid or (2.0, 2)
+            return search_step_size(by_rank, near, factor=factor, refinements=refinements, known=known), None
+        if problem.step_mode == "layer_search":
+            gains = search_layers_alone(
+                problem, self.passes, self.prepared.adapter, self.target, start, self.loss_before, self.tracked
+            )
+            # each layer at its own best step alone, then one multiplier t of all of them
+            return (search_step_size(by_rank, 1.0, factor=2.0) if gains else {0.0: 0.0}), None
+        if config.search == "fast":  # bracketed by the full-rank update Z - lam P (nothing to decompose), then a
+            # finer, shorter search of the truncated one near it, where the rank-constrained optimum sits
+            unconstrained = self._unconstrained_losses(start)
+            bracketed = best_step(unconstrained)
+            return search_step_size(by_rank, bracketed or start, factor=2.0, refinements=2), unconstrained[bracketed]
+        factor, refinements = grid or (4.0, 4)
+        return search_step_size(by_rank, start, factor=factor, refinements=refinements, known=known), None
+
+    def _unconstrained_losses(self, start: float) -> dict[float, float]:
+        """The held-out losses of the full-rank update's search, in a reference model freed on return."""
+        problem, adapter = self.problem, self.prepared.adapter
+        full_rank = [part.target.width for part in problem.layers]
+        scale_dims = problem.attention_scale_dims(full_rank)
+        scalings = [adapter.scaling(self.prepared.model.config, layer, dim) for layer, dim in enumerate(scale_dims)]
+        reference = adapter.build_grown_model(
+            self.target, full_rank, unconstrained_weights(problem, 0.0, scalings), scale_dims
+        )
+
+        def evaluate_unconstrained(step: float) -> float:
+            write_weights(adapter, reference, unconstrained_weights(problem, step, scalings))
+            return self.loss(reference)
+
+        return search_step_size(self.tracked("unconstrained", evaluate_unconstrained), start)
+
+    def refine_each_layer(self, step_size: float, loss: float) -> tuple[QKWeights, float]:
+        """``step_mode="coordinate"``: from ``step_size`` (held-out ``loss``), each layer's step refined in turn;
+        the chosen weights are of no one step the search decomposed."""
+        searched = self.problem.weights(step_size, self.decompositions_at(step_size))
+        write_weights(self.prepared.adapter, self.target, searched)
+        return search_coordinates(
+            self.problem, self.passes, self.prepared.adapter, self.target, step_size, searched, loss, self.tracked
+        )
 
 
 def take_step_scale(
