@@ -200,50 +200,27 @@ class GrowthProblem(StepWeights):
 
     def _solve(self, layers: list[int]) -> None:
         truncations = (self.truncation,) if self.truncation == "whitened" else (self.truncation, "whitened")
-        config = self._model.config
         scale_dims_after = self.attention_scale_dims(self._qk_dims_after)
         with torch.no_grad():
             for layer in layers:
-                query, key = self._adapter.read_qk(self._attentions[layer])
-                device = self.statistics.gradients[layer].device  # no reference to M past its release
-                query, key = query.to(device), key.to(device)
-                inputs = query.shape[-2]
-                second_moment = self.statistics.mean_second_moment(layer)[:inputs, :inputs]
-                part = LayerProblem(
-                    query=query.to(torch.float64),
-                    key=key.to(torch.float64),
-                    scaling_before=self._adapter.scaling(config, layer, self._scale_dims_before[layer]),
-                    scaling_after=self._adapter.scaling(config, layer, scale_dims_after[layer]),
-                    qk_dim_after=self._qk_dims_after[layer],
-                    metric=linalg.metric_from_second_moment(second_moment, rtol=self._rtol),
-                    norms={},
+                scalings = [
+                    self._adapter.scaling(self._model.config, layer, dims[layer])
+                    for dims in (self._scale_dims_before, scale_dims_after)
+                ]
+                part = _layer_problem(
+                    self._adapter, self._attentions[layer], self.statistics, layer, scalings,
+                    self._qk_dims_after[layer], self._rtol,
+                )
+                gradient = _gradient_source(
+                    self.statistics, layer, part, self.cross_fit, self._max_dims[layer], self.solver, self.mode
                 )
                 self._methods[layer] = solve_layer(
-                    part,
-                    self._gradient_of(layer, part),
-                    self.mode,
-                    truncations,
-                    self._max_dims[layer],
-                    self.solver,
-                    self._with_rates,
+                    part, gradient, self.mode, truncations, self._max_dims[layer], self.solver, self._with_rates
                 )
                 self.layers[layer] = part
                 if self._release:
                     self.statistics.release(layer)
                 return_free_memory()  # the layer's transients, ~0.3 GiB at GPT-2 small, stayed in the heap
-
-    def _gradient_of(self, layer: int, part: LayerProblem) -> Callable[[slice], Tensor]:
-        """M of the heads of ``layer`` over its inputs, as `solve_layer` asks for it: the mean over all batches, or
-        with ``cross_fit`` the cross-fitted mean, keeping the top directions a truncation could use (the compact
-        rank) found by the solve's own decomposition method."""
-        inputs = part.query.shape[-2]
-        if not self.cross_fit:
-            return lambda heads: self.statistics.mean_gradient(layer, heads)[:, :inputs, :inputs]
-        widest = self._max_dims[layer]
-        added = max(1, widest - part.query.shape[-1])
-        method = decomposition_method(self.solver, self.mode, inputs, added, part.query.shape[0] // part.groups)
-        rank = compact.compact_rank(inputs, widest)
-        return lambda heads: self.statistics.cross_fitted_gradient(layer, part.metric, rank, method, heads)
 
     def holds(self, truncation: str) -> bool:
         """Whether the solve can step with ``truncation``: its compact target with the certificate that truncation
@@ -288,6 +265,53 @@ class GrowthProblem(StepWeights):
             raise RuntimeError("gain rates are computed with the solve: build the problem with with_rates=True")
         unit = self.layer_lam_units[layer] * self.head_factors[layer]  # each head's, before any search per layer
         return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit[:, None])
+
+
+def _layer_problem(
+    adapter: ArchitectureAdapter,
+    attention: torch.nn.Module,
+    statistics: GrowthStatistics,
+    layer: int,
+    scalings: list[float],
+    qk_dim_after: int,
+    rtol: float,
+) -> LayerProblem:
+    """``layer``'s problem before its solve: its Q/K weights in float64 on the statistics' device, the attention
+    scales before and after (``scalings``) and the metric of its C at relative tolerance ``rtol``."""
+    query, key = adapter.read_qk(attention)
+    device = statistics.gradients[layer].device  # no reference to M past its release
+    inputs = query.shape[-2]
+    second_moment = statistics.mean_second_moment(layer)[:inputs, :inputs]
+    return LayerProblem(
+        query=query.to(device, torch.float64),
+        key=key.to(device, torch.float64),
+        scaling_before=scalings[0],
+        scaling_after=scalings[1],
+        qk_dim_after=qk_dim_after,
+        metric=linalg.metric_from_second_moment(second_moment, rtol=rtol),
+        norms={},
+    )
+
+
+def _gradient_source(
+    statistics: GrowthStatistics,
+    layer: int,
+    part: LayerProblem,
+    cross_fit: bool,
+    widest: int,
+    solver: str,
+    mode: str,
+) -> Callable[[slice], Tensor]:
+    """M of the heads of ``layer`` over its inputs, as `solve_layer` asks for it: the mean over all batches, or
+    with ``cross_fit`` the cross-fitted mean, keeping the top directions a truncation up to width ``widest`` could
+    use (the compact rank) found by the solve's own decomposition method."""
+    inputs = part.query.shape[-2]
+    if not cross_fit:
+        return lambda heads: statistics.mean_gradient(layer, heads)[:, :inputs, :inputs]
+    added = max(1, widest - part.query.shape[-1])
+    method = decomposition_method(solver, mode, inputs, added, part.query.shape[0] // part.groups)
+    rank = compact.compact_rank(inputs, widest)
+    return lambda heads: statistics.cross_fitted_gradient(layer, part.metric, rank, method, heads)
 
 
 def write_weights(adapter: ArchitectureAdapter, model: PreTrainedModel, weights: QKWeights) -> None:
