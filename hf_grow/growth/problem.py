@@ -203,13 +203,13 @@ class GrowthProblem(StepWeights):
         scale_dims_after = self.attention_scale_dims(self._qk_dims_after)
         with torch.no_grad():
             for layer in layers:
-                scalings = [
-                    self._adapter.scaling(self._model.config, layer, dims[layer])
-                    for dims in (self._scale_dims_before, scale_dims_after)
-                ]
+                config = self._model.config
                 part = _layer_problem(
-                    self._adapter, self._attentions[layer], self.statistics, layer, scalings,
-                    self._qk_dims_after[layer], self._rtol,
+                    self._adapter, self._attentions[layer], self.statistics, layer,
+                    scaling_before=self._adapter.scaling(config, layer, self._scale_dims_before[layer]),
+                    scaling_after=self._adapter.scaling(config, layer, scale_dims_after[layer]),
+                    qk_dim_after=self._qk_dims_after[layer],
+                    rtol=self._rtol,
                 )
                 gradient = _gradient_source(
                     self.statistics, layer, part, self.cross_fit, self._max_dims[layer], self.solver, self.mode
@@ -272,12 +272,14 @@ def _layer_problem(
     attention: torch.nn.Module,
     statistics: GrowthStatistics,
     layer: int,
-    scalings: list[float],
+    *,
+    scaling_before: float,
+    scaling_after: float,
     qk_dim_after: int,
     rtol: float,
 ) -> LayerProblem:
-    """``layer``'s problem before its solve: its Q/K weights in float64 on the statistics' device, the attention
-    scales before and after (``scalings``) and the metric of its C at relative tolerance ``rtol``."""
+    """``layer``'s problem before its solve: its Q/K weights in float64 on the statistics' device, its attention
+    scales before and after growth, and the metric of its C at relative tolerance ``rtol``."""
     query, key = adapter.read_qk(attention)
     device = statistics.gradients[layer].device  # no reference to M past its release
     inputs = query.shape[-2]
@@ -285,8 +287,8 @@ def _layer_problem(
     return LayerProblem(
         query=query.to(device, torch.float64),
         key=key.to(device, torch.float64),
-        scaling_before=scalings[0],
-        scaling_after=scalings[1],
+        scaling_before=scaling_before,
+        scaling_after=scaling_after,
         qk_dim_after=qk_dim_after,
         metric=linalg.metric_from_second_moment(second_moment, rtol=rtol),
         norms={},
