@@ -29,6 +29,65 @@ def test_realized_gains_replaying_unchanged_blocks_equal_full_passes(gpt2_copy, 
     assert any(layer.realized_gain != 0 for layer in report.layers)
 
 
+def test_realized_gains_after_a_choice_replay_the_old_functions_records(gpt2_copy, stdlib_bytes, monkeypatch):
+    """Where the held-out loss chooses (the default's step modes), the old function's passes over the search and the
+    confirmation batches record every block, and the realized gains replay those records joined: no block is
+    recorded again, and each layer's gain is that of a full pass."""
+    from hf_grow.growth.layer_steps import HeldOutPasses
+    from hf_grow.growth.problem import write_weights
+
+    recording = HeldOutPasses.record
+
+    def record(self, layer):
+        assert not (self.blocks and layer == len(self.recorded) < self.num_layers - 1), f"block {layer} recorded"
+        recording(self, layer)
+
+    monkeypatch.setattr(HeldOutPasses, "record", record)
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 5, batch_size=4, seq_len=64, seed=1)  # 3 to search on, 2 to confirm
+    grown = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out)
+    report = grown.growth_report
+    assert report.selection is not None and report.step_size > 0
+    adapter = get_adapter(grown)
+    stepped = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(grown))}
+    unchanged = grow_model(gpt2_copy, batches, p=8, step_size=0.0, measure_realized_gains=False)
+    unchanged = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(unchanged))}
+    write_weights(adapter, grown, unchanged)
+    before = evaluate_loss(grown, held_out)[0]  # the old function at the grown widths, as the search evaluates it
+    assert report.eval_loss_before == pytest.approx(before, rel=1e-12)
+    for layer in range(len(stepped)):
+        write_weights(adapter, grown, {**unchanged, layer: stepped[layer]})
+        full_pass = before - evaluate_loss(grown, held_out)[0]
+        assert report.layers[layer].realized_gain == pytest.approx(full_pass, rel=1e-9, abs=1e-12)
+    assert any(layer.realized_gain != 0 for layer in report.layers)
+
+
+def test_the_old_functions_records_stay_within_the_cache_for_both_parts(gpt2_copy, stdlib_bytes, monkeypatch):
+    """The search and the confirmation batches' records share `CACHE_BYTES`: where both would not fit, none are
+    kept, as a recording pass over all of them would drop them, and the realized gains are full passes."""
+    from hf_grow.growth import candidates, layer_steps
+
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    kept = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out).growth_report
+    one_batch = 4 * 64 * gpt2_copy.config.n_embd * 4 * (gpt2_copy.config.n_layer - 1)  # every block's, but the last
+    monkeypatch.setattr(candidates, "CACHE_BYTES", int(2.5 * one_batch))  # the search part's two batches fit
+    joined = []
+    join_records = layer_steps.HeldOutPasses.join_records
+
+    def join(self, parts):
+        join_records(self, parts)
+        joined.append((parts, self))
+
+    monkeypatch.setattr(layer_steps.HeldOutPasses, "join_records", join)
+    report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out).growth_report
+    (parts, passes), = joined
+    assert parts[0].recorded and parts[1].blocks is None and passes.blocks is None and not passes.recorded
+    assert [layer.realized_gain for layer in report.layers] == pytest.approx(
+        [layer.realized_gain for layer in kept.layers], rel=1e-9, abs=1e-12
+    )
+
+
 def test_realized_gains_replay_the_blocks_the_step_zero_loss_recorded(gpt2_copy, stdlib_bytes, monkeypatch):
     """The line search's pass at step 0 records every block: the realized gains run no recording pass of their own."""
     from hf_grow.growth.layer_steps import HeldOutPasses

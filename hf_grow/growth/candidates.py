@@ -17,7 +17,7 @@ The searches of the candidates but the simplest stop before their refinements (`
 while the best candidate could be among them (`REACH_FACTOR`): the kept candidate's search is the full one, a
 candidate whose loss curve cannot come near the best one's is reported at its coarse step (`CandidateReport.coarse`).
 The old function (step 0) is the same for every candidate: its loss on each held-out batch is evaluated once
-(`OldFunction`), unless the realized gains need the final search's step-0 pass to record the blocks' outputs.
+(`OldFunction`), recording the blocks' outputs on the way where the realized gains replay them.
 The statistics and the solve are shared: one solve serves both truncations, its compact target truncated either
 way ("refactor") or both unit updates ("append") (`GrowthProblem.holds`), so M is freed group by group as for one
 candidate, and truncations and step modes are switched without solving again.
@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 
 from ..report import CandidateReport, GrowthReport
 from . import search
+from .layer_steps import CACHE_BYTES, HeldOutPasses
 from .line_search import evaluate_loss
 from .prepare import PreparedGrowth
 from .problem import GrowthProblem, write_weights
@@ -66,7 +67,7 @@ def search_and_report(
         report.candidates = [CandidateReport(report.truncation, report.step_mode, report.step_size, None, None)]
         return report
     tick = time.perf_counter()
-    old = OldFunction(prepared, target, *parts)
+    old = OldFunction(prepared, target, *parts, record=measure_realized_gains)
     (kept, searched, passes), reports, selection, margin = _choose(prepared, target, old, progress=progress)
     problem = prepared.problem
     problem.set_truncation(kept.truncation)  # a problem shared by the candidates holds the last one's settings
@@ -75,18 +76,18 @@ def search_and_report(
         problem.layer_scales[:] = searched.layer_scales
     # The kept candidate's step, searched again on every held-out batch (those of the confirmation too), from the
     # step its search found (from the start where that was 0): with few batches, a step searched on part of them
-    # is noisier (BENCHMARKS: MiniLM). Its losses at step 0 and at that step are known on both parts (at step 0
-    # the old function's, unless the pass must record the blocks' outputs for the realized gains). Where the kept
-    # candidate's search evaluated a step, only the confirmation batches are evaluated (`search.KnownPart`).
+    # is noisier (BENCHMARKS: MiniLM). Its losses at step 0 (the old function's, with the blocks' outputs that the
+    # realized gains replay) and at that step are known on both parts. Where the kept candidate's search evaluated
+    # a step, only the confirmation batches are evaluated (`search.KnownPart`).
     write_weights(prepared.adapter, target, old.weights)
     outcome = search.line_search(
         prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size,
-        record_step_zero=measure_realized_gains,
-        before=None if measure_realized_gains else old.on_all(),
+        record_step_zero=measure_realized_gains, before=old.on_all(),
+        recorded=old.recorded_on(prepared.eval_batches) if measure_realized_gains else None,
         near_loss=old.combined(kept.search_loss, kept.confirm_loss), known_part=old.known_part(searched),
     )
     # every pass but the one at step 0 over all the held-out batches that any growth makes
-    outcome.passes += passes + old.passes + measure_realized_gains - 1
+    outcome.passes += passes + old.passes - 1
     outcome = search.take_step_scale(prepared, problem, target, outcome, prepared.eval_batches)
     prepared.seconds["line_search"] = time.perf_counter() - tick
     return search.write_report(
@@ -97,13 +98,22 @@ def search_and_report(
 
 class OldFunction:
     """The held-out loss of the old function (step 0: the same for every candidate) on the search and on the
-    confirmation batches, each evaluated once, when first needed."""
+    confirmation batches, each evaluated once, when first needed; with ``record``, every block's outputs recorded
+    in the same passes (`HeldOutPasses.loss_recording`, within `CACHE_BYTES` for both parts), for the realized gains
+    to replay (`recorded_on`)."""
 
     def __init__(
-        self, prepared: PreparedGrowth, target: PreTrainedModel, search_batches: Batches, confirm_batches: Batches
+        self,
+        prepared: PreparedGrowth,
+        target: PreTrainedModel,
+        search_batches: Batches,
+        confirm_batches: Batches,
+        *,
+        record: bool = False,
     ):
-        self.prepared, self.target = prepared, target
+        self.prepared, self.target, self.record = prepared, target, record
         self.batches = {"search": search_batches, "confirm": confirm_batches}
+        self.recordings: dict[str, HeldOutPasses] = {}
         self.weights = prepared.problem.weights(0.0)  # the old function at the grown widths, whatever the candidate
         self.losses: dict[str, tuple[float, int]] = {}
         #: Each part's loss weight (`evaluate_loss`), whatever the function: the same at every step.
@@ -117,9 +127,16 @@ class OldFunction:
         if part not in self.losses:
             prepared = self.prepared
             write_weights(prepared.adapter, self.target, self.weights)
-            self.losses[part] = evaluate_loss(
-                self.target, self.batches[part], prepared.adapter, prepared.loss_fn, prepared.accelerator
-            )
+            recordings = self.recordings.values()
+            if self.record and all(recording.blocks is not None for recording in recordings):
+                recording = self._passes(self.batches[part])
+                budget = CACHE_BYTES - sum(done.recorded_bytes for done in recordings)  # both parts within it
+                self.losses[part] = recording.loss_recording(budget)
+                self.recordings[part] = recording
+            else:  # not recording, or a part before dropped its records (too large)
+                self.losses[part] = evaluate_loss(
+                    self.target, self.batches[part], prepared.adapter, prepared.loss_fn, prepared.accelerator
+                )
             self.passes += self.share(part)
             self.part_weights[part] = self.losses[part][1]
         return self.losses[part]
@@ -127,6 +144,20 @@ class OldFunction:
     def share(self, part: str) -> float:
         """The ``part``'s share of the held-out batches: what a pass over it costs in passes over all of them."""
         return len(self.batches[part]) / sum(len(batches) for batches in self.batches.values())
+
+    def recorded_on(self, batches: Batches) -> HeldOutPasses:
+        """The passes over ``batches`` (the search batches, then the confirmation batches, as the held-out batches
+        with loss terms are split) with the blocks' outputs both parts recorded (none where they were dropped),
+        without a pass; the parts' records are then released here."""
+        self.on_all()  # both parts evaluated (and recorded)
+        joined = self._passes(batches)
+        joined.join_records([self.recordings.get(part) for part in ("search", "confirm")])
+        self.recordings.clear()
+        return joined
+
+    def _passes(self, batches: Batches) -> HeldOutPasses:
+        prepared = self.prepared
+        return HeldOutPasses(self.target, prepared.adapter, batches, prepared.loss_fn, prepared.accelerator)
 
     def on_all(self) -> tuple[float, int]:
         """The old function's loss and weight on all the held-out batches, from those of both parts."""

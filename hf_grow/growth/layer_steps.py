@@ -103,16 +103,18 @@ class HeldOutPasses:
         self.passes += (self.num_layers - replayed) / self.num_layers
         return loss
 
-    def loss_recording(self) -> tuple[float, int]:
+    def loss_recording(self, budget: int | None = None) -> tuple[float, int]:
         """The held-out loss and its weight (`evaluate_loss`) in one full pass that records every block's outputs
         on the way (but the last's, as `record` of each layer in turn would), for the cost of the pass alone. Needs
-        nothing recorded yet; records past `CACHE_BYTES` are dropped, as `record` drops them."""
+        nothing recorded yet; records past ``budget`` bytes (default `CACHE_BYTES`) are dropped, as `record` drops
+        them."""
+        budget = CACHE_BYTES if budget is None else budget
         outputs: list[list[Any]] = [[] for _ in range(self.num_layers - 1)] if self.blocks and not self.recorded else []
         held = [0]
 
         def keep(module: nn.Module, args: Any, output: Any, kept: list[Any]) -> None:
             held[0] += _bytes(output)
-            if held[0] <= CACHE_BYTES:
+            if held[0] <= budget:
                 kept.append(output)
 
         handles = [block.register_forward_hook(functools.partial(keep, kept=kept))
@@ -124,12 +126,22 @@ class HeldOutPasses:
                 handle.remove()
         self.evaluations += 1
         self.passes += 1
-        if held[0] > CACHE_BYTES:
-            logger.info("held-out hidden states exceed %d bytes: every evaluation is a full pass", CACHE_BYTES)
+        if held[0] > budget:
+            logger.info("held-out hidden states exceed %d bytes: every evaluation is a full pass", budget)
             self.blocks, self.recorded = None, []
         elif outputs:
             self.recorded, self.recorded_bytes = outputs, held[0]
         return loss, weight
+
+    def join_records(self, parts: list[HeldOutPasses | None]) -> None:
+        """Take the records of ``parts``, whose batches are this object's one after the other, joined batch by batch:
+        what `loss_recording` would have recorded, without its pass. Where a part is None (not recorded) or dropped
+        its records, none are kept and every evaluation is a full pass. Needs nothing recorded yet."""
+        if any(part is None or part.blocks is None for part in parts):
+            self.blocks, self.recorded = None, []
+        elif all(part.recorded for part in parts):
+            self.recorded = [sum(outputs, []) for outputs in zip(*(part.recorded for part in parts))]
+            self.recorded_bytes = sum(part.recorded_bytes for part in parts)
 
     def record(self, layer: int) -> None:
         """Record block ``layer``'s outputs on every held-out batch (blocks before it replayed; the pass stops

@@ -111,6 +111,7 @@ def line_search(
     known: dict[float, float] | None = None,
     record_step_zero: bool = False,
     before: tuple[float, int] | None = None,
+    recorded: HeldOutPasses | None = None,
     near_loss: float | None = None,
     known_part: KnownPart | None = None,
 ) -> SearchOutcome:
@@ -123,11 +124,13 @@ def line_search(
     ``record_step_zero``: keep every block's outputs from the step-0 pass (``SearchOutcome.step_zero``) for the
     realized gains to replay; only where they will be measured, since the records hold up to `CACHE_BYTES`.
     ``before``: the held-out loss and weight (`evaluate_loss`) of the old function on ``eval_batches``, known
-    already (the candidates of "auto" options share it), so that it is not evaluated again; ``near_loss``:
+    already (the candidates of "auto" options share it), so that it is not evaluated again; ``recorded``: with
+    ``before``, the passes over ``eval_batches`` whose records of every block's outputs at step 0 were made with it
+    (`HeldOutPasses.join_records`), taken instead of a recording pass; ``near_loss``:
     likewise the loss at ``near``; ``known_part``: losses known on part of ``eval_batches`` at some steps, where
     only the rest is evaluated."""
     search = _StepSearch(prepared, problem, target, eval_batches, known_part)
-    loss_before, eval_weight, step_zero = search.step_zero(record_step_zero, before)
+    loss_before, eval_weight, step_zero = search.step_zero(record_step_zero, before, recorded)
     measured = search.passes_done()  # the step-0 pass: the search's cost starts after it
     step_size, loss_after = prepared.config.step_size, None
     chosen: QKWeights | None = None
@@ -201,26 +204,29 @@ class _StepSearch:
         return self._evaluate_loss(candidate, self.eval_batches)[0]
 
     def step_zero(
-        self, record: bool, before: tuple[float, int] | None
+        self, record: bool, before: tuple[float, int] | None, recorded: HeldOutPasses | None
     ) -> tuple[float | None, int, HeldOutPasses | None]:
         """The old function's held-out loss and weight (given as ``before``, or measured), and the passes that
-        recorded every block's outputs while measuring it, where ``record`` asks for them."""
+        recorded every block's outputs while measuring it (given as ``recorded`` with ``before``, or made now), where
+        ``record`` asks for them."""
         problem, step_size = self.problem, self.prepared.config.step_size
-        loss_before, eval_weight, step_zero = None, 0, None
+        if self.eval_batches is None:
+            return None, 0, None
         # The pass at step 0 records every block where something replays them: the realized gains, and the search
         # of each layer alone, which replays the same outputs (the other layers stay at step 0) from the same
         # object. The coordinate search records each layer's chosen step instead: its own object.
-        alone = problem.step_mode == "layer_search" and step_size is None
-        if self.eval_batches is not None and (record or alone):
-            recording = self._new_passes() if problem.step_mode == "coordinate" else self.passes
-            loss_before, eval_weight = recording.loss_recording()
-            step_zero = recording if record else None
-        elif self.eval_batches is not None and before is not None:
-            loss_before, eval_weight = before
-        elif self.eval_batches is not None:
-            loss_before, eval_weight = self._evaluate_loss(self.target, self.eval_batches)
-        self.loss_before = loss_before
-        return loss_before, eval_weight, step_zero
+        step_zero, coordinate = None, problem.step_mode == "coordinate"
+        if record or (problem.step_mode == "layer_search" and step_size is None):
+            if recorded is None:
+                recorded = self._new_passes() if coordinate else self.passes
+                before = recorded.loss_recording()
+            if not coordinate:
+                self.passes = recorded
+            step_zero = recorded if record else None
+        elif before is None:
+            before = self._evaluate_loss(self.target, self.eval_batches)
+        self.loss_before = before[0]
+        return before[0], before[1], step_zero
 
     def loss_at_step(self, step: float) -> float:
         """The held-out loss of the problem's weights at ``step``, written into the target (only the batches
