@@ -58,8 +58,8 @@ from .statistics import parse_bytes
 
 
 #: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z on
-#: most models; the default (Frobenius truncation's candidates cost held-out passes: at GPT-2 small 24.7 against
-#: 14.7, BENCHMARKS.md), and the simplest candidate of ``truncation="auto"``.
+#: most models; the default (Frobenius truncation's candidates cost held-out passes: at GPT-2 small 24.0 against
+#: 14.0, BENCHMARKS.md), and the simplest candidate of ``truncation="auto"``.
 SIMPLEST_TRUNCATION = "whitened"
 SEARCHES = ("exact", "fast")
 #: How one searched step size becomes each layer's lam. "global": one lam for all layers, lam = t * lam_unit
