@@ -9,32 +9,11 @@ from hf_grow import evaluate_loss, get_adapter, grow_model
 from conftest import lm_batches
 
 
-def test_realized_gains_replaying_unchanged_blocks_equal_full_passes(gpt2_copy, stdlib_bytes):
-    """Each layer's realized gain replays the blocks before it (at step 0): the same loss as a full pass."""
-    from hf_grow.growth.problem import write_weights
-
-    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
-    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
-    grown = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05)
-    report = grown.growth_report
-    adapter = get_adapter(grown)
-    stepped = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(grown))}
-    unchanged = grow_model(gpt2_copy, batches, p=8, step_size=0.0, measure_realized_gains=False)
-    unchanged = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(unchanged))}
-    before = evaluate_loss(gpt2_copy, held_out)[0]
-    for layer in range(len(stepped)):
-        write_weights(adapter, grown, {**unchanged, layer: stepped[layer]})
-        full_pass = before - evaluate_loss(grown, held_out)[0]
-        assert report.layers[layer].realized_gain == pytest.approx(full_pass, rel=1e-9, abs=1e-12)
-    assert any(layer.realized_gain != 0 for layer in report.layers)
-
-
-def test_realized_gains_after_a_choice_replay_the_old_functions_records(gpt2_copy, stdlib_bytes, monkeypatch):
-    """Where the held-out loss chooses (the default's step modes), the old function's passes over the search and the
-    confirmation batches record every block, and the realized gains replay those records joined: no block is
-    recorded again, and each layer's gain is that of a full pass."""
+@pytest.fixture
+def no_block_recorded_again(monkeypatch):
+    """Fails the test where a block's outputs are recorded by a pass of their own (`HeldOutPasses.record`) instead
+    of by the pass at step 0."""
     from hf_grow.growth.layer_steps import HeldOutPasses
-    from hf_grow.growth.problem import write_weights
 
     recording = HeldOutPasses.record
 
@@ -43,23 +22,58 @@ def test_realized_gains_after_a_choice_replay_the_old_functions_records(gpt2_cop
         recording(self, layer)
 
     monkeypatch.setattr(HeldOutPasses, "record", record)
-    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
-    held_out = lm_batches(stdlib_bytes["eval"], 5, batch_size=4, seq_len=64, seed=1)  # 3 to search on, 2 to confirm
-    grown = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out)
-    report = grown.growth_report
-    assert report.selection is not None and report.step_size > 0
+
+
+def _old_and_stepped_weights(grown, model, batches):
+    """The grown model's adapter, its Q/K weights at step 0 (``model`` grown with step 0) and at its step, by layer."""
     adapter = get_adapter(grown)
     stepped = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(grown))}
-    unchanged = grow_model(gpt2_copy, batches, p=8, step_size=0.0, measure_realized_gains=False)
+    unchanged = grow_model(model, batches, p=8, step_size=0.0, measure_realized_gains=False)
     unchanged = {layer: adapter.read_qk(module) for layer, module in enumerate(adapter.attention_modules(unchanged))}
-    write_weights(adapter, grown, unchanged)
-    before = evaluate_loss(grown, held_out)[0]  # the old function at the grown widths, as the search evaluates it
-    assert report.eval_loss_before == pytest.approx(before, rel=1e-12)
+    return adapter, unchanged, stepped
+
+
+def _assert_realized_gains_are_full_passes(grown, adapter, unchanged, stepped, held_out, before):
+    """Each layer's realized gain in ``grown``'s report equals ``before`` less a full pass with that layer's step
+    alone (the other layers at step 0); some gain is not 0."""
+    from hf_grow.growth.problem import write_weights
+
+    report = grown.growth_report
     for layer in range(len(stepped)):
         write_weights(adapter, grown, {**unchanged, layer: stepped[layer]})
         full_pass = before - evaluate_loss(grown, held_out)[0]
         assert report.layers[layer].realized_gain == pytest.approx(full_pass, rel=1e-9, abs=1e-12)
     assert any(layer.realized_gain != 0 for layer in report.layers)
+
+
+def test_realized_gains_replaying_unchanged_blocks_equal_full_passes(gpt2_copy, stdlib_bytes):
+    """Each layer's realized gain replays the blocks before it (at step 0): the same loss as a full pass."""
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
+    grown = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05)
+    adapter, unchanged, stepped = _old_and_stepped_weights(grown, gpt2_copy, batches)
+    before = evaluate_loss(gpt2_copy, held_out)[0]
+    _assert_realized_gains_are_full_passes(grown, adapter, unchanged, stepped, held_out, before)
+
+
+def test_realized_gains_after_a_choice_replay_the_old_functions_records(
+    gpt2_copy, stdlib_bytes, no_block_recorded_again
+):
+    """Where the held-out loss chooses (the default's step modes), the old function's passes over the search and the
+    confirmation batches record every block, and the realized gains replay those records joined: no block is
+    recorded again, and each layer's gain is that of a full pass."""
+    from hf_grow.growth.problem import write_weights
+
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
+    held_out = lm_batches(stdlib_bytes["eval"], 5, batch_size=4, seq_len=64, seed=1)  # 3 to search on, 2 to confirm
+    grown = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out)
+    report = grown.growth_report
+    assert report.selection is not None and report.step_size > 0
+    adapter, unchanged, stepped = _old_and_stepped_weights(grown, gpt2_copy, batches)
+    write_weights(adapter, grown, unchanged)
+    before = evaluate_loss(grown, held_out)[0]  # the old function at the grown widths, as the search evaluates it
+    assert report.eval_loss_before == pytest.approx(before, rel=1e-12)
+    _assert_realized_gains_are_full_passes(grown, adapter, unchanged, stepped, held_out, before)
 
 
 def test_the_old_functions_records_stay_within_the_cache_for_both_parts(gpt2_copy, stdlib_bytes, monkeypatch):
@@ -88,17 +102,8 @@ def test_the_old_functions_records_stay_within_the_cache_for_both_parts(gpt2_cop
     )
 
 
-def test_realized_gains_replay_the_blocks_the_step_zero_loss_recorded(gpt2_copy, stdlib_bytes, monkeypatch):
+def test_realized_gains_replay_the_blocks_the_step_zero_loss_recorded(gpt2_copy, stdlib_bytes, no_block_recorded_again):
     """The line search's pass at step 0 records every block: the realized gains run no recording pass of their own."""
-    from hf_grow.growth.layer_steps import HeldOutPasses
-
-    recording = HeldOutPasses.record
-
-    def record(self, layer):
-        assert not (self.blocks and layer == len(self.recorded) < self.num_layers - 1), f"block {layer} recorded"
-        recording(self, layer)
-
-    monkeypatch.setattr(HeldOutPasses, "record", record)
     batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=4, seq_len=64)
     held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=1)
     report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, step_size=0.05).growth_report
