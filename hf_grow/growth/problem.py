@@ -200,10 +200,10 @@ class GrowthProblem(StepWeights):
 
     def _solve(self, layers: list[int]) -> None:
         truncations = (self.truncation,) if self.truncation == "whitened" else (self.truncation, "whitened")
+        config = self._model.config
         scale_dims_after = self.attention_scale_dims(self._qk_dims_after)
         with torch.no_grad():
             for layer in layers:
-                config = self._model.config
                 part = _layer_problem(
                     self._adapter, self._attentions[layer], self.statistics, layer,
                     scaling_before=self._adapter.scaling(config, layer, self._scale_dims_before[layer]),
