@@ -33,10 +33,7 @@ def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.
     not UTF-8 text (`decode_text`) raises `TextFileError`.
     """
     for pattern in patterns:
-        pattern = os.path.expanduser(pattern)
-        matches = glob.glob(pattern, recursive=True) if glob.has_magic(pattern) else []
-        paths = sorted(path for path in matches if not os.path.isdir(path)) or [pattern]
-        for path in paths:
+        for path in matching_paths(pattern):
             if os.path.isdir(path):
                 raise TextFileError(f"--data {path!r} is a folder: pass its text files, e.g. '{path}/*.txt'")
             if not os.path.isfile(path):
@@ -47,6 +44,14 @@ def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.
             except OSError as error:
                 raise TextFileError(f"cannot read --data file {path!r}: {error.strerror or error}") from None
             yield decode_text(data, path, warn)
+
+
+def matching_paths(pattern: str) -> list[str]:
+    """The files a ``--data`` pattern names: a glob's matches that are not folders, in sorted order, or the pattern
+    itself (``~`` expanded) when it is no glob or matches no file."""
+    pattern = os.path.expanduser(pattern)
+    matches = glob.glob(pattern, recursive=True) if glob.has_magic(pattern) else []
+    return sorted(path for path in matches if not os.path.isdir(path)) or [pattern]
 
 
 def decode_text(data: bytes, name: str, warn: Callable[[str], None] = warnings.warn) -> str:

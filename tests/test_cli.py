@@ -215,11 +215,49 @@ def test_the_grown_model_is_written_in_shards_that_load_back(model_folder, tmp_p
 def test_overwrite_replaces_the_folder(model_folder, tmp_path):
     output = tmp_path / "grown"
     output.mkdir()
+    (output / "config.json").write_text("{}")  # a model's folder: --overwrite replaces only those
     (output / "old.txt").write_text("old")
     assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--overwrite",
                      "--step-size", "0.0", *SMALL]) == 0
     assert not (output / "old.txt").exists() and (output / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grown"]
+
+
+@pytest.mark.parametrize("case", ["the input", "its parent", "inside the input", "a folder of other files",
+                                  "report over a data file", "report into the input"])
+def test_overwrite_never_touches_the_input_or_a_folder_of_other_files(model_folder, tmp_path, capsys, case):
+    """Refused before any work, with nothing changed: an output path that is, holds or lies inside what the command
+    reads, and a folder without a saved model, even with --overwrite."""
+    import shutil
+
+    model = tmp_path / "parent" / "base"
+    shutil.copytree(model_folder, model)
+    (tmp_path / "parent" / "notes.txt").write_text("precious")
+    data = tmp_path / "text.txt"
+    data.write_text(open(glob.glob(TEXT_GLOB)[0]).read())
+    output, report, expected = {
+        "the input": (model, None, "is the input"),
+        "its parent": (model.parent, None, "holds the input"),
+        "inside the input": (model / "grown", None, "is inside the input"),
+        "a folder of other files": (tmp_path / "parent", None, "holds no saved model"),
+        "report over a data file": (tmp_path / "grown", data, "is the input"),
+        "report into the input": (tmp_path / "grown", model / "report.json", "is inside the input"),
+    }[case]
+    if case == "a folder of other files":
+        model = tmp_path / "elsewhere"
+        shutil.move(tmp_path / "parent" / "base", model)
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    arguments = [str(model), "--data", str(data), "--output-dir", str(output), "--overwrite", *SMALL]
+    assert cli.main(arguments + (["--report", str(report)] if report else [])) == 2
+    error = capsys.readouterr().err
+    assert expected in error and error.count("\n") == 1, error
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+
+
+def test_inspect_never_writes_into_its_input(model_folder, tmp_path, capsys):
+    stats = model_folder / "stats.safetensors"
+    assert cli.main(["inspect", str(model_folder), "--data", TEXT_GLOB, "--save-stats", str(stats), *SMALL]) == 2
+    assert "--save-stats" in capsys.readouterr().err and not stats.exists()
 
 
 def test_local_dataset_through_the_datasets_library(model_folder, tmp_path):

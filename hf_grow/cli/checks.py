@@ -13,11 +13,17 @@ import torch
 
 from .. import hub
 from ..config import FOR_TRAINING, GrowthConfig
+from ..data import matching_paths
 from ..statistics import check_offload_dir, parse_bytes
 
 
 class CommandError(Exception):
     """A problem the user can fix: printed as one line, exit status 2."""
+
+
+#: A folder holding one of these is a saved model (transformers' config; a SentenceTransformer's list of modules):
+#: the only kind of non-empty folder that ``--overwrite`` replaces.
+MODEL_FOLDER_FILES = ("config.json", "modules.json")
 
 
 def _check_data_arguments(args: argparse.Namespace) -> None:
@@ -74,6 +80,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     _check_device(args)
     if args.output_dir is None and not args.dry_run:
         raise CommandError("--output-dir is required (the folder for the grown model), except with --dry-run")
+    _check_inputs_kept(args, ("--output-dir", args.output_dir), ("--report", args.report))
     if args.output_dir is not None:
         _check_output_folder(Path(args.output_dir), args.overwrite)
     _check_file_folders(("--report", args.report))
@@ -108,9 +115,16 @@ def _check_device(args: argparse.Namespace) -> None:
 
 
 def _check_output_folder(output: Path, overwrite: bool) -> None:
-    """A ready or creatable output folder, refused if it holds anything (unless ``overwrite``)."""
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
-        raise CommandError(f"{output} exists and is not empty: choose another --output-dir or pass --overwrite")
+    """A ready or creatable output folder, refused if it holds anything, unless ``overwrite`` and what it holds is a
+    saved model: a folder of other files (a project, the current folder) is never emptied."""
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        if not overwrite:
+            raise CommandError(f"{output} exists and is not empty: choose another --output-dir or pass --overwrite")
+        if not any((output / name).is_file() for name in MODEL_FOLDER_FILES):
+            raise CommandError(
+                f"{output} holds no saved model (no {' or '.join(MODEL_FOLDER_FILES)}) and --overwrite replaces "
+                "only a model's folder: choose another --output-dir, or empty it yourself"
+            )
     ancestor = output.resolve().parent
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -125,3 +139,22 @@ def _check_file_folders(*options: tuple[str, str | None]) -> None:
             raise CommandError(f"{option}: the folder of {path} does not exist")
         if path and Path(path).is_dir():
             raise CommandError(f"{option} {path} is a folder: give a file name")
+
+
+def _check_inputs_kept(args: argparse.Namespace, *outputs: tuple[str, str | None]) -> None:
+    """Nothing the command writes replaces, contains or enters what it reads (the local model folder, ``--stats``,
+    ``--pairs``, the ``--data`` files): the input checkpoint is never modified on disk."""
+    inputs = [Path(path) for path in (args.model, getattr(args, "stats", None), getattr(args, "pairs", None)) if path]
+    inputs += [Path(path) for pattern in getattr(args, "data", None) or [] for path in matching_paths(pattern)]
+    inputs = [path.resolve() for path in inputs if path.exists()]
+    for option, written in outputs:
+        if written is None:
+            continue
+        target = Path(written).expanduser().resolve()
+        for read in inputs:
+            if read.is_relative_to(target) or (read.is_dir() and target.is_relative_to(read)):
+                where = "is" if read == target else "holds" if read.is_relative_to(target) else "is inside"
+                raise CommandError(
+                    f"{option} {written} {where} the input {read}: the command never writes over or into what it "
+                    "reads; choose another path"
+                )

@@ -18,7 +18,14 @@ from ..growth import grow_model
 from ..inspection import PLOT_EXTRA, inspect_growth
 from ..progress import stage
 from ..statistics import collect_statistics, return_free_memory
-from .checks import CommandError, _check_arguments, _check_data_arguments, _check_device, _check_file_folders
+from .checks import (
+    CommandError,
+    _check_arguments,
+    _check_data_arguments,
+    _check_device,
+    _check_file_folders,
+    _check_inputs_kept,
+)
 from .memory import check_memory
 from .loading import _load_model, _load_statistics, _load_tokenizer, _objective
 from .pairs import check_pairs_arguments, grow_from_pairs
@@ -138,7 +145,9 @@ def run_inspect(args: argparse.Namespace) -> None:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise CommandError(f"--plot: {PLOT_EXTRA}")
     _check_device(args)
-    _check_file_folders(("--plot", args.plot), ("--json", args.json), ("--save-stats", args.save_stats))
+    written = (("--plot", args.plot), ("--json", args.json), ("--save-stats", args.save_stats))
+    _check_file_folders(*written)
+    _check_inputs_kept(args, *written)
     show_progress = _start(args)
     objective = _objective(args)
     tokenizer = _load_tokenizer(args)

@@ -122,7 +122,7 @@ def build_parser() -> HfArgumentParser:
     growth.add_argument("--for-training", action="store_true", help=FOR_TRAINING_HELP)
     _add_model_argument(parser)
     parser.add_argument("--output-dir", help="folder for the grown model (must be empty; required but with --dry-run)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an output folder that holds a saved model")
     _add_data_arguments(parser, eval_fraction=False)
     add_pairs_arguments(parser)
     parser.add_argument("--stats", metavar="FILE", help="statistics saved by `hf-grow inspect --save-stats` for this "
