@@ -54,7 +54,7 @@ import torch
 from . import linalg
 from .budget import check_budget_chunks
 from .statistics import METHODS as STATISTICS_METHODS
-from .statistics import parse_bytes
+from .statistics import is_positive_int, parse_bytes
 
 
 #: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z on
@@ -351,8 +351,7 @@ def _check_options(config: GrowthConfig) -> None:
     linalg.check_rtol(config.rtol)
     if not 0 < config.eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in (0, 1), got {config.eval_fraction}")
-    invalid_count = isinstance(config.max_batches, bool) or not isinstance(config.max_batches, int)
-    if config.max_batches is not None and (invalid_count or config.max_batches < 1):
+    if config.max_batches is not None and not is_positive_int(config.max_batches):
         raise ValueError(f"max_batches must be a positive int (or None for all batches), got {config.max_batches!r}")
     if config.memory_budget is not None:
         parse_bytes(config.memory_budget)
@@ -360,10 +359,11 @@ def _check_options(config: GrowthConfig) -> None:
     _choose("accumulate_dtype", config.accumulate_dtype, tuple(COMPUTE_DTYPES))
     if config.offload_dir is not None and (not isinstance(config.offload_dir, str) or not config.offload_dir):
         raise ValueError(f"offload_dir must be a folder's path, got {config.offload_dir!r}")
-    if not isinstance(config.cross_fit, bool):
-        raise ValueError(f"cross_fit must be True or False, got {config.cross_fit!r}")
-    if config.query_block is not None and config.query_block <= 0:
-        raise ValueError(f"query_block must be positive, got {config.query_block}")
+    for option in ("keep_attention_scale", "measure_realized_gains", "cross_fit"):
+        if not isinstance(getattr(config, option), bool):  # a string such as "no" would read as True
+            raise ValueError(f"{option} must be True or False, got {getattr(config, option)!r}")
+    if config.query_block is not None and not is_positive_int(config.query_block):
+        raise ValueError(f"query_block must be a positive int (queries per block), got {config.query_block!r}")
     if config.statistics_method == "triton" and config.compute_dtype != "float32":
         raise ValueError(
             "method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'."
@@ -387,7 +387,8 @@ def check_p(p: Any) -> None:
                 "(To take the same step without adding dimensions, pass p={layer: 0, ...}.)"
             )
         return
-    negative = {layer: value for layer, value in p.items() if not isinstance(value, int) or value < 0}
+    negative = {layer: value for layer, value in p.items()
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0}
     if negative:
         raise ValueError(f"p must map layers to non-negative ints, got {negative}")
 

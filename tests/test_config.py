@@ -69,7 +69,11 @@ def test_defaults_are_the_ones_grow_model_always_had_but_the_measured_choices():
         ({"memory_budget": "lots"}, ValueError, "is not a size"),
         ({"compute_dtype": torch.float16}, ValueError, "compute_dtype must be float32 or float64"),
         ({"statistics_method": "triton", "compute_dtype": "float64"}, ValueError, "computes in float32"),
-        ({"query_block": 0}, ValueError, "query_block must be positive"),
+        ({"query_block": 0}, ValueError, "query_block must be a positive int"),
+        ({"query_block": 2.5}, ValueError, "query_block must be a positive int"),
+        ({"p": {0: True}}, ValueError, "p must map layers to non-negative ints"),
+        ({"keep_attention_scale": "no"}, ValueError, "keep_attention_scale must be True or False"),
+        ({"measure_realized_gains": "no"}, ValueError, "measure_realized_gains must be True or False"),
         ({"offload_dir": ""}, ValueError, "offload_dir must be a folder's path"),
     ],
 )
@@ -78,6 +82,11 @@ def test_bad_options_are_refused_when_made_and_before_any_data(options, error, m
         GrowthConfig(**options)
     with pytest.raises(error, match=message):
         grow_model(trained_gpt2, Untouchable(), **options)
+
+
+def test_a_loss_fn_that_is_no_function_is_refused_before_any_data(trained_gpt2):
+    with pytest.raises(ValueError, match="loss_fn must be a function"):
+        grow_model(trained_gpt2, Untouchable(), loss_fn="mse")
 
 
 def test_unknown_options_name_the_known_ones(trained_gpt2):

@@ -351,8 +351,11 @@ def test_bad_method_and_block_are_clear_errors(gpt2_copy, stdlib_bytes):
     batches = lm_batches(stdlib_bytes["stats"], 1)
     with pytest.raises(ValueError, match="method must be one of"):
         collect_statistics(gpt2_copy, batches, get_adapter(gpt2_copy), method="flash")
-    with pytest.raises(ValueError, match="query_block must be positive"):
-        collect_statistics(gpt2_copy, batches, get_adapter(gpt2_copy), query_block=0)
+    for query_block in (0, 2.5, "8"):
+        with pytest.raises(ValueError, match="query_block must be a positive int"):
+            collect_statistics(gpt2_copy, batches, get_adapter(gpt2_copy), query_block=query_block)
+    with pytest.raises(ValueError, match="loss_fn must be a function"):
+        collect_statistics(gpt2_copy, batches, get_adapter(gpt2_copy), loss_fn="mse")
 
 
 def test_inputs_given_as_embeddings(gpt2_copy, stdlib_bytes):

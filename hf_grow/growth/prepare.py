@@ -21,7 +21,7 @@ from ..config import GrowthConfig, check_p
 from ..distributed import Processes
 from ..progress import stage
 from ..statistics import (
-    GrowthStatistics, LossFn, batch_loss_weight, collect_statistics, return_free_memory, weight_sample,
+    GrowthStatistics, LossFn, batch_loss_weight, check_loss_fn, collect_statistics, return_free_memory, weight_sample,
 )
 from ..statistics import check_arguments as check_statistics_arguments
 from .line_search import _NO_LOSS_TERMS, confirmation_split, split_batches
@@ -200,6 +200,7 @@ def prepare_growth(
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     mode = adapter.check_mode(model, mode)
+    check_loss_fn(loss_fn)
     if config.search == "fast" and mode != "refactor":
         raise ValueError(
             f"search='fast' brackets the step with the full-rank refactored form, which {type(model).__name__} "

@@ -15,6 +15,7 @@ search see them).
 from .batches import (
     LossFn,
     batch_loss_weight,
+    check_loss_fn,
     compute_loss,
     describe,
     iterate_batches,
@@ -25,7 +26,7 @@ from .batches import (
     walk_tensors,
     without_kv_cache,
 )
-from .collect import check_arguments, collect_statistics
+from .collect import check_arguments, collect_statistics, is_positive_int
 from .container import STATISTICS_FORMAT, GrowthStatistics, weight_sample
 from .kernels import (
     CPU_REFERENCE_MAX_LENGTH,
@@ -51,6 +52,8 @@ __all__ = [
     "LossFn",
     "batch_loss_weight",
     "check_arguments",
+    "check_loss_fn",
+    "is_positive_int",
     "check_offload_dir",
     "choose_method",
     "collect_statistics",

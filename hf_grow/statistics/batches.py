@@ -26,6 +26,12 @@ _PLAIN_LEAVES = (str, bytes, int, float, bool, type(None))
 _TOKEN_KEYS = ("input_ids", "inputs_embeds")
 
 
+def check_loss_fn(loss_fn: Any) -> None:
+    """A ValueError, before any work, for a ``loss_fn`` that cannot be called as ``loss_fn(model, batch)``."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a function loss_fn(model, batch) -> scalar Tensor, got {loss_fn!r}")
+
+
 def describe(value: Any) -> str:
     """A short description of a batch's structure for error messages, e.g. ``dict(a: BatchEncoding, b: list)``."""
     if isinstance(value, Mapping):

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from ..adapters import ArchitectureAdapter
 from ..distributed import Processes, unwrap_model
 from ..progress import progress_bar
-from .batches import LossFn, batch_loss_weight, iterate_batches
+from .batches import LossFn, batch_loss_weight, check_loss_fn, iterate_batches
 from .collector import Collector, statistics_mode
 from .container import GrowthStatistics, weight_sample
 from .kernels import METHODS, triton_available
@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_grow")
 
 
+def is_positive_int(value: object) -> bool:
+    """A count of batches or queries: an int >= 1, not a bool (``True`` is no count, though Python takes it as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_arguments(
     method: str,
     device: torch.device,
@@ -47,8 +52,7 @@ def check_arguments(
     tf32: bool | None = None,
 ) -> None:
     """A ValueError, before any work, for arguments `collect_statistics` cannot run with on ``device``."""
-    invalid_count = isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
-    if max_batches is not None and invalid_count:
+    if max_batches is not None and not is_positive_int(max_batches):
         raise ValueError(f"max_batches must be a positive int (or None for all batches), got {max_batches!r}")
     if memory_budget is not None:
         parse_bytes(memory_budget)
@@ -58,8 +62,8 @@ def check_arguments(
         raise ValueError(f"accumulate_dtype must be float32 or float64, got {accumulate_dtype}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if query_block is not None and query_block <= 0:
-        raise ValueError(f"query_block must be positive, got {query_block}")
+    if query_block is not None and not is_positive_int(query_block):
+        raise ValueError(f"query_block must be a positive int (queries per block), got {query_block!r}")
     if method == "triton" and not triton_available(device):
         missing = "" if importlib.util.find_spec("triton") else " and triton is not installed"
         raise ValueError(
@@ -149,6 +153,7 @@ def collect_statistics(
         method, parameter.device, compute_dtype, query_block, max_batches, memory_budget, accumulate_dtype, offload_dir,
         tf32,
     )
+    check_loss_fn(loss_fn)
     eager_model = config._attn_implementation == "eager"
     num_layers = len(adapter.attention_modules(model))
     if owners is not None and (len(owners) != num_layers or not all(0 <= o < processes.world_size for o in owners)):
