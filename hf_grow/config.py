@@ -53,6 +53,7 @@ import torch
 
 from . import linalg
 from .budget import check_budget_chunks
+from .files import write_text_atomically
 from .statistics import METHODS as STATISTICS_METHODS
 from .statistics import is_positive_int, parse_bytes
 
@@ -127,8 +128,7 @@ class JsonConfigMixin:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     def to_json_file(self, path: str | os.PathLike) -> None:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(self.to_json_string())
+        write_text_atomically(path, self.to_json_string())
 
     @classmethod
     def from_dict(cls: type[_Config], values: Mapping[str, Any]) -> _Config:

@@ -17,7 +17,6 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -25,6 +24,7 @@ from transformers import PreTrainedModel
 
 from .adapters import get_adapter
 from .config import GrowthConfig, resolve_config
+from .files import write_atomically, write_text_atomically
 from .growth import GrowthProblem, check_statistics, collect_configured_statistics, merged_if_peft
 from .statistics import GrowthStatistics, LossFn
 
@@ -87,7 +87,7 @@ class GrowthInspection:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def to_json_file(self, path: str | os.PathLike) -> None:
-        _write_atomically(Path(path), self.to_json().encode())
+        write_text_atomically(path, self.to_json())
 
     def columns(self) -> list[int]:
         """The numbers of added dimensions the table shows: powers of two up to ``max_dims``, and ``max_dims``."""
@@ -139,21 +139,12 @@ class GrowthInspection:
         axes[0, 0].set_ylabel("expected gain / step size", fontsize=8)
         axes[0, 0].legend(fontsize=7)
         figure.suptitle(f"{self.model_class}: first-order gain of each added query/key dimension", fontsize=10)
-        path = Path(path)
-        staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        figure.savefig(staging, format="png", dpi=110)
-        os.replace(staging, path)
+        write_atomically(path, lambda temporary: figure.savefig(temporary, format="png", dpi=110))
 
 
 def _positive(values: list[float]) -> list[float]:
     """Log axes cannot show zeros (dimensions beyond the data's rank): NaN leaves a gap instead."""
     return [value if value > 0 else float("nan") for value in values]
-
-
-def _write_atomically(path: Path, content: bytes) -> None:
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    staging.write_bytes(content)
-    os.replace(staging, path)
 
 
 def inspect_growth(

@@ -12,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from .files import write_text_atomically
+
 
 REPORT_FILENAME = "growth_report.json"
 #: How the summary qualifies the report's lam, by step mode (per layer where not listed).
@@ -193,7 +195,7 @@ class GrowthReport:
         return cls(**data)
 
     def to_json_file(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_text_atomically(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     def summary(self) -> str:
         """A short human-readable table."""

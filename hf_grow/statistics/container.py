@@ -12,6 +12,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from .. import linalg
+from ..files import write_atomically
 
 
 STATISTICS_FORMAT = "hf_grow.statistics.v1"
@@ -112,9 +113,7 @@ class GrowthStatistics:
             "loss_weight": "" if self.loss_weight is None else str(self.loss_weight),
             "half_loss_weight": "" if self.half_loss_weight is None else str(self.half_loss_weight),
         }
-        temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
-        safetensors.torch.save_file(tensors, temporary, metadata=metadata)
-        os.replace(temporary, path)
+        write_atomically(path, lambda temporary: safetensors.torch.save_file(tensors, temporary, metadata=metadata))
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> GrowthStatistics:

@@ -1,0 +1,25 @@
+"""Files written atomically: through a temporary sibling renamed into place, so that a reader (or a crash) sees the
+old file or the whole new one, never half of one, and no temporary is left behind when writing fails."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """``write(temporary)`` writes the file, which then replaces ``path`` in one rename (same folder, same disk)."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
+    """``text`` (UTF-8) as the file at ``path``, written atomically."""
+    write_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
