@@ -21,7 +21,7 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import FOR_TRAINING
-from .report import CROSS_FIT_NOTES, REPORT_FILENAME, GrowthReport, load_growth_report
+from .report import CROSS_FIT_NOTES, REPORT_FILENAME, GrowthReport, format_loss, load_growth_report
 
 
 #: Grown models are written in safetensors shards of at most this size (the Hub's usual 5 GB): saving a model that
@@ -98,8 +98,8 @@ def _selection(report: GrowthReport) -> str:
     if report.selection is None:
         return ""
     rows = "\n".join(
-        f"| {c.truncation} | {c.step_mode} | {c.step_size:.4g}{' (coarse search)' * c.coarse} | {_loss(c.search_loss)} "
-        f"| {_loss(c.confirm_loss)} |"
+        f"| {c.truncation} | {c.step_mode} | {c.step_size:.4g}{' (coarse search)' * c.coarse} "
+        f"| {format_loss(c.search_loss)} | {format_loss(c.confirm_loss)} |"
         for c in report.candidates
     )
     table = (
@@ -123,10 +123,6 @@ def _step_purpose(config: Mapping | None) -> str:
     return ""
 
 
-def _loss(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
-
-
 def _card_body(
     report: GrowthReport,
     architecture: str,
@@ -136,11 +132,9 @@ def _card_body(
     data: str | None,
     tokenizer: bool,
 ) -> str:
-    def loss(value: float | None) -> str:
-        return "-" if value is None else f"{value:.4f}"
-
     grown_from = f"`{base_model}`" if base_model else f"A `{report.model_class}`"
-    perplexity = f"{loss(report.perplexity_before)} -> {loss(report.perplexity_after)}"
+    loss = f"{format_loss(report.eval_loss_before)} -> {format_loss(report.eval_loss_after)}"
+    perplexity = f"{format_loss(report.perplexity_before)} -> {format_loss(report.perplexity_after)}"
     widths = "\n".join(
         f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} | {layer.expected_gain:.3g} | "
         f"{'-' if layer.realized_gain is None else f'{layer.realized_gain:.3g}'} |"
@@ -194,7 +188,7 @@ old one was and takes one step downhill. At step 0 it computes exactly the old f
 - Parameters: {report.parameters_before:,} -> {report.parameters_after:,} ({report.parameters_added:,} added).
 - Statistics: {report.statistics_tokens:,} tokens in {report.statistics_batches} batches{f" of {data}" if data else ""}.
 - Gradient M: {CROSS_FIT_NOTES[report.cross_fit]}.
-- Held-out loss: {loss(report.eval_loss_before)} -> {loss(report.eval_loss_after)} (perplexity {perplexity}).
+- Held-out loss: {loss} (perplexity {perplexity}).
 - Step: {step}; truncation `{report.truncation}`.{budget}{_selection(report)}
 - Attention scale: {scale}.
 

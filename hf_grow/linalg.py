@@ -18,7 +18,6 @@ All functions expect float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -27,7 +26,6 @@ from .lapack import batched_eigh, per_matrix
 from .subspace import SUBSPACE_OVERSAMPLING, top_singular_subspace
 
 
-Truncation = Literal["whitened", "frobenius"]
 TRUNCATIONS: tuple[str, ...] = ("whitened", "frobenius")
 
 

@@ -200,13 +200,10 @@ class GrowthReport:
     def summary(self) -> str:
         """A short human-readable table."""
 
-        def fmt(value: float | None) -> str:
-            return "-" if value is None else f"{value:.4f}"
-
         fraction = "" if self.step_fraction is None else f" ({self.step_fraction})"
         lines = [
-            f"held-out loss  before {fmt(self.eval_loss_before)}  after {fmt(self.eval_loss_after)}",
-            f"perplexity     before {fmt(self.perplexity_before)}  after {fmt(self.perplexity_after)}",
+            f"held-out loss  before {format_loss(self.eval_loss_before)}  after {format_loss(self.eval_loss_after)}",
+            f"perplexity     before {format_loss(self.perplexity_before)}  after {format_loss(self.perplexity_after)}",
             f"step size {self.step_size:.4g}{fraction} "
             f"(lam {self.lam:.4g}{STEP_MODE_NOTES.get(self.step_mode, ', per layer')}),"
             f" mode {self.mode}, truncation {self.truncation}, search {self.search}",
@@ -218,12 +215,12 @@ class GrowthReport:
         if self.budget is not None:
             lines.append(f"budget of {self.budget} added dims per head allocated to layers by expected gain")
         if self.unconstrained_eval_loss is not None:
-            lines.append(f"full-rank update (reference) held-out loss {fmt(self.unconstrained_eval_loss)}")
+            lines.append(f"full-rank update (reference) held-out loss {format_loss(self.unconstrained_eval_loss)}")
         lines.append("layer  qk  expected gain  realized gain")
         for layer in self.layers:
             lines.append(
                 f"{layer.layer:5d}  {layer.qk_dim_before}->{layer.qk_dim_after}  {layer.expected_gain:13.5f}  "
-                f"{fmt(layer.realized_gain):>13}"
+                f"{format_loss(layer.realized_gain):>13}"
             )
         return "\n".join(lines)
 
@@ -241,6 +238,11 @@ class GrowthReport:
             )
         margin = f", {self.selection_margin:.4g} below the simplest on confirmation" if self.selection_margin else ""
         return f"{self.candidate_name} chosen by held-out loss over {others} other candidate(s){margin}"
+
+
+def format_loss(value: float | None) -> str:
+    """A loss (or perplexity) as the summary and the model card show it: 4 decimals, "-" where not measured."""
+    return "-" if value is None else f"{value:.4f}"
 
 
 def load_growth_report(directory: str | os.PathLike) -> GrowthReport:

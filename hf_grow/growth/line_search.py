@@ -89,8 +89,6 @@ def split_batches(
         return dataloader, eval_batches
     if not needs_eval:
         return dataloader, None
-    if not 0 < eval_fraction < 1:
-        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
     batches = list(dataloader)
     if len(batches) < 2:
         raise ValueError(
