@@ -184,6 +184,35 @@ def test_bad_input_is_one_line_and_writes_nothing(model_folder, corpus, tmp_path
     assert not (tmp_path / "out").exists() and sorted(path.name for path in model_folder.iterdir()) == files_before
 
 
+@pytest.mark.parametrize("name", ["p too wide", "a budget too large", "--stats of another model", "the pairs"])
+def test_a_growth_the_model_cannot_take_is_refused_before_any_text_or_weights(
+    model_folder, corpus, tmp_path, capsys, monkeypatch, name
+):
+    """Checked on the model's config alone (a meta model, as for the memory plan), not after the data is read."""
+    from hf_grow import collect_statistics, get_adapter
+
+    other = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=64, n_embd=16, n_layer=1, n_head=2))
+    ids = torch.randint(0, 100, (2, 16))
+    collect_statistics(other, [{"input_ids": ids, "labels": ids}], get_adapter(other)).save(tmp_path / "other.st")
+
+    def never(*args, **kwargs):
+        raise AssertionError("text, tokenizer or weights read before the refusal")
+
+    for reader in ("_batches", "_load_model", "_load_tokenizer"):
+        monkeypatch.setattr(f"hf_grow.cli.commands.{reader}", never)
+    arguments, message = {
+        "p too wide": (["--p", "1000"], "exceed hidden_size + 1"),
+        "a budget too large": (["--budget", "100000"], "budget 100000 exceeds"),
+        "--stats of another model": (["--stats", str(tmp_path / "other.st")], "collected for another model"),
+        "the pairs": (["--p", "1000", "--pairs", str(corpus)], "exceed hidden_size + 1"),
+    }[name]
+    data = [] if name == "the pairs" else ["--data", str(corpus)]
+    monkeypatch.setattr("hf_grow.cli.commands.grow_from_pairs", never)
+    assert cli.main([str(model_folder), *data, *arguments, "--output-dir", str(tmp_path / "out"), "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1, error
+
+
 def test_an_unreadable_file_is_one_line(model_folder, corpus, tmp_path, capsys, monkeypatch):
     """(Permissions do not stop root, so reading fails by hand here.)"""
     import builtins

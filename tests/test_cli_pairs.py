@@ -99,7 +99,7 @@ def test_pairs_are_planned_before_any_pair_is_read(tmp_path, capsys, monkeypatch
     assert main([*arguments, "--dry-run"]) == 0
     table = capsys.readouterr().out
     assert "held-out logits" not in table and "1 pass over the data" in table
-    plan_with = cli_memory._planner(cli_memory.argparse.Namespace(
+    plan_with, _ = cli_memory._planner(cli_memory.argparse.Namespace(
         model=model, seq_len=None, eval_tokens=None, eval_pairs=None, dtype="float32", batch_size=16,
         device="cpu", config=hf_grow.GrowthConfig(p=8)), "pairs")
     single = plan_with({})

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import torch
 
+from torch import nn
+
 from .. import hub
+from ..adapters import get_adapter
 from ..config import FOR_TRAINING, GrowthConfig
 from ..data import matching_paths
-from ..statistics import check_offload_dir, parse_bytes
+from ..growth import check_growth, check_statistics
+from ..statistics import GrowthStatistics, check_offload_dir, parse_bytes
 
 
 class CommandError(Exception):
@@ -158,3 +162,15 @@ def _check_inputs_kept(args: argparse.Namespace, *outputs: tuple[str, str | None
                     f"{option} {written} {where} the input {read}: the command never writes over or into what it "
                     "reads; choose another path"
                 )
+
+
+def check_model_growth(model: nn.Module, config: GrowthConfig, statistics: GrowthStatistics | None) -> None:
+    """What needs the model but no data (``model`` may be on the meta device): a growth it can take (`check_growth`)
+    and ``statistics`` collected on it; refused before any text or weights are read."""
+    adapter = get_adapter(model)
+    try:
+        check_growth(model, adapter, config, mode=None)
+        if statistics is not None:
+            check_statistics(statistics, model, adapter, config.cross_fit)
+    except (ValueError, FloatingPointError) as error:
+        raise CommandError(str(error)) from None

@@ -51,19 +51,20 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     if args.pairs:
         check_pairs_arguments(args)
     objective = "pairs" if args.pairs else _objective(args)
-    check_memory(args, objective, show_progress)  # before any data or weights are read
-    if args.dry_run:
-        return
-    if args.pairs:
-        return grow_from_pairs(args, accelerator, started, is_main, show_progress)
-    statistics = _load_statistics(args.stats) if args.stats else None
-    if statistics is not None and accelerator is not None:
-        raise CommandError("--stats holds the statistics of all the data: run it in one process")
+    # --stats is read first, to be checked against the model with the growth (a dry run only plans)
+    statistics = _load_statistics(args.stats) if args.stats and not args.dry_run else None
     if statistics is not None and args.config.cross_fit and statistics.half_gradients is None:
         raise CommandError(
             f"--cross-fit{' (of --for-training)' * args.for_training} needs statistics saved by `hf-grow inspect "
             "--cross-fit --save-stats`, or --cross-fit false for the plain M"
         )
+    check_memory(args, objective, show_progress, statistics)  # before any text or weights are read
+    if args.dry_run:
+        return
+    if args.pairs:
+        return grow_from_pairs(args, accelerator, started, is_main, show_progress, statistics)
+    if statistics is not None and accelerator is not None:
+        raise CommandError("--stats holds the statistics of all the data: run it in one process")
     tokenizer = _load_tokenizer(args)
     statistics_batches, held_out_batches = _batches(args, tokenizer, objective, is_main)  # data before the model
     statistics_batches = _shard(statistics_batches, accelerator, "statistics")

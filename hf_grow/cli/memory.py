@@ -23,14 +23,17 @@ from ..growth.memory_plan import (
     OFFLOAD_PLACEHOLDER, MemoryPlan, activation_bytes, fitting_changes, plan_memory, statistics_attention,
 )
 from ..progress import format_bytes
-from ..statistics import parse_bytes
-from .checks import CommandError
+from ..statistics import GrowthStatistics, parse_bytes
+from .checks import CommandError, check_model_growth
 from .loading import DTYPES
 
 
-def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) -> MemoryPlan:
+def check_memory(
+    args: argparse.Namespace, objective: str, show_progress: bool, statistics: GrowthStatistics | None = None
+) -> MemoryPlan:
     """Plan the run from the model's config alone (a model on the meta device), print the plan (on stdout with
-    ``--dry-run``, else with the progress lines) and refuse a run that would not fit the free memory.
+    ``--dry-run``, else with the progress lines) and refuse a run that would not fit the free memory. Before
+    that, refuse a growth the model cannot take (p too wide, a budget too large; ``statistics`` of another model).
 
     ``objective``: "causal" or "masked" (a language-model loss on ``--seq-len`` tokens), or "pairs" (a
     SentenceTransformer's contrastive loss: its transformers model without a head, anchors and positives of
@@ -39,7 +42,8 @@ def check_memory(args: argparse.Namespace, objective: str, show_progress: bool) 
     With ``--offload-dir``, M is planned on disk, refused where that folder's free disk cannot hold it. Where M
     does not fit the memory even one layer at a time, the refusal names ``--offload-dir DIR`` and the disk it needs.
     """
-    plan_with = _planner(args, objective)
+    plan_with, model = _planner(args, objective)
+    check_model_growth(model, args.config, statistics)
     plan = plan_with({})
     if args.dry_run:
         print(plan.table())
@@ -96,8 +100,9 @@ def _rerun_with(changes: dict, plan_with: Callable[[dict], MemoryPlan]) -> str:
     return fix
 
 
-def _planner(args: argparse.Namespace, objective: str):
-    """``plan_with(changes)``: the plan with some options changed (config fields, batch_size, dtype)."""
+def _planner(args: argparse.Namespace, objective: str) -> tuple[Callable[[dict], MemoryPlan], torch.nn.Module]:
+    """``plan_with(changes)``: the plan with some options changed (config fields, batch_size, dtype); and the model
+    as ``--dtype`` loads it, on the meta device."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
     auto_class = {"masked": AutoModelForMaskedLM, "causal": AutoModelForCausalLM, "pairs": AutoModel}[objective]
@@ -122,13 +127,16 @@ def _planner(args: argparse.Namespace, objective: str):
     models: dict[str, torch.nn.Module] = {}
     activations: dict[tuple[str, int], int] = {}
 
-    def plan_with(changes: dict) -> MemoryPlan:
-        dtype = changes.get("dtype", args.dtype)
-        batch_size = changes.get("batch_size", args.batch_size)
+    def meta_model(dtype: str) -> torch.nn.Module:
         if dtype not in models:
             with torch.device("meta"):
                 models[dtype] = auto_class.from_config(model_config, dtype=DTYPES[dtype])
-        model = models[dtype]
+        return models[dtype]
+
+    def plan_with(changes: dict) -> MemoryPlan:
+        dtype = changes.get("dtype", args.dtype)
+        batch_size = changes.get("batch_size", args.batch_size)
+        model = meta_model(dtype)
         fields = {name: value for name, value in changes.items() if name not in ("dtype", "batch_size")}
         config = dataclasses.replace(args.config, **fields)
         attention = statistics_attention(seq_len, args.device)
@@ -142,7 +150,7 @@ def _planner(args: argparse.Namespace, objective: str):
         )
         return dataclasses.replace(plan, batch_size=batch_size)  # the flag's value, which a refusal may halve
 
-    return plan_with
+    return plan_with, meta_model(args.dtype)
 
 
 def _saved_dtype(model_config) -> torch.dtype:

@@ -15,8 +15,9 @@ from pathlib import Path
 from ..distributed import OtherProcessFailed, Processes
 from ..growth import grow_model
 from ..progress import stage
+from ..statistics import GrowthStatistics
 from .checks import CommandError
-from .loading import DTYPES, _load_statistics
+from .loading import DTYPES
 from .running import _shard, _write_atomically
 
 
@@ -43,9 +44,10 @@ def check_pairs_arguments(args: argparse.Namespace) -> None:
 
 
 def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_main: bool,
-                    show_progress: bool) -> None:
+                    show_progress: bool, statistics: GrowthStatistics | None) -> None:
     """``--pairs``: a SentenceTransformer grown with MultipleNegativesRankingLoss on text pairs, saved by
-    sentence-transformers (its modules, pooling and normalization config) with the grown model inside."""
+    sentence-transformers (its modules, pooling and normalization config) with the grown model inside;
+    ``statistics``: those of ``--stats``, read and checked already."""
     from sentence_transformers import SentenceTransformer
 
     from ..sentence import read_pairs, tokenize_pairs, transformer_module
@@ -67,7 +69,6 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         ) from None
     if args.seq_len:
         model.max_seq_length = args.seq_len
-    statistics = _load_statistics(args.stats) if args.stats else None
     statistics_batches = _shard(tokenize_pairs(pairs[:-num_eval], model, args.batch_size), accelerator, "statistics")
     held_out_batches = _shard(tokenize_pairs(pairs[-num_eval:], model, args.batch_size), accelerator, "held-out")
     try:

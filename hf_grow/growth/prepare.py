@@ -88,7 +88,7 @@ def check_statistics(
             raise FloatingPointError(
                 f"the statistics of layer {layer} hold NaN or Inf: collect them again (in float32 or float64)."
             )
-    if statistics.weights is not None:
+    if statistics.weights is not None and not next(model.parameters()).is_meta:  # a meta model has no weights yet
         weights = weight_sample(model)
         if weights.shape != statistics.weights.shape or float(
             (weights - statistics.weights).norm()
@@ -179,6 +179,36 @@ class PreparedGrowth:
     confirmation: tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]] | None = None
 
 
+def check_growth(
+    model: PreTrainedModel, adapter: ArchitectureAdapter, config: GrowthConfig, mode: str | None
+) -> tuple[str, list[int] | None]:
+    """What ``config`` could not check alone, from the model's config and modules (a model on the meta device will
+    do: the command checks before it reads any data): the growth mode to run (``mode``, or the architecture's
+    default), and the dims each layer gains (None with a budget, which the statistics allocate)."""
+    qk_before = adapter.qk_head_dims(model.config)
+    max_rank = adapter.hidden_size(model.config) + 1
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = adapter.check_mode(model, mode)
+    if config.search == "fast" and mode != "refactor":
+        raise ValueError(
+            f"search='fast' brackets the step with the full-rank refactored form, which {type(model).__name__} "
+            f"cannot take in {mode!r} growth: use search='exact' (the default)."
+        )
+    if config.budget is not None:
+        check_budget(config.budget, config.multiple_of, [max_rank - dim for dim in qk_before])
+        return mode, None
+    growth = resolve_growth(8 if config.p is None else config.p, len(qk_before))
+    qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
+    too_wide = {layer: dim for layer, dim in enumerate(qk_after) if dim > max_rank}
+    if too_wide:
+        raise ValueError(
+            f"query/key widths {too_wide} exceed hidden_size + 1 = {max_rank}, the largest rank a head's scores "
+            "can have: choose a smaller p."
+        )
+    return mode, growth
+
+
 def prepare_growth(
     model: PreTrainedModel,
     dataloader: Iterable[Mapping[str, Tensor]] | None,
@@ -197,27 +227,10 @@ def prepare_growth(
     adapter = get_adapter(model)
     qk_before = adapter.qk_head_dims(model.config)
     max_rank = adapter.hidden_size(model.config) + 1
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    mode = adapter.check_mode(model, mode)
+    mode, growth = check_growth(model, adapter, config, mode)
     check_loss_fn(loss_fn)
-    if config.search == "fast" and mode != "refactor":
-        raise ValueError(
-            f"search='fast' brackets the step with the full-rank refactored form, which {type(model).__name__} "
-            f"cannot take in {mode!r} growth: use search='exact' (the default)."
-        )
-    growth: list[int] | None = None
-    if config.budget is not None:
-        check_budget(config.budget, config.multiple_of, [max_rank - dim for dim in qk_before])
-    else:
-        growth = resolve_growth(8 if config.p is None else config.p, len(qk_before))
+    if growth is not None:
         qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
-        too_wide = {layer: dim for layer, dim in enumerate(qk_after) if dim > max_rank}
-        if too_wide:
-            raise ValueError(
-                f"query/key widths {too_wide} exceed hidden_size + 1 = {max_rank}, the largest rank a head's scores "
-                "can have: choose a smaller p."
-            )
         warn_unaligned(qk_after, growth)
 
     seconds: dict[str, float] = {}
