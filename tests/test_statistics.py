@@ -219,6 +219,9 @@ def test_bad_data_is_a_clear_error(gpt2_copy, stdlib_bytes):
         collect_statistics(model, [torch.zeros(2, 4, dtype=torch.long)], adapter)
     with pytest.raises(ValueError, match="no loss"):
         collect_statistics(model, [{"input_ids": torch.zeros(2, 4, dtype=torch.long)}], adapter)
+    headless = model.transformer  # GPT2Model: its outputs have no loss field at all
+    with pytest.raises(ValueError, match="no loss.*a model without a head"):
+        collect_statistics(headless, [{"input_ids": torch.zeros(2, 4, dtype=torch.long)}], get_adapter(headless))
     all_padding = {
         "input_ids": torch.zeros(2, 4, dtype=torch.long),
         "attention_mask": torch.zeros(2, 4, dtype=torch.long),

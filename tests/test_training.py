@@ -13,6 +13,7 @@ from transformers import (
 
 from hf_grow import (
     GrowthCallback,
+    GrowthConfig,
     GrownBertConfig,
     GrownBertForMaskedLM,
     GrownGPT2Config,
@@ -225,6 +226,17 @@ def test_clear_errors(trained_gpt2, trained):
         GrowthCallback({10: 8}, qk_dims_at={10: 16})
     with pytest.raises(ValueError, match="positive global steps"):
         GrowthCallback({0: 8})
+    # growth options refused when the callback is made, not at the growth step in the middle of training
+    with pytest.raises(ValueError, match="pass mode='refactor' with it"):
+        GrowthCallback({10: 8}, search="fast")
+    with pytest.raises(ValueError, match="pass mode='refactor' with it"):
+        GrowthCallback({10: 8}, config=GrowthConfig(search="fast"), mode="append")
+    GrowthCallback({10: 8}, search="fast", mode="refactor")
+    with pytest.raises(ValueError, match="step_size must be a finite number"):
+        GrowthCallback({10: 8}, step_size=float("nan"))
+    with pytest.raises(TypeError, match=r"unknown growth option\(s\) \['stepsize'\]"):
+        GrowthCallback({10: 8}, stepsize=0.1)
+    GrowthCallback({10: 8}, loss_fn=lambda model, batch: model(**batch).loss, init_std=0.01, rtol=1e-3)
 
 
 def test_append_mode_with_the_subspace_solver_matches_eigh(trained, stdlib_bytes):

@@ -152,11 +152,11 @@ def compute_loss(model: PreTrainedModel, batch: Any, loss_fn: LossFn | None) -> 
     """``loss_fn(model, batch)``, or the model's own ``outputs.loss``."""
     if loss_fn is not None:
         return loss_fn(model, batch)
-    loss = model(**batch).loss
+    loss = getattr(model(**batch), "loss", None)  # a model without a head (BertModel) returns no loss field at all
     if loss is None:
         raise ValueError(
             "the model returned no loss: put labels in the batches (e.g. labels=input_ids for a causal LM) "
-            "or pass loss_fn(model, batch) -> Tensor."
+            "or pass loss_fn(model, batch) -> Tensor (a model without a head, such as BertModel, needs one)."
         )
     return loss
 

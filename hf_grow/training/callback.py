@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -13,11 +15,11 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from transformers import PreTrainedModel, TrainerCallback
 
 from ..adapters import get_adapter
-from ..config import GrowthConfig
+from ..config import GrowthConfig, resolve_config
 from ..distributed import refuse_sharded_training, sharded_training_message
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
-from .grow import GROWTH_MODES, SOLVED_MODES, _resolved_mode, grow_in_training
+from .grow import DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, _resolved_mode, grow_in_training
 from .resize import _check_growable, _torch_optimizer
 
 logger = logging.getLogger("hf_grow")
@@ -87,6 +89,7 @@ class GrowthCallback(TrainerCallback):
         check_new_moments(new_moments)
         if statistics_batches < 1 or eval_batches < 1:
             raise ValueError("statistics_batches and eval_batches must be at least 1")
+        _check_growth_options(mode, config, growth_kwargs)
         self.grow_at = dict(grow_at) if grow_at is not None else None
         self.qk_dims_at = dict(qk_dims_at) if qk_dims_at is not None else None
         self.mode = mode
@@ -179,6 +182,21 @@ def _check_schedule(
         flat = [min(w) if isinstance(w, Sequence) else w for _, w in widths]
         if any(not isinstance(w, int) or w <= 0 for w in flat) or flat != sorted(flat):
             raise ValueError(f"qk_dims_at must map steps to positive, non-decreasing widths, got {dict(widths)}")
+
+
+def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_kwargs: Mapping[str, Any]) -> None:
+    """Refuse, when the callback is made, growth options that `grow_in_training` would refuse at the growth step,
+    mid-training: unknown names, bad values, and the fast search in a mode that cannot take it."""
+    fields = {option.name for option in dataclasses.fields(GrowthConfig)}
+    unknown = sorted(set(growth_kwargs) - fields - set(inspect.signature(grow_in_training).parameters))
+    if unknown:
+        raise TypeError(f"unknown growth option(s) {unknown}: GrowthConfig's fields or grow_in_training's keywords")
+    options = resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in fields})
+    if options.search == "fast" and (mode or DEFAULT_MODE) == "append":
+        raise ValueError(
+            "search='fast' brackets the step with the full-rank refactored form, which growth in mode 'append' (the "
+            "default) cannot take: pass mode='refactor' with it, or leave search at 'exact'."
+        )
 
 
 def _draw_batches(
