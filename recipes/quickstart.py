@@ -20,7 +20,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from hf_grow import cli
@@ -37,6 +37,7 @@ def train_tokenizer(files: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     """A byte-level BPE tokenizer (GPT-2 style) trained on ``files``."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()  # decode() gives the text back (not "Ġ"-marked tokens)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )

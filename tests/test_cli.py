@@ -60,6 +60,13 @@ def test_grows_a_local_model_on_local_text(model_folder, tmp_path):
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())  # input untouched
 
 
+def test_the_quickstart_tokenizer_decodes_text_back(model_folder):
+    """The README's generate snippets print what the model writes, not byte-level "Ġ"-marked tokens."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_folder)
+    text = "def foo(x):\n    return x + 1\n"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
 def test_a_log_file_shows_each_stage_end(model_folder, tmp_path):
     """stderr is a pipe here, as in a log file: plain progress lines, no bars' carriage returns."""
     not_quiet = [argument for argument in SMALL if argument != "--quiet"]
@@ -110,6 +117,18 @@ def test_unreachable_model_and_default_dataset(model_folder, tmp_path):
     assert result.returncode == 2 and "cannot load model" in result.stderr and "Traceback" not in result.stderr
     result = run_cli(str(model_folder), "--output-dir", str(tmp_path / "out"), "--quiet")
     assert result.returncode == 2 and "--data" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("dataset", [[], ["--dataset", "wikitext"]])
+def test_text_from_datasets_without_the_library_names_the_extra(model_folder, tmp_path, capsys, monkeypatch, dataset):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    without_datasets = lambda name, *a: None if name == "datasets" else find_spec(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", without_datasets)
+    assert cli.main([str(model_folder), *dataset, "--output-dir", str(tmp_path / "out"), "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert 'pip install "hf_grow[data]"' in error and "--data FILE" in error and len(error.splitlines()) == 1
 
 
 def test_missing_tokenizer_and_unsupported_architecture(model_folder, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 from pathlib import Path
 
@@ -38,6 +39,11 @@ def _check_data_arguments(args: argparse.Namespace) -> None:
         raise CommandError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
     if args.data and args.dataset:
         raise CommandError("give either --data or --dataset, not both")
+    if not args.data and not getattr(args, "pairs", None) and importlib.util.find_spec("datasets") is None:
+        raise CommandError(
+            f"text from {'--dataset' if args.dataset else 'the default dataset wikitext'} needs the datasets "
+            'library: pip install "hf_grow[data]", or pass local text with --data FILE'
+        )
     if args.eval_fraction is not None:
         if not 0 < args.eval_fraction < 1:
             raise CommandError(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
