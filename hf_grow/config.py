@@ -331,7 +331,7 @@ def _check_options(config: GrowthConfig) -> None:
     _choose("step_mode", config.step_mode, (*STEP_MODES, "auto"))
     if not 0 < config.confirm_fraction < 1:
         raise ValueError(f"confirm_fraction must be in (0, 1), got {config.confirm_fraction}")
-    _choose("method", config.statistics_method, STATISTICS_METHODS)  # collect_statistics' name for it
+    _choose("statistics_method", config.statistics_method, STATISTICS_METHODS)
     if config.step_size is not None and (not math.isfinite(config.step_size) or config.step_size < 0):
         raise ValueError(f"step_size must be a finite number >= 0, got {config.step_size}")
     if not (isinstance(config.step_scale, (int, float)) and math.isfinite(config.step_scale)
@@ -366,7 +366,8 @@ def _check_options(config: GrowthConfig) -> None:
         raise ValueError(f"query_block must be a positive int (queries per block), got {config.query_block!r}")
     if config.statistics_method == "triton" and config.compute_dtype != "float32":
         raise ValueError(
-            "method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'."
+            "statistics_method='triton' computes in float32: use compute_dtype='float32', or statistics_method="
+            "'chunked'."
         )
 
 

@@ -175,6 +175,8 @@ def read_pairs(
     ValueError naming the file and line of a pair it cannot read.
     """
     path = Path(source)
+    if not path.exists() and path.suffix.lower() in (".tsv", ".jsonl", ".csv"):
+        raise ValueError(f"no file at {source!r}: pairs are read from .tsv, .jsonl or .csv files (or a datasets name)")
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix not in (".tsv", ".jsonl", ".csv"):

@@ -151,7 +151,10 @@ def bad_inputs(model_folder, corpus, tmp_path):
             [str(model_folder), "--data", str(corpus), "--stats", str(corpus)], "cannot read statistics from"
         ),
         "a weights file as the model": (
-            [str(model_folder / "model.safetensors"), "--data", str(corpus)], "cannot load model"
+            [str(model_folder / "model.safetensors"), "--data", str(corpus)], "it is a file; pass a Hub id or the"
+        ),
+        "a folder as --stats": (
+            [str(model_folder), "--data", str(corpus), "--stats", str(folder)], "is a folder: pass the file written"
         ),
         "a folder as --report": ([str(model_folder), "--data", str(corpus), "--report", str(folder)], "is a folder"),
         "a folder as --json": ([str(model_folder), "--data", str(corpus), "--json", str(folder)], "is a folder"),
@@ -160,7 +163,8 @@ def bad_inputs(model_folder, corpus, tmp_path):
 
 BAD_INPUTS = ["truncated weights", "binary --data", "UTF-16 --data", "empty --data", "a folder as --data",
               "a missing file", "another model's tokenizer", "a broken config.json", "--eval-tokens over the text",
-              "a text file as --stats", "a weights file as the model", "a folder as --report", "a folder as --json"]
+              "a text file as --stats", "a folder as --stats",
+              "a weights file as the model", "a folder as --report", "a folder as --json"]
 MAIN_ONLY, INSPECT_ONLY = ("--stats", "--report"), ("--json",)
 
 

@@ -80,6 +80,8 @@ def test_bad_pairs_are_one_line_errors(tmp_path, capsys):
         (["--pairs", str(tmp_path / "few.tsv")], "holds 4 pairs: too few to hold out 8"),
         (["--pairs", str(tmp_path / "p.jsonl"), "--pair-columns", "query", "positive"], "no column 'positive'"),
         (["--pairs", str(tmp_path / "few.tsv"), "--data", "x.txt"], "give no --data"),
+        (["--pairs", str(tmp_path / "missing.tsv")], "--pairs: no file at"),
+        (["--pairs", str(tmp_path / "few.tsv"), "--push-to-hub", "me/grown"], "give no --push-to-hub"),
     ]
     for arguments, message in cases:
         status = main([model, *arguments, "--output-dir", str(tmp_path / "out"), "--quiet"])

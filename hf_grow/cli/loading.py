@@ -43,6 +43,10 @@ def _objective(args: argparse.Namespace) -> str:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 
+    if Path(args.model).is_file():
+        raise CommandError(
+            f"cannot load model {args.model!r}: it is a file; pass a Hub id or the model's folder (with config.json)"
+        )
     try:
         config = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as error:
@@ -104,13 +108,16 @@ def _load_model(args: argparse.Namespace, objective: str):
         missing = sorted(loading["missing_keys"])
         raise CommandError(
             f"{args.model!r} has no trained {objective}-LM head (missing {', '.join(missing[:3])}"
-            f"{', ...' if len(missing) > 3 else ''}): its loss would measure random weights. Use the Python API "
-            "with a loss for this model: grow_model(model, batches, loss_fn=...)"
+            f"{', ...' if len(missing) > 3 else ''}): its loss would measure random weights. Grow a "
+            "SentenceTransformer on text pairs with --pairs FILE, or use the Python API with a loss for this model: "
+            "grow_model(model, batches, loss_fn=...)"
         )
     return model.to(args.device)
 
 
 def _load_statistics(path: str) -> GrowthStatistics:
+    if Path(path).is_dir():
+        raise CommandError(f"--stats {path} is a folder: pass the file written by `hf-grow inspect --save-stats`")
     try:
         return GrowthStatistics.load(path)
     except ValueError as error:
