@@ -93,9 +93,10 @@ FOR_TRAINING_HELP = (
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     run = parser.add_argument_group("run")
-    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                     help="where the model runs, e.g. cpu, cuda or cuda:1 (default: cuda where PyTorch sees one)")
     run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (statistics are float32+)")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="seed of the masking and the random draws (default 0)")
     run.add_argument("--quiet", action="store_true", help="no progress bars (on a terminal) or lines (in a log)")
     return run
 
@@ -131,7 +132,7 @@ def build_parser() -> HfArgumentParser:
     run.add_argument("--report", help="also write the JSON growth report to this file")
     run.add_argument("--dry-run", action="store_true",
                      help="print the memory plan (predicted peak memory per stage) and exit, reading no data or "
-                     "weights")
+                     "weights (exit status 2, with the flags that fit, where it does not fit)")
     run.add_argument("--max-memory", metavar="SIZE",
                      help="plan for at most this much memory (e.g. 16GB; host on a CPU, the device's on a GPU), "
                      "when less than is free")
