@@ -202,7 +202,7 @@ def test_a_growth_the_model_cannot_take_is_refused_before_any_text_or_weights(
     def never(*args, **kwargs):
         raise AssertionError("text, tokenizer or weights read before the refusal")
 
-    for reader in ("_batches", "_load_model", "_load_tokenizer"):
+    for reader in ("text_batches", "load_model", "load_tokenizer"):
         monkeypatch.setattr(f"hf_grow.cli.commands.{reader}", never)
     arguments, message = {
         "p too wide": (["--p", "1000"], "exceed hidden_size + 1"),

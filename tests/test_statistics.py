@@ -7,7 +7,7 @@ from transformers import GPT2DoubleHeadsModel, GPT2LMHeadModel
 from hf_grow import collect_statistics, evaluate_loss, get_adapter
 from hf_grow.adapters.base import split_heads
 from hf_grow.statistics import CPU_REFERENCE_MAX_LENGTH, choose_method, default_query_block, score_gradient_products
-from hf_grow.statistics.kernels import _COLLECTING
+from hf_grow.statistics.kernels import COLLECTING
 
 from conftest import lm_batches, tiny_gpt2_config
 
@@ -132,7 +132,7 @@ def test_restored_on_error(gpt2_copy, stdlib_bytes):
         )
     assert model.config._attn_implementation == "sdpa"
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-    assert not _COLLECTING
+    assert not COLLECTING
     assert torch.get_float32_matmul_precision() == "highest"
     assert not model.training
     assert all(p.grad is None for p in model.parameters())

@@ -31,7 +31,7 @@ class CommandError(Exception):
 MODEL_FOLDER_FILES = ("config.json", "modules.json")
 
 
-def _check_data_arguments(args: argparse.Namespace) -> None:
+def check_data_arguments(args: argparse.Namespace) -> None:
     for name in ("seq_len", "batch_size", "max_tokens", "eval_tokens"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise CommandError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -49,19 +49,19 @@ def _check_data_arguments(args: argparse.Namespace) -> None:
             raise CommandError(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
         if args.eval_tokens is not None:
             raise CommandError("give either --eval-tokens or --eval-fraction, not both")
-        if not _held_out_of_the_same_text(args):
+        if not held_out_of_the_same_text(args):
             raise CommandError(
                 f"--eval-fraction applies to held-out text cut from the statistics' text; here it is read from "
                 f"--eval-split {args.eval_split} (--eval-tokens sets how much)"
             )
 
 
-def _held_out_of_the_same_text(args: argparse.Namespace) -> bool:
+def held_out_of_the_same_text(args: argparse.Namespace) -> bool:
     """Whether the held-out text is the tail of the statistics' text (local files, or one dataset split)."""
     return bool(args.data) or args.eval_split == args.split
 
 
-def _check_arguments(args: argparse.Namespace) -> None:
+def check_arguments(args: argparse.Namespace) -> None:
     if args.budget is not None and args.p is not None:
         raise CommandError("give either --p or --budget, not both")
     if args.budget is None:
@@ -75,7 +75,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
             f"--budget must be a positive multiple of --multiple-of, got --budget {args.budget} --multiple-of "
             f"{args.multiple_of}"
         )
-    _check_data_arguments(args)
+    check_data_arguments(args)
     for option in ("memory_budget", "max_memory"):
         if getattr(args, option) is not None:
             try:
@@ -90,13 +90,13 @@ def _check_arguments(args: argparse.Namespace) -> None:
             hub.check_push(args.push_to_hub)
         except ValueError as error:
             raise CommandError(str(error)) from None
-    _check_device(args)
+    check_device(args)
     if args.output_dir is None and not args.dry_run:
         raise CommandError("--output-dir is required (the folder for the grown model), except with --dry-run")
-    _check_inputs_kept(args, ("--output-dir", args.output_dir), ("--report", args.report))
+    check_inputs_kept(args, ("--output-dir", args.output_dir), ("--report", args.report))
     if args.output_dir is not None:
-        _check_output_folder(Path(args.output_dir), args.overwrite)
-    _check_file_folders(("--report", args.report))
+        check_output_folder(Path(args.output_dir), args.overwrite)
+    check_file_folders(("--report", args.report))
     args.config = _growth_config(args)
     if args.config.offload_dir is not None:
         try:
@@ -118,7 +118,7 @@ def _growth_config(args: argparse.Namespace) -> GrowthConfig:
         raise CommandError(str(error)) from None
 
 
-def _check_device(args: argparse.Namespace) -> None:
+def check_device(args: argparse.Namespace) -> None:
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -127,7 +127,7 @@ def _check_device(args: argparse.Namespace) -> None:
         raise CommandError(f"--device {args.device}: this PyTorch sees no CUDA device; use --device cpu")
 
 
-def _check_output_folder(output: Path, overwrite: bool) -> None:
+def check_output_folder(output: Path, overwrite: bool) -> None:
     """A ready or creatable output folder, refused if it holds anything, unless ``overwrite`` and what it holds is a
     saved model: a folder of other files (a project, the current folder) is never emptied."""
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
@@ -145,7 +145,7 @@ def _check_output_folder(output: Path, overwrite: bool) -> None:
         raise CommandError(f"--output-dir {output}: cannot create folders in {ancestor}")
 
 
-def _check_file_folders(*options: tuple[str, str | None]) -> None:
+def check_file_folders(*options: tuple[str, str | None]) -> None:
     """Output files' folders exist: found before any work, not when the results are written."""
     for option, path in options:
         if path and not Path(path).resolve().parent.is_dir():
@@ -154,7 +154,7 @@ def _check_file_folders(*options: tuple[str, str | None]) -> None:
             raise CommandError(f"{option} {path} is a folder: give a file name")
 
 
-def _check_inputs_kept(args: argparse.Namespace, *outputs: tuple[str, str | None]) -> None:
+def check_inputs_kept(args: argparse.Namespace, *outputs: tuple[str, str | None]) -> None:
     """Nothing the command writes replaces, contains or enters what it reads (the local model folder, ``--stats``,
     ``--pairs``, the ``--data`` files): the input checkpoint is never modified on disk."""
     inputs = [Path(path) for path in (args.model, getattr(args, "stats", None), getattr(args, "pairs", None)) if path]

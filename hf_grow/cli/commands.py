@@ -20,24 +20,24 @@ from ..progress import stage
 from ..statistics import collect_statistics, return_free_memory
 from .checks import (
     CommandError,
-    _check_arguments,
-    _check_data_arguments,
-    _check_device,
-    _check_file_folders,
-    _check_inputs_kept,
+    check_arguments,
+    check_data_arguments,
+    check_device,
+    check_file_folders,
+    check_inputs_kept,
 )
 from .memory import check_memory
-from .loading import _load_model, _load_statistics, _load_tokenizer, _objective
+from .loading import load_model, load_statistics, load_tokenizer, model_objective
 from .pairs import check_pairs_arguments, grow_from_pairs
 from .parsers import build_inspect_parser, build_parser
-from .running import _accelerator, _shard, _start, _write_atomically
-from .text import _batches, _data_description
+from .running import accelerator_for, shard_batches, start_run, write_folder_atomically
+from .text import text_batches, data_description
 
 
 def run(args: argparse.Namespace) -> None:
     started = time.perf_counter()
-    _check_arguments(args)
-    accelerator = _accelerator(args)
+    check_arguments(args)
+    accelerator = accelerator_for(args)
     try:
         _grow_and_write(args, accelerator, started)
     finally:
@@ -47,12 +47,12 @@ def run(args: argparse.Namespace) -> None:
 
 def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> None:
     is_main = accelerator is None or accelerator.is_main_process
-    show_progress = _start(args, is_main)
+    show_progress = start_run(args, is_main)
     if args.pairs:
         check_pairs_arguments(args)
-    objective = "pairs" if args.pairs else _objective(args)
+    objective = "pairs" if args.pairs else model_objective(args)
     # --stats is read first, to be checked against the model with the growth (a dry run only plans)
-    statistics = _load_statistics(args.stats) if args.stats and not args.dry_run else None
+    statistics = load_statistics(args.stats) if args.stats and not args.dry_run else None
     if statistics is not None and args.config.cross_fit and statistics.half_gradients is None:
         raise CommandError(
             f"--cross-fit{' (of --for-training)' * args.for_training} needs statistics saved by `hf-grow inspect "
@@ -65,11 +65,11 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
         return grow_from_pairs(args, accelerator, started, is_main, show_progress, statistics)
     if statistics is not None and accelerator is not None:
         raise CommandError("--stats holds the statistics of all the data: run it in one process")
-    tokenizer = _load_tokenizer(args)
-    statistics_batches, held_out_batches = _batches(args, tokenizer, objective, is_main)  # data before the model
-    statistics_batches = _shard(statistics_batches, accelerator, "statistics")
-    held_out_batches = _shard(held_out_batches, accelerator, "held-out")
-    model = _load_model(args, objective)
+    tokenizer = load_tokenizer(args)
+    statistics_batches, held_out_batches = text_batches(args, tokenizer, objective, is_main)  # data before the model
+    statistics_batches = shard_batches(statistics_batches, accelerator, "statistics")
+    held_out_batches = shard_batches(held_out_batches, accelerator, "held-out")
+    model = load_model(args, objective)
     try:
         grown = grow_model(
             model,
@@ -98,7 +98,7 @@ def _write_outputs(
 ) -> None:
     report = grown.growth_report
     output = Path(args.output_dir)
-    data, datasets = _data_description(args)
+    data, datasets = data_description(args)
 
     def write(folder: Path) -> None:
         grown.save_pretrained(folder, max_shard_size=hub.SHARD_BYTES)  # from a GPU, one shard at a time on the host
@@ -111,7 +111,7 @@ def _write_outputs(
 
     try:
         with stage(f"writing the grown model to {output}", enabled=show_progress):
-            _write_atomically(output, write, args.overwrite)
+            write_folder_atomically(output, write, args.overwrite)
     except OSError as error:
         raise CommandError(f"writing {output} failed ({error}); nothing was written") from None
     if args.report:
@@ -140,20 +140,20 @@ def _write_outputs(
 
 
 def run_inspect(args: argparse.Namespace) -> None:
-    _check_data_arguments(args)
+    check_data_arguments(args)
     if args.max_dims <= 0:
         raise CommandError(f"--max-dims must be positive, got {args.max_dims}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise CommandError(f"--plot: {PLOT_EXTRA}")
-    _check_device(args)
+    check_device(args)
     written = (("--plot", args.plot), ("--json", args.json), ("--save-stats", args.save_stats))
-    _check_file_folders(*written)
-    _check_inputs_kept(args, *written)
-    show_progress = _start(args)
-    objective = _objective(args)
-    tokenizer = _load_tokenizer(args)
-    statistics_batches, _ = _batches(args, tokenizer, objective)  # the same split as the main command
-    model = _load_model(args, objective)
+    check_file_folders(*written)
+    check_inputs_kept(args, *written)
+    show_progress = start_run(args)
+    objective = model_objective(args)
+    tokenizer = load_tokenizer(args)
+    statistics_batches, _ = text_batches(args, tokenizer, objective)  # the same split as the main command
+    model = load_model(args, objective)
     try:
         statistics = collect_statistics(
             model, statistics_batches, get_adapter(model), progress=show_progress, cross_fit=args.cross_fit

@@ -18,7 +18,7 @@ from .checks import CommandError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _load_tokenizer(args: argparse.Namespace):
+def load_tokenizer(args: argparse.Namespace):
     from transformers import AutoTokenizer
 
     try:
@@ -34,7 +34,7 @@ def _load_tokenizer(args: argparse.Namespace):
     return tokenizer
 
 
-def _objective(args: argparse.Namespace) -> str:
+def model_objective(args: argparse.Namespace) -> str:
     """``"causal"`` or ``"masked"``: the loss the command grows the model on, from the model's config.
 
     Also checks the architecture, resolves ``--seq-len`` against the model's positions and records the vocabulary
@@ -86,7 +86,7 @@ def _check_local_weights(model: str) -> None:
             ) from None
 
 
-def _load_model(args: argparse.Namespace, objective: str):
+def load_model(args: argparse.Namespace, objective: str):
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     auto_class = AutoModelForMaskedLM if objective == "masked" else AutoModelForCausalLM
@@ -115,7 +115,7 @@ def _load_model(args: argparse.Namespace, objective: str):
     return model.to(args.device)
 
 
-def _load_statistics(path: str) -> GrowthStatistics:
+def load_statistics(path: str) -> GrowthStatistics:
     if Path(path).is_dir():
         raise CommandError(f"--stats {path} is a folder: pass the file written by `hf-grow inspect --save-stats`")
     try:

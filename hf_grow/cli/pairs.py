@@ -18,7 +18,7 @@ from ..progress import stage
 from ..statistics import GrowthStatistics
 from .checks import CommandError
 from .loading import DTYPES
-from .running import _shard, _write_atomically
+from .running import shard_batches, write_folder_atomically
 
 
 def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +69,10 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         ) from None
     if args.seq_len:
         model.max_seq_length = args.seq_len
-    statistics_batches = _shard(tokenize_pairs(pairs[:-num_eval], model, args.batch_size), accelerator, "statistics")
-    held_out_batches = _shard(tokenize_pairs(pairs[-num_eval:], model, args.batch_size), accelerator, "held-out")
+    statistics_pairs, held_out_pairs = (tokenize_pairs(part, model, args.batch_size)
+                                        for part in (pairs[:-num_eval], pairs[-num_eval:]))
+    statistics_batches = shard_batches(statistics_pairs, accelerator, "statistics")
+    held_out_batches = shard_batches(held_out_pairs, accelerator, "held-out")
     try:
         grown = grow_model(model, None if statistics else statistics_batches, config=args.config,
                            statistics=statistics, eval_dataloader=held_out_batches, accelerator=accelerator,
@@ -82,7 +84,7 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         with Processes(accelerator).failing_together():
             if is_main:
                 with stage(f"writing the grown model to {output}", enabled=show_progress):
-                    _write_atomically(output, lambda folder: grown.save(str(folder)), args.overwrite)
+                    write_folder_atomically(output, lambda folder: grown.save(str(folder)), args.overwrite)
                 if args.report:
                     grown.growth_report.to_json_file(args.report)
     except OtherProcessFailed as error:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as transformers_logging
 
-from .checks import CommandError, _check_output_folder
+from .checks import CommandError, check_output_folder
 
 
 def _progress(args: argparse.Namespace) -> bool:
@@ -21,7 +21,7 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet
 
 
-def _write_atomically(output: Path, write, overwrite: bool) -> None:
+def write_folder_atomically(output: Path, write, overwrite: bool) -> None:
     """Write into a temporary sibling folder, then rename it into place: no half-written model, ever.
 
     The output folder is checked again just before the rename: what appeared there meanwhile is replaced
@@ -35,7 +35,7 @@ def _write_atomically(output: Path, write, overwrite: bool) -> None:
     try:
         staging.mkdir()
         write(staging)
-        _check_output_folder(output, overwrite)
+        check_output_folder(output, overwrite)
         if output.exists():
             output.rename(replaced)
         staging.rename(output)
@@ -47,7 +47,7 @@ def _write_atomically(output: Path, write, overwrite: bool) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
-def _accelerator(args: argparse.Namespace):
+def accelerator_for(args: argparse.Namespace):
     """An `accelerate.Accelerator` when launched with several processes (``WORLD_SIZE`` > 1), else None.
 
     The model then goes to the accelerator's device (one GPU per process, or the CPU with ``--device cpu``). A
@@ -62,7 +62,7 @@ def _accelerator(args: argparse.Namespace):
     return accelerator
 
 
-def _shard(batches: list, accelerator, what: str) -> list:
+def shard_batches(batches: list, accelerator, what: str) -> list:
     """Every N-th batch, from this process's index: the processes' shards add up to all the batches."""
     if accelerator is None:
         return batches
@@ -74,16 +74,16 @@ def _shard(batches: list, accelerator, what: str) -> list:
     return batches[accelerator.process_index :: accelerator.num_processes]
 
 
-def _bars(args: argparse.Namespace) -> bool:
+def show_bars(args: argparse.Namespace) -> bool:
     """Other libraries' progress bars (transformers' loading and saving, datasets'): on a terminal only."""
     return _progress(args) and sys.stderr.isatty()
 
 
-def _start(args: argparse.Namespace, is_main: bool = True) -> bool:
+def start_run(args: argparse.Namespace, is_main: bool = True) -> bool:
     """Seed and logging; whether progress shows (on the main process only)."""
     torch.manual_seed(args.seed)
     show_progress = _progress(args) and is_main
     transformers_logging.set_verbosity_error()
-    if not (show_progress and _bars(args)):
+    if not (show_progress and show_bars(args)):
         transformers_logging.disable_progress_bar()
     return show_progress

@@ -18,8 +18,8 @@ from ..data import (
     split_held_out,
     token_windows,
 )
-from .checks import CommandError, _held_out_of_the_same_text
-from .running import _bars
+from .checks import CommandError, held_out_of_the_same_text
+from .running import show_bars
 
 
 def _dataset_windows(args: argparse.Namespace, tokenizer, window: int) -> tuple[list, list]:
@@ -29,11 +29,11 @@ def _dataset_windows(args: argparse.Namespace, tokenizer, window: int) -> tuple[
     config = args.dataset_config or (None if args.dataset else "wikitext-2-raw-v1")
 
     def windows(split: str, max_tokens: int) -> list:
-        texts = read_dataset(name, config, split, args.text_column, args.streaming, _bars(args))
+        texts = read_dataset(name, config, split, args.text_column, args.streaming, show_bars(args))
         return token_windows(texts, tokenizer, window, max_tokens)
 
     try:
-        if _held_out_of_the_same_text(args):
+        if held_out_of_the_same_text(args):
             return _split_held_out(args, windows(args.split, args.max_tokens + _most_held_out(args)), window)
         return windows(args.split, args.max_tokens), windows(args.eval_split, args.eval_tokens or DEFAULT_EVAL_TOKENS)
     except KeyError as error:
@@ -63,7 +63,7 @@ def _warn(message: str) -> None:
     print(f"hf-grow: warning: {message}", file=sys.stderr)
 
 
-def _batches(args: argparse.Namespace, tokenizer, objective: str, is_main: bool = True) -> tuple[list, list]:
+def text_batches(args: argparse.Namespace, tokenizer, objective: str, is_main: bool = True) -> tuple[list, list]:
     """Statistics and held-out batches; local files give their tail as held-out text (`_split_held_out`).
 
     Prints how many tokens each side got, and refuses token ids beyond the model's vocabulary.
@@ -100,7 +100,7 @@ def _batches(args: argparse.Namespace, tokenizer, objective: str, is_main: bool 
 
 def _split_description(args: argparse.Namespace, statistics_tokens: int, held_out_tokens: int) -> str:
     """One line: the tokens of each side and where the held-out ones come from."""
-    if not _held_out_of_the_same_text(args):
+    if not held_out_of_the_same_text(args):
         source = f"from --eval-split {args.eval_split}"
     elif args.eval_tokens is not None:
         source = "the tail of the text, --eval-tokens"
@@ -121,7 +121,7 @@ def _check_token_ids(args: argparse.Namespace, windows: list) -> None:
         )
 
 
-def _data_description(args: argparse.Namespace) -> tuple[str, list[str]]:
+def data_description(args: argparse.Namespace) -> tuple[str, list[str]]:
     """What the statistics were collected on, in words, and the Hub datasets among it (for the model card)."""
     if args.data:
         shown = ", ".join(f"`{pattern}`" for pattern in args.data[:3])

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-_NO_LOSS_TERMS = "{data} holds no loss terms (no batches, or every label is -100): pass batches with labels."
+NO_LOSS_TERMS = "{data} holds no loss terms (no batches, or every label is -100): pass batches with labels."
 
 
 def evaluate_loss(
@@ -65,7 +65,7 @@ def evaluate_loss(
         total, weight = processes.sum_(torch.tensor([total, weight], dtype=torch.float64, device=device)).tolist()
         weight = int(weight)
     if weight == 0:
-        raise ValueError(_NO_LOSS_TERMS.format(data="the evaluation data"))
+        raise ValueError(NO_LOSS_TERMS.format(data="the evaluation data"))
     return total / weight, weight
 
 

@@ -24,7 +24,7 @@ from ..statistics import (
     GrowthStatistics, LossFn, batch_loss_weight, check_loss_fn, collect_statistics, return_free_memory, weight_sample,
 )
 from ..statistics import check_arguments as check_statistics_arguments
-from .line_search import _NO_LOSS_TERMS, confirmation_split, split_batches
+from .line_search import NO_LOSS_TERMS, confirmation_split, split_batches
 from .problem import MODES, GrowthProblem
 from .sharding import Sharding, solve_cost
 
@@ -256,7 +256,7 @@ def prepare_growth(
     device = next(model.parameters()).device
     if eval_batches is not None:  # found now, not after the statistics pass
         if processes.sum_(torch.tensor(sum(weights), dtype=torch.float64, device=device)).item() == 0:
-            raise ValueError(_NO_LOSS_TERMS.format(data="the held-out data"))
+            raise ValueError(NO_LOSS_TERMS.format(data="the held-out data"))
     confirmation = None
     if len(config.candidates) > 1:  # batches without loss terms are skipped by every pass: not counted as parts
         scored = [batch for batch, weight in zip(eval_batches or (), weights) if weight > 0]

@@ -22,9 +22,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..adapters import ArchitectureAdapter
 from .batches import LossFn, compute_loss, module_modes, restore_modes, without_kv_cache
 from .kernels import (
-    _COLLECTING,
+    COLLECTING,
     STATISTICS_ATTENTION,
-    _without_autocast,
+    without_autocast,
     choose_method,
     default_query_block,
     score_gradient_products,
@@ -218,7 +218,7 @@ class GradientProducts:
             if grad.shape[-1] != augmented.shape[-2] or grad.shape[-2] != augmented.shape[-2]:
                 raise ValueError("statistics need full self-attention scores: run the model without a KV cache")
             # M_i = X'^T G_i X' summed over the batch: (b, s, d)^T (b, h, s, s) (b, s, d) -> (h, d, d)
-            with _without_autocast(grad.device):
+            with without_autocast(grad.device):
                 projected = torch.matmul(grad.to(self.compute_dtype), augmented[:, None])
                 self.sums.add_gradient(layer, torch.einsum("bqd,bhqe->hde", augmented, projected))
 
@@ -240,7 +240,7 @@ class GradientProducts:
         method = self.batch_method
 
         def on_backward(grad_output: Tensor) -> None:
-            with _without_autocast(grad_output.device):
+            with without_autocast(grad_output.device):
                 if method == "triton":
                     from .triton_kernels import score_gradient_products_fused
 
@@ -312,14 +312,14 @@ class Collector:
         for layer in self.hooked_layers:
             handles.append(self.qk_inputs[layer].register_forward_pre_hook(self._input_hook(layer)))
         for layer, attention in enumerate(self.attentions):
-            _COLLECTING[attention] = (self.products, layer)
+            COLLECTING[attention] = (self.products, layer)
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
             for attention in self.attentions:
-                _COLLECTING.pop(attention, None)
+                COLLECTING.pop(attention, None)
             self.products.inputs.clear()
             self.anchors.clear()
 

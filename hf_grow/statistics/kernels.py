@@ -59,7 +59,7 @@ METHODS: tuple[str, ...] = ("auto", "chunked", "reference", "triton")
 CPU_REFERENCE_MAX_LENGTH = 256
 
 # Per attention module of the model under collection: the collector and the layer. Read by `statistics_attention`.
-_COLLECTING: dict[nn.Module, tuple[AttentionObserver, int]] = {}
+COLLECTING: dict[nn.Module, tuple[AttentionObserver, int]] = {}
 
 # Elements of one (b, h, block, s) float tensor in the chunked path. On a CPU, 2^21 float32 numbers
 # (8 MiB) stay in cache and skip most of a causal mask's upper triangle: 1.2-1.9x faster than 1024-query blocks
@@ -91,7 +91,7 @@ def statistics_attention(
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     is_causal = attention_mask is None and query.shape[2] > 1 and causal
-    collector, layer = _COLLECTING.get(module, (None, None))
+    collector, layer = COLLECTING.get(module, (None, None))
     collects = collector is not None and collector.collects(layer)
     if collector is not None and collector.batch_method == "reference":
         # Every layer runs eager attention, also those whose M is collected in another pass: the same forward.
@@ -244,6 +244,6 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" or bool(knobs.runtime.interpret)
 
 
-def _without_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+def without_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     """Statistics products in their own dtype even when the caller runs the model under autocast."""
     return torch.autocast(device.type, enabled=False)

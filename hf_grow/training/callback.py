@@ -19,8 +19,8 @@ from ..config import GrowthConfig, resolve_config
 from ..distributed import refuse_sharded_training, sharded_training_message
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
-from .grow import DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, _resolved_mode, grow_in_training
-from .resize import _check_growable, _torch_optimizer
+from .grow import DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, resolved_mode, grow_in_training
+from .resize import check_growable, as_torch_optimizer
 
 logger = logging.getLogger("hf_grow")
 
@@ -114,7 +114,7 @@ class GrowthCallback(TrainerCallback):
             )
         if self.trainer is not None:
             refuse_sharded_training(self.trainer.model_wrapped, self.trainer.accelerator)
-        _check_growable(_unwrapped(model), get_adapter(_unwrapped(model)), _torch_optimizer(optimizer))
+        check_growable(_unwrapped(model), get_adapter(_unwrapped(model)), as_torch_optimizer(optimizer))
 
     def _added_dims(self, step: int, model: PreTrainedModel) -> int | dict[int, int]:
         if self.grow_at is not None:
@@ -139,7 +139,7 @@ class GrowthCallback(TrainerCallback):
                 return
         eval_dataloader = self.eval_dataloader
         batches = self.dataloader
-        mode = _resolved_mode(model, self.mode)
+        mode = resolved_mode(model, self.mode)
         if batches is None and mode in SOLVED_MODES:  # the baselines need no data
             eval_count = 0 if self.eval_dataloader is not None else self.eval_batches
             batches, drawn_eval = _draw_batches(

@@ -19,7 +19,7 @@ from ..growth.line_search import held_out_count
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
 from ..statistics import GrowthStatistics, LossFn
-from .resize import _check_growable, _torch_optimizer, resize_qk_
+from .resize import check_growable, as_torch_optimizer, resize_qk_
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -124,7 +124,7 @@ def _in_training_defaults(
     return {**defaults, "cross_fit": halves}
 
 
-def _resolved_mode(model: PreTrainedModel, mode: str | None) -> str:
+def resolved_mode(model: PreTrainedModel, mode: str | None) -> str:
     """``mode``, or for None `DEFAULT_MODE` where the architecture supports it, else its own default."""
     if mode is not None:
         return mode
@@ -204,7 +204,7 @@ def grow_in_training(
     wrappers, model, processes = ddp_wrappers(model), unwrap_model(model, accelerator), Processes(accelerator)
     is_main = processes.is_main
     adapter = get_adapter(model)
-    mode = _resolved_mode(model, mode)
+    mode = resolved_mode(model, mode)
     if config is None:
         device = next(model.parameters()).device
         defaults = _in_training_defaults(mode, overrides, dataloader, eval_dataloader, statistics, processes, device)
@@ -218,8 +218,8 @@ def grow_in_training(
             "the model is wrapped by DistributedDataParallel: pass accelerator=accelerate.Accelerator() on every "
             "process, so that the statistics are summed across processes and every process grows the same way."
         )
-    torch_optimizer = _torch_optimizer(optimizer)
-    _check_growable(model, adapter, torch_optimizer)
+    torch_optimizer = as_torch_optimizer(optimizer)
+    check_growable(model, adapter, torch_optimizer)
     if mode in ("zero", "random"):
         added = resolve_growth(config.p, len(adapter.attention_modules(model)))
         std = getattr(model.config, "initializer_range", 0.02) if init_std is None else init_std

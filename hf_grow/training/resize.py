@@ -41,7 +41,7 @@ def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
     return adapter.build_grown_model(model, adapter.qk_head_dims(model.config), {})
 
 
-def _torch_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+def as_torch_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
     """The torch optimizer inside an accelerate ``AcceleratedOptimizer`` (or the optimizer itself)."""
     while (
         optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer")
@@ -50,7 +50,7 @@ def _torch_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Opt
     return optimizer
 
 
-def _check_growable(model: PreTrainedModel, adapter: ArchitectureAdapter, optimizer: torch.optim.Optimizer | None):
+def check_growable(model: PreTrainedModel, adapter: ArchitectureAdapter, optimizer: torch.optim.Optimizer | None):
     """Refuse, before any work, a model that is not of a grown type or optimizer state that cannot be remapped."""
     if not isinstance(model, adapter.grown_base_class):
         raise ValueError(
@@ -102,8 +102,8 @@ def resize_qk_(
     Q/K (GPT-2's fused values) and scalars (``step``) are kept.
     """
     adapter = get_adapter(model)
-    optimizer = _torch_optimizer(optimizer)
-    _check_growable(model, adapter, optimizer)
+    optimizer = as_torch_optimizer(optimizer)
+    check_growable(model, adapter, optimizer)
     config = model.config
     dims = adapter.qk_head_dims(config)
     widths = [weights[layer][0].shape[-1] if layer in weights else dim for layer, dim in enumerate(dims)]
