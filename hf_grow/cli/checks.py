@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 import torch
-
 from torch import nn
 
 from .. import hub

@@ -31,7 +31,7 @@ from .loading import load_model, load_statistics, load_tokenizer, model_objectiv
 from .pairs import check_pairs_arguments, grow_from_pairs
 from .parsers import build_inspect_parser, build_parser
 from .running import accelerator_for, shard_batches, start_run, write_folder_atomically
-from .text import text_batches, data_description
+from .text import data_description, text_batches
 
 
 def run(args: argparse.Namespace) -> None:
