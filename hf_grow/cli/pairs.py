@@ -69,8 +69,8 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         ) from None
     if args.seq_len:
         model.max_seq_length = args.seq_len
-    statistics_pairs, held_out_pairs = (tokenize_pairs(part, model, args.batch_size)
-                                        for part in (pairs[:-num_eval], pairs[-num_eval:]))
+    statistics_pairs = tokenize_pairs(pairs[:-num_eval], model, args.batch_size)
+    held_out_pairs = tokenize_pairs(pairs[-num_eval:], model, args.batch_size)
     statistics_batches = shard_batches(statistics_pairs, accelerator, "statistics")
     held_out_batches = shard_batches(held_out_pairs, accelerator, "held-out")
     try:

@@ -25,6 +25,7 @@ from ..config import AUTO_CHOICES, DEFAULT_TRUNCATION, SEARCHES, STEP_MODES
 from .prepare import (
     WEIGHTS_RTOL,
     PreparedGrowth,
+    check_fast_search,
     check_growth,
     check_statistics,
     collect_configured_statistics,
@@ -47,6 +48,7 @@ __all__ = [
     "PreparedGrowth",
     "QKWeights",
     "best_step",
+    "check_fast_search",
     "check_growth",
     "check_statistics",
     "collect_configured_statistics",

@@ -179,6 +179,17 @@ class PreparedGrowth:
     confirmation: tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]] | None = None
 
 
+def check_fast_search(search: str, mode: str, grown: str) -> None:
+    """``search="fast"`` brackets the step with the full-rank refactored form, which only growth in mode "refactor"
+    takes; ``grown`` names what would grow, for the message."""
+    if search == "fast" and mode != "refactor":
+        raise ValueError(
+            f"search='fast' brackets the step with the full-rank refactored form, which {grown} cannot take in "
+            f"{mode!r} growth: pass mode='refactor' with it where the architecture grows by it, or use "
+            "search='exact' (the default)."
+        )
+
+
 def check_growth(
     model: PreTrainedModel, adapter: ArchitectureAdapter, config: GrowthConfig, mode: str | None
 ) -> tuple[str, list[int] | None]:
@@ -190,11 +201,7 @@ def check_growth(
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     mode = adapter.check_mode(model, mode)
-    if config.search == "fast" and mode != "refactor":
-        raise ValueError(
-            f"search='fast' brackets the step with the full-rank refactored form, which {type(model).__name__} "
-            f"cannot take in {mode!r} growth: use search='exact' (the default)."
-        )
+    check_fast_search(config.search, mode, type(model).__name__)
     if config.budget is not None:
         check_budget(config.budget, config.multiple_of, [max_rank - dim for dim in qk_before])
         return mode, None

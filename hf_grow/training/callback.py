@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, TrainerCallback
 from ..adapters import get_adapter
 from ..config import GrowthConfig, resolve_config
 from ..distributed import refuse_sharded_training, sharded_training_message
+from ..growth import check_fast_search
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
 from .grow import DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, resolved_mode, grow_in_training
@@ -192,11 +193,8 @@ def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_
     if unknown:
         raise TypeError(f"unknown growth option(s) {unknown}: GrowthConfig's fields or grow_in_training's keywords")
     options = resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in fields})
-    if options.search == "fast" and (mode or DEFAULT_MODE) == "append":
-        raise ValueError(
-            "search='fast' brackets the step with the full-rank refactored form, which growth in mode 'append' (the "
-            "default) cannot take: pass mode='refactor' with it, or leave search at 'exact'."
-        )
+    if (mode or DEFAULT_MODE) in SOLVED_MODES:  # the baselines search no step
+        check_fast_search(options.search, mode or DEFAULT_MODE, "the model")
 
 
 def _draw_batches(
