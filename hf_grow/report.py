@@ -241,7 +241,8 @@ class GrowthReport:
 
 
 def format_loss(value: float | None) -> str:
-    """A loss (or perplexity) as the summary and the model card show it: 4 decimals, "-" where not measured."""
+    """A loss, perplexity or realized gain as the summary and the model card show it: 4 decimals, "-" where not
+    measured."""
     return "-" if value is None else f"{value:.4f}"
 
 
