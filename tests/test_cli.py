@@ -112,6 +112,21 @@ def test_bad_input_is_one_line(model_folder, tmp_path, arguments, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_triton_statistics_off_cuda_are_refused_before_the_text(model_folder, tmp_path, capsys, monkeypatch):
+    from hf_grow.cli import commands
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the text was read before the statistics method was checked")
+
+    monkeypatch.setattr(commands, "text_batches", unread)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    arguments = [str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "out"), "--quiet"]
+    assert cli.main([*arguments, "--statistics-method", "triton", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert "statistics method 'triton' needs a CUDA device" in error and "--statistics-method" in error
+    assert len(error.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 def test_unreachable_model_and_default_dataset(model_folder, tmp_path):
     result = run_cli("no-such-user/no-such-model", "--output-dir", str(tmp_path / "out"), "--data", TEXT_GLOB)
     assert result.returncode == 2 and "cannot load model" in result.stderr and "Traceback" not in result.stderr

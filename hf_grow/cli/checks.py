@@ -18,7 +18,7 @@ from ..adapters import get_adapter
 from ..config import FOR_TRAINING, GrowthConfig
 from ..data import matching_paths
 from ..growth import check_growth, check_statistics
-from ..statistics import GrowthStatistics, check_offload_dir, parse_bytes
+from ..statistics import GrowthStatistics, check_method_runs, check_offload_dir, parse_bytes
 
 
 class CommandError(Exception):
@@ -97,6 +97,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         check_output_folder(Path(args.output_dir), args.overwrite)
     check_file_folders(("--report", args.report))
     args.config = _growth_config(args)
+    if not args.stats:
+        try:
+            check_method_runs(args.config.statistics_method, torch.device(args.device))
+        except ValueError as error:
+            raise CommandError(str(error)) from None
     if args.config.offload_dir is not None:
         try:
             check_offload_dir(args.config.offload_dir, torch.device(args.device), "--offload-dir")

@@ -26,7 +26,7 @@ from .batches import (
     walk_tensors,
     without_kv_cache,
 )
-from .collect import check_arguments, collect_statistics, is_positive_int
+from .collect import check_arguments, check_method_runs, collect_statistics, is_positive_int
 from .container import STATISTICS_FORMAT, GrowthStatistics, weight_sample
 from .kernels import (
     CPU_REFERENCE_MAX_LENGTH,
@@ -53,6 +53,7 @@ __all__ = [
     "batch_loss_weight",
     "check_arguments",
     "check_loss_fn",
+    "check_method_runs",
     "is_positive_int",
     "check_offload_dir",
     "choose_method",

@@ -64,12 +64,7 @@ def check_arguments(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if query_block is not None and not is_positive_int(query_block):
         raise ValueError(f"query_block must be a positive int (queries per block), got {query_block!r}")
-    if method == "triton" and not triton_available(device):
-        missing = "" if importlib.util.find_spec("triton") else " and triton is not installed"
-        raise ValueError(
-            f"method='triton' needs a CUDA device and the triton package (pip install triton); the model is on "
-            f"{device}{missing}: use method='auto' or 'chunked'."
-        )
+    check_method_runs(method, device)
     if method == "triton" and compute_dtype != torch.float32:
         raise ValueError("method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'.")
     if method == "triton" and tf32 is False:
@@ -80,6 +75,17 @@ def check_arguments(
         )
     if offload_dir is not None:
         check_offload_dir(offload_dir, device)
+
+
+def check_method_runs(method: str, device: torch.device) -> None:
+    """Refuse a statistics method that cannot run on ``device`` (Triton off CUDA), before any data is read."""
+    if method == "triton" and not triton_available(device):
+        missing = "" if importlib.util.find_spec("triton") else " and triton is not installed"
+        raise ValueError(
+            f"The statistics method 'triton' needs a CUDA device and the triton package (pip install triton); the "
+            f"model is on {device}{missing}: use 'auto' or 'chunked' (method= here, statistics_method= in "
+            f"grow_model and GrowthConfig, --statistics-method in the command)."
+        )
 
 
 def collect_statistics(
