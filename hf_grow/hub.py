@@ -18,10 +18,12 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, Mo
 from huggingface_hub.constants import is_offline_mode
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import FOR_TRAINING
 from .report import CROSS_FIT_NOTES, REPORT_FILENAME, GrowthReport, format_loss, load_growth_report
+from .sentence import is_sentence_transformer, transformer_module
 
 
 #: Grown models are written in safetensors shards of at most this size (the Hub's usual 5 GB): saving a model that
@@ -31,6 +33,16 @@ SHARD_BYTES = 5 * 10**9
 logger = logging.getLogger("hf_grow")
 
 CARD_FILENAME = "README.md"
+#: How each growth mode (`GrowthReport.mode`) changed the query/key weights, as the card says it.
+MODE_NOTES = {
+    "refactor": "`refactor`, every query/key weight rewritten (the old and the new dimensions)",
+    "append": "`append`, the old query/key weights kept and the new dimensions holding the step (beside the rotary "
+    "dimensions of a rotary model, without rotation)",
+}
+#: The file that makes a folder a saved `SentenceTransformer`.
+SENTENCE_MODULES = "modules.json"
+#: The model id sentence-transformers replaces with the repository's in a card's snippets when it pushes.
+SENTENCE_PLACEHOLDER = "sentence_transformers_model_id"
 #: The Hub pipeline tag of each Auto class a grown checkpoint declares (None: no pipeline fits).
 PIPELINE_TAGS: dict[str, str | None] = {
     "AutoModelForCausalLM": "text-generation",
@@ -68,7 +80,8 @@ def model_card(
     data: str | None = None,
     datasets: Sequence[str] = (),
 ) -> ModelCard:
-    """The model card of a saved grown model: metadata, the growth summary and how to load it.
+    """The model card of a saved grown model (or a sentence-transformers folder around one): metadata, the growth
+    summary and how to load it.
 
     ``base_model`` names the model that was grown; ``repo_id`` is where the card will live (the loading snippets
     use it; default: the folder's name); ``data`` says in words what the statistics were collected on, ``datasets``
@@ -76,21 +89,65 @@ def model_card(
     `push_to_hub` drops them from the card it commits, since the Hub refuses them.
     """
     folder = Path(folder)
-    report = load_growth_report(folder)
-    config = json.loads((folder / "config.json").read_text())
+    return grown_model_card(
+        load_growth_report(folder),
+        json.loads((folder / "config.json").read_text()),
+        name=repo_id or folder.name,
+        base_model=base_model,
+        data=data,
+        datasets=datasets,
+        tokenizer=(folder / "tokenizer_config.json").is_file(),
+        sentence=is_sentence_folder(folder),
+    )
+
+
+def is_sentence_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a saved `SentenceTransformer` (its modules around the grown transformers model)."""
+    return (folder / SENTENCE_MODULES).is_file()
+
+
+def grown_model_card(
+    report: GrowthReport,
+    config: Mapping,
+    *,
+    name: str,
+    base_model: str | None,
+    data: str | None = None,
+    datasets: Sequence[str] = (),
+    tokenizer: bool,
+    sentence: bool,
+) -> ModelCard:
+    """`model_card` from the report and the config itself: ``name`` for the loading snippets, ``tokenizer`` whether
+    the model comes with one, ``sentence`` whether it is a `SentenceTransformer`'s (loaded as one)."""
     architecture = (config.get("architectures") or [f"Grown{report.model_class}"])[0]
     auto_class = _auto_class(architecture, config.get("auto_map", {}))
+    pipeline_tag = PIPELINE_TAGS.get(auto_class) if auto_class else None
     card_data = ModelCardData(
         base_model=base_model or None,
-        library_name="transformers",
-        pipeline_tag=PIPELINE_TAGS.get(auto_class) if auto_class else None,
-        tags=["hf_grow", "grown-attention", config["model_type"]],
+        library_name="sentence-transformers" if sentence else "transformers",
+        pipeline_tag="sentence-similarity" if sentence else pipeline_tag,
+        tags=["hf_grow", "grown-attention", config["model_type"], *["sentence-transformers"] * sentence],
         datasets=list(datasets) or None,
     )
-    name = repo_id or folder.name
-    tokenizer = (folder / "tokenizer_config.json").is_file()
-    body = _card_body(report, architecture, auto_class, name, base_model, data, tokenizer)
+    remote, installed = _loading(architecture, auto_class, name, tokenizer, sentence)
+    # sentence-transformers puts the repository's id into the snippets only: a title of its own for its placeholder
+    title = f"Grown {report.model_class}" if name == SENTENCE_PLACEHOLDER else name.split("/")[-1]
+    body = _card_body(report, title, base_model, data, remote, installed, perplexity=not sentence)
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}")
+
+
+def set_sentence_card(sentence_model: nn.Module) -> None:
+    """Make a grown `SentenceTransformer`'s own ``save`` and ``push_to_hub`` write its growth card.
+
+    sentence-transformers keeps the card a model was loaded with and writes it again on save (until it is trained
+    with its trainer): a grown copy would carry the card of the model it was grown from, naming that model in its
+    snippets. Its card text is set to the growth card instead, with sentence-transformers' placeholder for the
+    model id (its ``push_to_hub`` puts the repository's there) and no local path in the metadata."""
+    grown = transformer_module(sentence_model).model
+    base_model = grown.config.name_or_path or None
+    card = grown_model_card(grown.growth_report, grown.config.to_dict(), name=SENTENCE_PLACEHOLDER,
+                            base_model=base_model, tokenizer=True, sentence=True)
+    sentence_model._model_card_text = str(_pushable(card))
 
 
 def _selection(report: GrowthReport) -> str:
@@ -123,18 +180,43 @@ def _step_purpose(config: Mapping | None) -> str:
     return ""
 
 
+def _loading(architecture: str, auto_class: str | None, name: str, tokenizer: bool, sentence: bool) -> tuple[str, str]:
+    """The card's two loading snippets: without hf_grow (the repository's own modeling code) and with it."""
+    if sentence:
+        remote = 'from sentence_transformers import SentenceTransformer\n\n'
+        remote += f'model = SentenceTransformer("{name}", trust_remote_code=True)'
+        installed = "import hf_grow  # registers the grown model types\n"
+        installed += f'from sentence_transformers import SentenceTransformer\n\nmodel = SentenceTransformer("{name}")'
+        return remote, installed
+    if auto_class:
+        remote = f'from transformers import {auto_class}\n\n'
+        remote += f'model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)'
+        installed = f"import hf_grow  # registers the grown model types\nfrom transformers import {auto_class}\n\n"
+        installed += f'model = {auto_class}.from_pretrained("{name}")'
+    else:  # a head class no Auto class loads: its class, from hf_grow
+        remote = f"from transformers import AutoModel\n\n# the base model, without the {architecture} head\n"
+        remote += f'model = AutoModel.from_pretrained("{name}", trust_remote_code=True)'
+        installed = f'from hf_grow import {architecture}\n\nmodel = {architecture}.from_pretrained("{name}")'
+    if tokenizer:  # the config's auto_map makes AutoTokenizer ask about remote code too
+        remote = remote.replace("\n\n", ", AutoTokenizer\n\n", 1)
+        remote += f'\ntokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)'
+    return remote, installed
+
+
 def _card_body(
     report: GrowthReport,
-    architecture: str,
-    auto_class: str | None,
-    name: str,
+    title: str,
     base_model: str | None,
     data: str | None,
-    tokenizer: bool,
+    remote: str,
+    installed: str,
+    *,
+    perplexity: bool,
 ) -> str:
     grown_from = f"`{base_model}`" if base_model else f"A `{report.model_class}`"
     loss = f"{format_loss(report.eval_loss_before)} -> {format_loss(report.eval_loss_after)}"
-    perplexity = f"{format_loss(report.perplexity_before)} -> {format_loss(report.perplexity_after)}"
+    if perplexity:  # of a language model's loss (not of a contrastive one)
+        loss += f" (perplexity {format_loss(report.perplexity_before)} -> {format_loss(report.perplexity_after)})"
     widths = "\n".join(
         f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} | {layer.expected_gain:.3g} | "
         f"{'-' if layer.realized_gain is None else f'{layer.realized_gain:.3g}'} |"
@@ -159,36 +241,26 @@ def _card_body(
         if kept
         else "follows the new query/key width, the change folded into the old queries"
     )
+    step_zero = ": this model took step 0, the new dimensions left for training to use" * (report.step_size == 0)
     configuration = ""
     if report.config is not None:  # reports written before GrowthConfig have none
         configuration = (
             "\n\nThe growth options (`hf_grow.GrowthConfig`; `GrowthConfig.from_dict` reads them back):\n\n"
             f"```json\n{json.dumps(report.config, indent=2, sort_keys=True)}\n```"
         )
-    if auto_class:
-        remote = f'from transformers import {auto_class}\n\n'
-        remote += f'model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)'
-        installed = f"import hf_grow  # registers the grown model types\nfrom transformers import {auto_class}\n\n"
-        installed += f'model = {auto_class}.from_pretrained("{name}")'
-    else:  # a head class no Auto class loads: its class, from hf_grow
-        remote = f"from transformers import AutoModel\n\n# the base model, without the {architecture} head\n"
-        remote += f'model = AutoModel.from_pretrained("{name}", trust_remote_code=True)'
-        installed = f'from hf_grow import {architecture}\n\nmodel = {architecture}.from_pretrained("{name}")'
-    if tokenizer:  # the config's auto_map makes AutoTokenizer ask about remote code too
-        remote = remote.replace("\n\n", ", AutoTokenizer\n\n", 1)
-        remote += f'\ntokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)'
-    return f"""# {name.split("/")[-1]}
+    return f"""# {title}
 
 {grown_from} with the query/key width of its attention heads grown by [hf_grow](https://pypi.org/project/hf_grow/):
 the new query/key weights are solved from first-order loss statistics, so that the grown model starts where the
-old one was and takes one step downhill. At step 0 it computes exactly the old function.
+old one was and takes one step downhill. At step 0 it computes exactly the old function{step_zero}.
 
 ## Growth
 
 - Parameters: {report.parameters_before:,} -> {report.parameters_after:,} ({report.parameters_added:,} added).
 - Statistics: {report.statistics_tokens:,} tokens in {report.statistics_batches} batches{f" of {data}" if data else ""}.
 - Gradient M: {CROSS_FIT_NOTES[report.cross_fit]}.
-- Held-out loss: {loss} (perplexity {perplexity}).
+- Mode: {MODE_NOTES.get(report.mode, f"`{report.mode}`")}.
+- Held-out loss: {loss}.
 - Step: {step}; truncation `{report.truncation}`.{budget}{_selection(report)}
 - Attention scale: {scale}.
 
@@ -227,7 +299,8 @@ def check_push(repo_id: str, api: HfApi | None = None) -> None:
         raise ValueError(f"{repo_id!r} is a local path, not a Hub repository id (user/name)")
     if is_offline_mode():
         raise ValueError(
-            "cannot push to the Hub: HF_HUB_OFFLINE is set; unset it or push later with hf_grow.push_to_hub"
+            "cannot push to the Hub: offline mode is on (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE); unset it or push "
+            "later with hf_grow.push_to_hub"
         )
     if api is None and get_token() is None:
         raise ValueError("cannot push to the Hub: not logged in; run `hf auth login` or set HF_TOKEN")
@@ -262,14 +335,33 @@ def _files_to_push(folder: Path) -> list[Path]:
     missing = sorted(name for name in needed if not (folder / name).is_file())
     if missing:
         raise ValueError(f"{folder} lacks {', '.join(missing)}: save the grown model with its save_pretrained")
-    files = sorted(path for path in folder.iterdir() if path.is_file() and not path.name.startswith("."))
+    # every file, those of a SentenceTransformer's module folders (1_Pooling/, ...) too; none hidden
+    files = sorted(path for path in folder.rglob("*") if path.is_file()
+                   and not any(part.startswith(".") for part in path.relative_to(folder).parts))
     if not any(path.suffix == ".safetensors" for path in files):
         raise ValueError(f"{folder} holds no safetensors weights: save with save_pretrained(safe_serialization=True)")
     return files
 
 
+def _save_model(model: nn.Module, folder: Path, tokenizer: PreTrainedTokenizerBase | None, repo_id: str) -> str | None:
+    """Save a grown model or `SentenceTransformer` to ``folder`` for `push_to_hub`; the name of its base model."""
+    if getattr(model, "growth_report", None) is None:
+        raise ValueError("the model has no growth_report: push a model returned by hf_grow.grow_model")
+    if is_sentence_transformer(model):
+        model.save(str(folder))  # its modules, tokenizer and the grown transformers model
+        return transformer_module(model).model.config.name_or_path or None
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"cannot push a {type(model).__name__}: pass a grown model, SentenceTransformer or folder")
+    model.save_pretrained(folder, max_shard_size=SHARD_BYTES)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    else:
+        logger.warning("pushing %s without a tokenizer: pass tokenizer= so that others can use it", repo_id)
+    return model.config.name_or_path or None
+
+
 def push_to_hub(
-    folder_or_model: str | os.PathLike | PreTrainedModel,
+    folder_or_model: str | os.PathLike | PreTrainedModel | nn.Module,
     repo_id: str,
     *,
     private: bool | None = None,
@@ -281,12 +373,13 @@ def push_to_hub(
 ) -> CommitInfo | None:
     """Push a grown model to the Hub in one commit: weights, config, modeling files, tokenizer, report, card.
 
-    ``folder_or_model``: a folder written by the grown model's `save_pretrained` (and the tokenizer's), or a
-    grown model (saved to a temporary folder first, with ``tokenizer`` when given). The folder's ``README.md`` is
-    the card, else one is made (`model_card`, with ``base_model``); metadata the Hub refuses (local paths as base
-    model or datasets) is left out of the committed card. The repository is created if needed (``private``), and
-    ``revision`` names a branch, created if needed. ``api``: the
-    `HfApi` to use (default: a new one with the saved token). Only the main process of a multi-process run
+    ``folder_or_model``: a folder written by the grown model's `save_pretrained` (and the tokenizer's) or by a
+    grown `SentenceTransformer`'s ``save``, or a grown model or `SentenceTransformer` (saved to a temporary folder
+    first; a transformers model with ``tokenizer`` when given). A folder's ``README.md`` is the card; a model's
+    card, or a folder's without one, is made (`model_card`, with ``base_model``); metadata the Hub refuses (local
+    paths as base model or datasets) is left out of the committed card. The repository is created if needed
+    (``private``), and ``revision`` names a branch, created if needed. ``api``: the `HfApi` to use (default: a
+    new one with the saved token). Only the main process of a multi-process run
     pushes; the others return None.
     """
     check_push(repo_id, api)
@@ -294,32 +387,31 @@ def push_to_hub(
         return None
     api = api or HfApi()
     with tempfile.TemporaryDirectory(prefix="hf-grow-push-") as staging:
-        if isinstance(folder_or_model, PreTrainedModel):
-            if getattr(folder_or_model, "growth_report", None) is None:
-                raise ValueError("the model has no growth_report: push a model returned by hf_grow.grow_model")
+        existing = None
+        if isinstance(folder_or_model, nn.Module):
             folder = Path(staging) / "model"
-            folder_or_model.save_pretrained(folder, max_shard_size=SHARD_BYTES)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(folder)
-            else:
-                logger.warning("pushing %s without a tokenizer: pass tokenizer= so that others can use it", repo_id)
-            base_model = base_model or folder_or_model.config.name_or_path or None
+            saved_from = _save_model(folder_or_model, folder, tokenizer, repo_id)
+            base_model = base_model or saved_from
         else:
             folder = Path(folder_or_model)
             if not folder.is_dir():
                 raise ValueError(f"{folder} is not a folder: pass a saved grown model's folder or the model itself")
+            existing = folder / CARD_FILENAME if (folder / CARD_FILENAME).is_file() else None
         files = _files_to_push(folder)
-        existing = folder / CARD_FILENAME
-        if existing.is_file():
+        if existing is not None:
             card = ModelCard.load(existing)
-            # A card written for the folder (by the CLI, say) loads it by the folder's name: use the repository's.
-            card.text = card.text.replace(f'from_pretrained("{folder.name}"', f'from_pretrained("{repo_id}"')
+            # A card written for the folder (by the CLI, say) loads it by the folder's name, or a grown
+            # SentenceTransformer's by sentence-transformers' placeholder: use the repository's.
+            for old_name in (folder.name, SENTENCE_PLACEHOLDER):
+                for loader in ("from_pretrained(", "SentenceTransformer("):
+                    card.text = card.text.replace(f'{loader}"{old_name}"', f'{loader}"{repo_id}"')
         else:
             card = model_card(folder, base_model=base_model, repo_id=repo_id)
         card_path = Path(staging) / CARD_FILENAME
         _pushable(card).save(card_path)
-        files = [path for path in files if path.name != CARD_FILENAME] + [card_path]
-        operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files]
+        in_repo = {path.relative_to(folder).as_posix(): path for path in files} | {CARD_FILENAME: card_path}
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
+                      for name, path in in_repo.items()]
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision is not None and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True)

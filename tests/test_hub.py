@@ -83,7 +83,8 @@ def test_push_a_model_commits_everything_once(grown, model_folder, tmp_path):
     report = model.growth_report
     for fact in (f"{report.parameters_added:,} added", f"λ = {report.lam:.4g}", f"{report.eval_loss_after:.4f}",
                  "trust_remote_code=True", 'from_pretrained("me/grown-gpt2")', "allocated to the layers",
-                 f"`step_mode` {report.step_mode}", "- Gradient M: the mean over all statistics batches."):
+                 f"`step_mode` {report.step_mode}", "- Gradient M: the mean over all statistics batches.",
+                 "- Mode: `refactor`, every query/key weight rewritten", "(perplexity "):
         assert fact in card.text, fact
     for layer in report.layers:
         assert f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} |" in card.text
@@ -126,6 +127,17 @@ def test_save_pretrained_with_push_to_hub_uploads_a_complete_folder(grown, tmp_p
     model.save_pretrained(tmp_path / "out", push_to_hub=True, repo_id="me/grown", commit_message="grown")
     assert uploads == [("me/grown", "grown", GROWN_FILES)]
     assert {path.name for path in (tmp_path / "out").iterdir()} == GROWN_FILES - {"README.md"}
+
+
+def test_the_card_of_a_step_zero_growth_says_so(model_folder, tmp_path):
+    model = GPT2LMHeadModel.from_pretrained(model_folder)
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    ids = torch.tensor(tokenizer(open(TRAIN_FILES[0]).read())["input_ids"][: 2 * 8 * 32]).reshape(2, 8, 32)
+    grown = grow_model(model, [{"input_ids": ids[0], "labels": ids[0]}], p=8, step_size=0.0,
+                       eval_dataloader=[{"input_ids": ids[1], "labels": ids[1]}], measure_realized_gains=False)
+    grown.save_pretrained(tmp_path / "zero")
+    card = hub.model_card(tmp_path / "zero", base_model=None)
+    assert "exactly the old function: this model took step 0" in card.text and "- Step: size 0 " in card.text
 
 
 def test_bad_pushes_are_refused_before_anything(grown, tmp_path, monkeypatch):

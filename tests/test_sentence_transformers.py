@@ -126,6 +126,11 @@ def test_saved_folder_loads_both_ways(grown_st, tmp_path):
     assert isinstance(loaded[0].model, hf_grow.GrownBertModel)
     assert torch.equal(loaded.encode(TEXTS, convert_to_tensor=True), expected)
     assert hf_grow.load_growth_report(folder).to_dict() == grown_st.growth_report.to_dict()
+    # sentence-transformers writes the card a model was loaded with: the grown one's is the growth card
+    card = (folder / "README.md").read_text()
+    assert "library_name: sentence-transformers" in card and "all-MiniLM-L6-v2\n" not in card
+    assert 'model = SentenceTransformer("sentence_transformers_model_id", trust_remote_code=True)' in card
+    assert "perplexity" not in card and "- Statistics: " in card  # a contrastive loss: no perplexity
 
     save_file({"embeddings": expected}, tmp_path / "expected.safetensors")
     run_without_hf_grow(
@@ -142,6 +147,32 @@ def test_saved_folder_loads_both_ways(grown_st, tmp_path):
         """,
         tmp_path,
     )
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["model", "folder"])
+def test_a_grown_sentence_transformer_pushed_to_the_hub_loads(grown_st, tmp_path, saved):
+    """`hf_grow.push_to_hub` of a grown SentenceTransformer or of its folder commits every file, its module
+    folders too (1_Pooling/: without it the repository does not load), with the growth card naming the repository."""
+    from huggingface_hub import ModelCard
+
+    from test_hub import FakeApi
+
+    grown_st.save(str(tmp_path / "grown-st"))
+    api = FakeApi()
+    hf_grow.push_to_hub(tmp_path / "grown-st" if saved else grown_st, "me/minilm-grown", api=api)
+    written = {path.relative_to(tmp_path / "grown-st").as_posix() for path in (tmp_path / "grown-st").rglob("*")
+               if path.is_file()}
+    assert set(api.files) == written and "1_Pooling/config.json" in written
+    card = ModelCard(api.files["README.md"].decode())
+    assert card.data.library_name == "sentence-transformers" and "hf_grow" in card.data.tags
+    assert card.data.base_model is None  # a local path: the Hub refuses it as metadata
+    assert 'model = SentenceTransformer("me/minilm-grown", trust_remote_code=True)' in card.text
+    repository = tmp_path / "repository"
+    for name, content in api.files.items():
+        (repository / name).parent.mkdir(parents=True, exist_ok=True)
+        (repository / name).write_bytes(content)
+    pushed = SentenceTransformer(str(repository), device="cpu")
+    assert torch.equal(pushed.encode(TEXTS, convert_to_tensor=True), grown_st.encode(TEXTS, convert_to_tensor=True))
 
 
 def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):

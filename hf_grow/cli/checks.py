@@ -81,9 +81,6 @@ def check_arguments(args: argparse.Namespace) -> None:
                 parse_bytes(getattr(args, option), "--" + option.replace("_", "-"))
             except ValueError as error:
                 raise CommandError(str(error)) from None
-    if args.push_to_hub and args.pairs:
-        raise CommandError("--pairs grows a SentenceTransformer: give no --push-to-hub (push the output folder with "
-                           "SentenceTransformer.push_to_hub)")
     if args.push_to_hub:
         try:
             hub.check_push(args.push_to_hub)

@@ -30,7 +30,7 @@ from .memory import check_memory
 from .loading import load_model, load_statistics, load_tokenizer, model_objective
 from .pairs import check_pairs_arguments, grow_from_pairs
 from .parsers import build_inspect_parser, build_parser
-from .running import accelerator_for, shard_batches, start_run, write_folder_atomically
+from .running import accelerator_for, push_output, shard_batches, start_run, write_card, write_folder_atomically
 from .text import data_description, text_batches
 
 
@@ -103,11 +103,7 @@ def _write_outputs(
     def write(folder: Path) -> None:
         grown.save_pretrained(folder, max_shard_size=hub.SHARD_BYTES)  # from a GPU, one shard at a time on the host
         tokenizer.save_pretrained(folder)
-        # A local model is named by its absolute path: the card stays true wherever it is pushed from later.
-        base_model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
-        card = hub.model_card(folder, base_model=base_model, repo_id=args.push_to_hub or output.name, data=data,
-                              datasets=datasets)
-        card.save(folder / hub.CARD_FILENAME)
+        write_card(args, folder, data, datasets)
 
     try:
         with stage(f"writing the grown model to {output}", enabled=show_progress):
@@ -125,18 +121,7 @@ def _write_outputs(
     print(report.summary())
     processes = f" on {accelerator.num_processes} processes" if accelerator is not None else ""
     print(f"wall time {elapsed:.1f} s{processes}; grown model written to {output}")
-    if args.push_to_hub:
-        try:
-            commit = hub.push_to_hub(output, args.push_to_hub, private=args.private or None, revision=args.revision,
-                                     commit_message=args.commit_message)
-        except Exception as error:  # network and Hub errors come in many types; the model is safe on disk
-            reason = (str(error).splitlines() or [""])[0]
-            raise CommandError(
-                f"pushing to {args.push_to_hub} failed ({type(error).__name__}: {reason}); the grown model is in "
-                f"{output}: push it later with hf_grow.push_to_hub"
-            ) from None
-        if commit is not None:
-            print(f"pushed to {getattr(commit, 'commit_url', None) or args.push_to_hub}")
+    push_output(args)
 
 
 def run_inspect(args: argparse.Namespace) -> None:

@@ -2,7 +2,8 @@
 
 The pairs' last ``--eval-pairs`` (10% by default) are held out for the line search; the rest give the statistics.
 The output folder is written by sentence-transformers (modules.json, pooling and normalization config, tokenizer)
-with the grown model's weights, config, modeling files and growth report, atomically as the main command's.
+with the grown model's weights, config, modeling files and growth report, and the growth card, atomically as the
+main command's, and pushed with ``--push-to-hub``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..progress import stage
 from ..statistics import GrowthStatistics
 from .checks import CommandError
 from .loading import DTYPES
-from .running import shard_batches, write_folder_atomically
+from .running import push_output, shard_batches, write_card, write_folder_atomically
 
 
 def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,9 +37,8 @@ def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_pairs_arguments(args: argparse.Namespace) -> None:
     """``--pairs``' own checks, before the memory plan and any data."""
-    if args.data or args.dataset or args.push_to_hub:
-        raise CommandError("--pairs grows a SentenceTransformer: give no --data, --dataset or --push-to-hub "
-                           "(push the output folder with SentenceTransformer.push_to_hub)")
+    if args.data or args.dataset:
+        raise CommandError("--pairs grows a SentenceTransformer on text pairs: give no --data or --dataset")
     if importlib.util.find_spec("sentence_transformers") is None:
         raise CommandError('--pairs needs sentence-transformers: pip install "hf_grow[sentence-transformers]"')
 
@@ -80,11 +80,17 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
     except (ValueError, TypeError, OtherProcessFailed) as error:
         raise CommandError(str(error)) from None
     output = Path(args.output_dir)
+    data = f"{len(pairs) - num_eval} text pairs from {args.pairs}"
+
+    def write(folder: Path) -> None:
+        grown.save(str(folder))  # its modules, tokenizer and the grown transformers model
+        write_card(args, folder, data, [] if Path(args.pairs).exists() else [args.pairs])  # a local file, or a dataset
+
     try:
         with Processes(accelerator).failing_together():
             if is_main:
                 with stage(f"writing the grown model to {output}", enabled=show_progress):
-                    write_folder_atomically(output, lambda folder: grown.save(str(folder)), args.overwrite)
+                    write_folder_atomically(output, write, args.overwrite)
                 if args.report:
                     grown.growth_report.to_json_file(args.report)
     except OtherProcessFailed as error:
@@ -95,3 +101,4 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         print(grown.growth_report.summary())
         print(f"wall time {time.perf_counter() - started:.1f} s; grown SentenceTransformer written to {output} "
               f"({len(pairs) - num_eval} pairs for the statistics, {num_eval} held out)")
+        push_output(args)

@@ -1,5 +1,6 @@
 """How a run behaves, for both the text and the ``--pairs`` commands: progress and seeding, several processes
-(an `accelerate.Accelerator` and every N-th batch per process), and output folders written atomically.
+(an `accelerate.Accelerator` and every N-th batch per process), output folders written atomically with their
+model card, and the push to the Hub.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as transformers_logging
 
+from .. import hub
 from .checks import CommandError, check_output_folder
 
 
@@ -87,3 +89,31 @@ def start_run(args: argparse.Namespace, is_main: bool = True) -> bool:
     if not (show_progress and show_bars(args)):
         transformers_logging.disable_progress_bar()
     return show_progress
+
+
+def write_card(args: argparse.Namespace, folder: Path, data: str, datasets: list[str]) -> None:
+    """The growth card into a folder being written (`hub.model_card`), its snippets naming ``--push-to-hub``'s
+    repository or the output folder."""
+    # A local model is named by its absolute path: the card stays true wherever it is pushed from later.
+    base_model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    card = hub.model_card(folder, base_model=base_model, repo_id=args.push_to_hub or Path(args.output_dir).name,
+                          data=data, datasets=datasets)
+    card.save(folder / hub.CARD_FILENAME)
+
+
+def push_output(args: argparse.Namespace) -> None:
+    """With ``--push-to-hub``: the output folder pushed (`hub.push_to_hub`), a failure one line that says where the
+    model is."""
+    if not args.push_to_hub:
+        return
+    try:
+        commit = hub.push_to_hub(args.output_dir, args.push_to_hub, private=args.private or None,
+                                 revision=args.revision, commit_message=args.commit_message)
+    except Exception as error:  # network and Hub errors come in many types; the model is safe on disk
+        reason = (str(error).splitlines() or [""])[0]
+        raise CommandError(
+            f"pushing to {args.push_to_hub} failed ({type(error).__name__}: {reason}); the grown model is in "
+            f"{args.output_dir}: push it later with hf_grow.push_to_hub"
+        ) from None
+    if commit is not None:
+        print(f"pushed to {getattr(commit, 'commit_url', None) or args.push_to_hub}")

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 
 from ..config import GrowthConfig, resolve_config
 from ..distributed import Processes, refuse_sharded_training, unwrap_model
+from ..hub import set_sentence_card
 from ..sentence import as_loss_fn, is_sentence_transformer, transformer_module, with_grown_model
 from ..statistics import GrowthStatistics, LossFn, return_free_memory
 from .prepare import merged_if_peft, prepare_growth
@@ -80,7 +81,9 @@ def grow_model(
             transformer_module(model).model, dataloader, config=config, eval_dataloader=eval_dataloader,
             loss_fn=as_loss_fn(loss_fn, model), statistics=statistics, accelerator=accelerator, progress=progress,
         )
-        return with_grown_model(model, grown)
+        grown_sentence_model = with_grown_model(model, grown)
+        set_sentence_card(grown_sentence_model)  # not the card of the model it was grown from
+        return grown_sentence_model
     model = merged_if_peft(model)
     progress = progress and Processes(accelerator).is_main
     prepared = prepare_growth(
