@@ -180,6 +180,21 @@ def test_peft_model_is_merged_into_a_copy(architecture, trained_gpt2, data, capl
     assert state.keys() == before.keys() and all(torch.equal(state[name], before[name]) for name in before)
 
 
+def test_a_peft_model_with_prompt_learning_adapters_is_refused_before_any_data(trained_gpt2):
+    """Prompt tuning adds virtual tokens, not weights: nothing can be merged into the Q/K that growth rewrites."""
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+
+    peft_model = get_peft_model(copy.deepcopy(trained_gpt2), PromptTuningConfig(task_type=TaskType.CAUSAL_LM,
+                                                                                num_virtual_tokens=4))
+
+    def unread():
+        raise AssertionError("the data was read before the model was checked")
+        yield
+
+    with pytest.raises(ValueError, match=r"prompt-learning adapters \['default'\].*peft_model.get_base_model\(\)"):
+        grow_model(peft_model, unread(), p=8)
+
+
 def test_precomputed_statistics_give_the_same_growth(trained_gpt2, data):
     statistics = collect_statistics(trained_gpt2, data["stats"], get_adapter(trained_gpt2))
     direct = grow_model(trained_gpt2, data["stats"], p=8, step_size=0.05)

@@ -66,6 +66,33 @@ def test_fresh_plus0_model_is_initialized_as_the_plain_one(plain_class, grown_cl
     assert [name for name in plain_state if not torch.equal(plain_state[name], grown_state[name])] == []
 
 
+@pytest.mark.parametrize(
+    "grown_class, plain_config, grown_config",
+    [
+        (GrownGPT2LMHeadModel, tiny_gpt2_config, GrownGPT2Config),
+        (GrownLlamaForCausalLM, tiny_llama_config, GrownLlamaConfig),
+        (GrownBertForMaskedLM, tiny_bert_config, GrownBertConfig),
+    ],
+    ids=["gpt2", "llama", "bert"],
+)
+def test_flash_and_flex_attention_are_refused_saying_why(grown_class, plain_config, grown_config, tmp_path):
+    """Not transformers' "does not support Flash Attention yet, request support on its Hub page" (with a made-up
+    Hub address for a local folder); and the grown models' tags reach the card transformers' push_to_hub writes."""
+    config = grown_config(**plain_config().to_dict())
+    model = grown_class(config)
+    assert model.model_tags == ["hf_grow", "grown-attention"]
+    model.save_pretrained(tmp_path)
+    name = grown_class.__name__
+    for implementation in ("flash_attention_2", "flash_attention_3", "flex_attention"):
+        message = f"{name} cannot run attn_implementation='{implementation}': its query/key heads differ in width"
+        with pytest.raises(ValueError, match=message):
+            grown_class.from_pretrained(tmp_path, attn_implementation=implementation)
+        with pytest.raises(ValueError, match=message):
+            model.set_attn_implementation(implementation)
+    model.set_attn_implementation("eager")  # the two it runs
+    model.set_attn_implementation("sdpa")
+
+
 def test_grown_gpt2_scales_residual_projections_at_initialization():
     """GPT-2's scheme (transformers' test_gpt2_weight_initialization): every `c_proj` weight has std
     `initializer_range / sqrt(2 * n_layer)`, in grown layers too (it was `initializer_range`: transformers skips

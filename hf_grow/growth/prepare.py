@@ -49,6 +49,13 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
     peft = sys.modules.get("peft")  # a PeftModel implies peft is imported; no import cost otherwise
     if peft is None or not isinstance(model, peft.PeftModel):
         return model
+    prompt_learning = sorted(name for name, config in model.peft_config.items() if config.is_prompt_learning)
+    if prompt_learning:
+        raise ValueError(
+            f"{type(model).__name__} holds prompt-learning adapters {prompt_learning} (virtual tokens, not weights), "
+            "which cannot be merged into the model: grow its base model (peft_model.get_base_model()) and add the "
+            "adapter again"
+        )
     logger.warning(
         "%s wraps PEFT adapters %s: growing a copy of its base model with the adapters merged in "
         "(merge_and_unload); the input model is left unchanged.",

@@ -161,6 +161,13 @@ class GrownBertEncoder(BertEncoder):
         self.layer = nn.ModuleList([GrownBertLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
 
 
+#: Why a grown model refuses flash and flex attention (transformers' own message asks to request support).
+_UNSUPPORTED_ATTENTION = (
+    "{} cannot run attn_implementation={!r}: its query/key heads differ in width from its value "
+    "heads (config.qk_head_dims), which flash-attention kernels do not take; use 'sdpa' (the default) or 'eager'."
+)
+
+
 class GrownBertPreTrainedModel(BertPreTrainedModel):
     config_class = GrownBertConfig
     _no_split_modules = ["BertEmbeddings", "GrownBertLayer"]
@@ -168,6 +175,16 @@ class GrownBertPreTrainedModel(BertPreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _can_record_outputs = {"hidden_states": GrownBertLayer, "attentions": GrownBertSelfAttention}
+
+    def post_init(self):
+        super().post_init()
+        self.add_model_tags(["hf_grow", "grown-attention"])  # on the card transformers' push_to_hub writes
+
+    def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
+        raise ValueError(_UNSUPPORTED_ATTENTION.format(type(self).__name__, f"flash_attention_{flash_attn_version}"))
+
+    def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
+        raise ValueError(_UNSUPPORTED_ATTENTION.format(type(self).__name__, "flex_attention"))
 
     def save_pretrained(
         self, save_directory, is_main_process: bool = True, *args, push_to_hub: bool = False, **kwargs

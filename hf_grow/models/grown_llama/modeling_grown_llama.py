@@ -153,6 +153,13 @@ class GrownLlamaDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
+#: Why a grown model refuses flash and flex attention (transformers' own message asks to request support).
+_UNSUPPORTED_ATTENTION = (
+    "{} cannot run attn_implementation={!r}: its query/key heads differ in width from its value "
+    "heads (config.qk_head_dims), which flash-attention kernels do not take; use 'sdpa' (the default) or 'eager'."
+)
+
+
 class GrownLlamaPreTrainedModel(LlamaPreTrainedModel):
     config_class = GrownLlamaConfig
     config: GrownLlamaConfig
@@ -164,6 +171,16 @@ class GrownLlamaPreTrainedModel(LlamaPreTrainedModel):
         "hidden_states": GrownLlamaDecoderLayer,
         "attentions": GrownLlamaAttention,
     }
+
+    def post_init(self):
+        super().post_init()
+        self.add_model_tags(["hf_grow", "grown-attention"])  # on the card transformers' push_to_hub writes
+
+    def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
+        raise ValueError(_UNSUPPORTED_ATTENTION.format(type(self).__name__, f"flash_attention_{flash_attn_version}"))
+
+    def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
+        raise ValueError(_UNSUPPORTED_ATTENTION.format(type(self).__name__, "flex_attention"))
 
     @staticmethod
     def create_masks_for_generate(
