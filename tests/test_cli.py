@@ -77,6 +77,9 @@ def test_a_log_file_shows_each_stage_end(model_folder, tmp_path):
                   f"writing the grown model to {tmp_path / 'grown'}: done in "):
         assert any(line.startswith(start) for line in lines), (start, lines)
     assert "\r" not in result.stderr
+    report = load_growth_report(tmp_path / "grown")  # the line search's last line: the step kept, not the last tried
+    searched = [line for line in lines if line.startswith("line search: ") and "done in" in line][-1]  # the final
+    assert f"chosen_step={report.step_size:.4g}" in searched, searched
 
 
 def test_refuses_a_non_empty_output_folder(model_folder, tmp_path):

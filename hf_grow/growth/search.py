@@ -151,6 +151,7 @@ def line_search(
             loss_after = loss_before if step_size == 0 else losses[step_size]
             if problem.step_mode == "coordinate" and step_size > 0:
                 chosen, loss_after = search.refine_each_layer(step_size, loss_after)
+            bar.set_postfix(chosen_step=f"{step_size:.4g}", loss=f"{loss_after:.4f}")  # not the last step tried
     decompositions: Decompositions = {}
     if chosen is None:
         decompositions = search.decompositions_at(step_size)
