@@ -198,46 +198,55 @@ class GrowthReport:
         write_text_atomically(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     def summary(self) -> str:
-        """A short human-readable table."""
-
-        fraction = "" if self.step_fraction is None else f" ({self.step_fraction})"
-        lines = [
-            f"held-out loss  before {format_loss(self.eval_loss_before)}  after {format_loss(self.eval_loss_after)}",
-            f"perplexity     before {format_loss(self.perplexity_before)}  after {format_loss(self.perplexity_after)}",
-            f"step size {self.step_size:.4g}{fraction} "
-            f"(lam {self.lam:.4g}{STEP_MODE_NOTES.get(self.step_mode, ', per layer')}),"
-            f" mode {self.mode}, truncation {self.truncation}, search {self.search}",
-            f"Q/K dims {self.qk_dims_before} -> {self.qk_dims_after}, parameters added {self.parameters_added:,}",
-        ]
-        if self.selection is not None:
-            lines.append(self.selection_summary())
-        lines.append(f"M {CROSS_FIT_NOTES[self.cross_fit]}")
-        if self.budget is not None:
-            lines.append(f"budget of {self.budget} added dims per head allocated to layers by expected gain")
-        if self.unconstrained_eval_loss is not None:
-            lines.append(f"full-rank update (reference) held-out loss {format_loss(self.unconstrained_eval_loss)}")
-        lines.append("layer  qk  expected gain  realized gain")
-        for layer in self.layers:
-            lines.append(
-                f"{layer.layer:5d}  {layer.qk_dim_before}->{layer.qk_dim_after}  {layer.expected_gain:13.5f}  "
-                f"{format_loss(layer.realized_gain):>13}"
-            )
-        return "\n".join(lines)
-
+        """A short human-readable table (`summary_table`)."""
+        return summary_table(self)
 
     def selection_summary(self) -> str:
-        """One line: which candidate of the "auto" options was kept, how, and by how much."""
-        others = len(self.candidates) - 1
-        if self.selection == "simplest":
-            return f"{self.candidate_name} kept without a held-out choice (a step size given, or one held-out batch)"
-        if self.selection == "fallback":
-            searched = min(self.candidates, key=lambda c: math.inf if c.search_loss is None else c.search_loss)
-            return (
-                f"{self.candidate_name} kept: the search preferred {searched.truncation}, "
-                f"{searched.step_mode.replace('_', ' ')}, which the confirmation batches did not"
-            )
-        margin = f", {self.selection_margin:.4g} below the simplest on confirmation" if self.selection_margin else ""
-        return f"{self.candidate_name} chosen by held-out loss over {others} other candidate(s){margin}"
+        """One line: which candidate of the "auto" options was kept, how, and by how much (`selection_line`)."""
+        return selection_line(self)
+
+
+def summary_table(report: GrowthReport) -> str:
+    """A short human-readable table of a growth report (`GrowthReport.summary`)."""
+    fraction = "" if report.step_fraction is None else f" ({report.step_fraction})"
+    lines = [
+        f"held-out loss  before {format_loss(report.eval_loss_before)}  after {format_loss(report.eval_loss_after)}",
+        f"perplexity     before {format_loss(report.perplexity_before)}  after {format_loss(report.perplexity_after)}",
+        f"step size {report.step_size:.4g}{fraction} "
+        f"(lam {report.lam:.4g}{STEP_MODE_NOTES.get(report.step_mode, ', per layer')}),"
+        f" mode {report.mode}, truncation {report.truncation}, search {report.search}",
+        f"Q/K dims {report.qk_dims_before} -> {report.qk_dims_after}, parameters added {report.parameters_added:,}",
+    ]
+    if report.selection is not None:
+        lines.append(selection_line(report))
+    lines.append(f"M {CROSS_FIT_NOTES[report.cross_fit]}")
+    if report.budget is not None:
+        lines.append(f"budget of {report.budget} added dims per head allocated to layers by expected gain")
+    if report.unconstrained_eval_loss is not None:
+        lines.append(f"full-rank update (reference) held-out loss {format_loss(report.unconstrained_eval_loss)}")
+    lines.append("layer  qk  expected gain  realized gain")
+    for layer in report.layers:
+        lines.append(
+            f"{layer.layer:5d}  {layer.qk_dim_before}->{layer.qk_dim_after}  {layer.expected_gain:13.5f}  "
+            f"{format_loss(layer.realized_gain):>13}"
+        )
+    return "\n".join(lines)
+
+
+def selection_line(report: GrowthReport) -> str:
+    """One line: which candidate of the "auto" options was kept, how, and by how much
+    (`GrowthReport.selection_summary`)."""
+    others = len(report.candidates) - 1
+    if report.selection == "simplest":
+        return f"{report.candidate_name} kept without a held-out choice (a step size given, or one held-out batch)"
+    if report.selection == "fallback":
+        searched = min(report.candidates, key=lambda c: math.inf if c.search_loss is None else c.search_loss)
+        return (
+            f"{report.candidate_name} kept: the search preferred {searched.truncation}, "
+            f"{searched.step_mode.replace('_', ' ')}, which the confirmation batches did not"
+        )
+    margin = f", {report.selection_margin:.4g} below the simplest on confirmation" if report.selection_margin else ""
+    return f"{report.candidate_name} chosen by held-out loss over {others} other candidate(s){margin}"
 
 
 def format_loss(value: float | None) -> str:
