@@ -132,7 +132,7 @@ def grown_model_card(
     remote, installed = _loading(architecture, auto_class, name, tokenizer, sentence)
     # sentence-transformers puts the repository's id into the snippets only: a title of its own for its placeholder
     title = f"Grown {report.model_class}" if name == SENTENCE_PLACEHOLDER else name.split("/")[-1]
-    body = _card_body(report, title, base_model, data, remote, installed, perplexity=not sentence)
+    body = _card_body(report, title, base_model, data, remote, installed)
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}")
 
 
@@ -210,12 +210,10 @@ def _card_body(
     data: str | None,
     remote: str,
     installed: str,
-    *,
-    perplexity: bool,
 ) -> str:
     grown_from = f"`{base_model}`" if base_model else f"A `{report.model_class}`"
     loss = f"{format_loss(report.eval_loss_before)} -> {format_loss(report.eval_loss_after)}"
-    if perplexity:  # of a language model's loss (not of a contrastive one)
+    if report.language_model_loss:  # not of a sentence encoder's contrastive loss
         loss += f" (perplexity {format_loss(report.perplexity_before)} -> {format_loss(report.perplexity_after)})"
     widths = "\n".join(
         f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} | {layer.expected_gain:.3g} | "

@@ -20,6 +20,9 @@ REPORT_FILENAME = "growth_report.json"
 STEP_MODE_NOTES = {"global": "", "per_head": ", per head"}
 
 
+#: The model classes (by name ending) whose loss is a language model's own: next-token or masked.
+LANGUAGE_MODEL_HEADS = ("LMHeadModel", "ForCausalLM", "ForMaskedLM")
+
 @dataclass
 class HeadReport:
     """Expected loss decreases of one head under the local model of the chosen step (see `hf_grow.linalg`).
@@ -173,12 +176,22 @@ class GrowthReport:
         return self.parameters_after - self.parameters_before
 
     @property
+    def language_model_loss(self) -> bool:
+        """Whether the model was grown on a language model's loss (next-token or masked), which a perplexity
+        describes; a model without an LM head (a sentence encoder) was grown on a loss of its own."""
+        return self.model_class.endswith(LANGUAGE_MODEL_HEADS)
+
+    @property
     def perplexity_before(self) -> float | None:
-        return None if self.eval_loss_before is None else math.exp(self.eval_loss_before)
+        if self.eval_loss_before is None or not self.language_model_loss:
+            return None
+        return math.exp(self.eval_loss_before)
 
     @property
     def perplexity_after(self) -> float | None:
-        return None if self.eval_loss_after is None else math.exp(self.eval_loss_after)
+        if self.eval_loss_after is None or not self.language_model_loss:
+            return None
+        return math.exp(self.eval_loss_after)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -209,9 +222,13 @@ class GrowthReport:
 def summary_table(report: GrowthReport) -> str:
     """A short human-readable table of a growth report (`GrowthReport.summary`)."""
     fraction = "" if report.step_fraction is None else f" ({report.step_fraction})"
-    lines = [
-        f"held-out loss  before {format_loss(report.eval_loss_before)}  after {format_loss(report.eval_loss_after)}",
-        f"perplexity     before {format_loss(report.perplexity_before)}  after {format_loss(report.perplexity_after)}",
+    def before_after(before: float | None, after: float | None) -> str:
+        return f"before {format_loss(before)}  after {format_loss(after)}"
+
+    lines = [f"held-out loss  {before_after(report.eval_loss_before, report.eval_loss_after)}"]
+    if report.language_model_loss:  # not a sentence encoder's loss of its own
+        lines.append(f"perplexity     {before_after(report.perplexity_before, report.perplexity_after)}")
+    lines += [
         f"step size {report.step_size:.4g}{fraction} "
         f"(lam {report.lam:.4g}{STEP_MODE_NOTES.get(report.step_mode, ', per layer')}),"
         f" mode {report.mode}, truncation {report.truncation}, search {report.search}",
