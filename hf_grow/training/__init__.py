@@ -23,9 +23,11 @@ usual update size for their first ~1/(1 - beta2) steps (the bias correction assu
 ``new_moments="head_mean"`` avoids that; it measured no better on the plateau task, and worse inside
 `transformers.Trainer` (BENCHMARKS.md), so it is not the default.
 
-The default ``mode="append"`` (since 2026-11-27; before, ``"refactor"``) is what measured best in language-model
-pretraining with `GrowthCallback` (ahead of the original in every setting measured, without the dip after the
-growth that refactor showed); ``"refactor"`` left a retrieval plateau earlier (`recipes/benchmarks/bench_bottleneck.py`,
+The default ``mode="append"`` (since 2026-11-27; before, ``"refactor"``) is what measured best of the two solved
+modes in language-model pretraining with `GrowthCallback` on CPU models (ahead of the original in the mean in every
+setting measured, with a shallower dip after the growth than refactor's, within the seed spread; level with zero
+widening with the scale kept on the largest of them; on the H100 model refactor was ahead of it within the
+spread); ``"refactor"`` left a retrieval plateau earlier (`recipes/benchmarks/bench_bottleneck.py`,
 `recipes/benchmarks/bench_growth_callback.py`, BENCHMARKS.md).
 """
 
