@@ -19,7 +19,7 @@ from hf_grow import (
     grow_model,
     inspect_growth,
 )
-from hf_grow.growth import search_step_size
+from hf_grow.growth import best_step, search_step_size
 
 from conftest import lm_batches, tiny_gpt2_config
 
@@ -447,3 +447,48 @@ def test_sequences_beyond_the_models_positions_are_a_clear_error(trained_gpt2, d
         grow_model(trained_gpt2, [data["stats"][0], too_long, data["stats"][1]], p=8, step_size=0.0)
     with pytest.raises(ValueError, match=f"batch 0 holds sequences of {positions + 1} tokens"):
         evaluate_loss(trained_gpt2, [too_long])
+
+
+def test_step_zero_returns_the_old_weights_and_function_off_the_statistics_span(trained_gpt2, stdlib_bytes):
+    """Step size 0 in refactor mode is the old weights, zero-padded (queries times the fold of the scale): not a
+    re-factorization of Z that is exact only on the span of the statistics' inputs. With 16 statistics tokens
+    (C of rank <= 16 of 65), text the statistics never saw must still get the old logits."""
+    stats = lm_batches(stdlib_bytes["stats"], 1, batch_size=1, seq_len=16, seed=3)
+    grown = grow_model(trained_gpt2, stats, p=8, step_size=0.0)  # GPT-2: mode "refactor"
+    adapter = get_adapter(trained_gpt2)
+    pairs = zip(adapter.attention_modules(trained_gpt2), adapter.attention_modules(grown))
+    for layer, (old, new) in enumerate(pairs):
+        (query, key), (grown_query, grown_key) = adapter.read_qk(old), adapter.read_qk(new)
+        fold = adapter.current_scaling(trained_gpt2.config, layer) / adapter.current_scaling(grown.config, layer)
+        width = query.shape[-1]
+        torch.testing.assert_close(grown_query[..., :width], query * fold, rtol=1e-6, atol=0)
+        assert torch.equal(grown_key[..., :width], key)
+        assert not grown_query[..., width:].any() and not grown_key[..., width:].any()
+    batch = lm_batches(stdlib_bytes["test"], 1, batch_size=4, seed=5)[0]
+    with torch.no_grad():
+        difference = (grown(**batch).logits - trained_gpt2(**batch).logits).abs().max()
+    assert difference <= 1e-4, difference
+
+
+def test_best_step_breaks_ties_towards_the_smaller_step():
+    """Equal losses: the smaller step, and step 0 over any step that gains nothing (the docstring's rule, which
+    test_line_search_ranks_non_finite_losses_last states but checks with its own min, not best_step)."""
+    assert best_step({0.0: 1.0, 0.25: 1.0, 1.0: 2.0}) == 0.0
+    assert best_step({0.0: 2.0, 0.5: 1.0, 0.125: 1.0}) == 0.125
+    losses = search_step_size(lambda step: 0.0 if step == 0 else float("nan"), start=0.03)
+    assert best_step(losses) == 0.0
+
+
+def test_summary_shows_each_loss_under_its_own_label(trained_gpt2, stdlib_bytes):
+    """The summary (what the command prints) puts the loss before growth under "before" and after under "after",
+    and each layer's gains in its own row: the existing checks look only for the words "held-out loss". Losses set
+    apart by far more than the 4 decimals shown (a tiny growth's gain can round away)."""
+    stats = lm_batches(stdlib_bytes["stats"], 3, seed=21)
+    evaluation = lm_batches(stdlib_bytes["eval"], 2, seed=22)
+    report = grow_model(trained_gpt2, stats, p=8, eval_dataloader=evaluation, step_mode="global").growth_report
+    report = dataclasses.replace(report, eval_loss_before=3.0, eval_loss_after=2.5)
+    summary = report.summary()
+    assert "held-out loss  before 3.0000  after 2.5000" in summary
+    assert f"perplexity     before {math.exp(3.0):.4f}  after {math.exp(2.5):.4f}" in summary
+    for layer in report.layers:
+        assert f"{layer.layer:5d}  {layer.qk_dim_before}->{layer.qk_dim_after}  {layer.expected_gain:13.5f}" in summary

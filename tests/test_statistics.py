@@ -453,3 +453,23 @@ def test_default_query_block_fits_the_device_budget():
         assert budget // 2 < 2 * 8 * block * 4096 <= budget
     assert default_query_block(cpu, 1, 2, 16) == 16  # never more than the sequence
     assert default_query_block(cpu, 64, 64, 2**16) == 32
+
+
+def test_second_moment_is_the_float64_sum_of_the_statistics_pass_inputs(gpt2_copy, stdlib_bytes):
+    """C is X'^T X' summed in float64 (the products too, not only the sum over batches): to float64 precision of
+    the very inputs the statistics pass gave the attention, not within float32 rounding (rtol 1e-4 elsewhere)."""
+    model = gpt2_copy
+    adapter = get_adapter(model)
+    batches = lm_batches(stdlib_bytes["stats"], 2, seed=4)
+    inputs = []
+    attention = adapter.attention_modules(model)[1]
+    handle = adapter.qk_input_module(attention).register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach()))
+    try:
+        statistics = collect_statistics(model, batches, adapter)
+    finally:
+        handle.remove()
+    hidden = torch.cat([x.reshape(-1, x.shape[-1]) for x in inputs]).double()
+    augmented = torch.cat([hidden, torch.ones(len(hidden), 1, dtype=torch.float64)], dim=1)
+    expected = augmented.T @ augmented
+    tolerance = 1e-12 * expected.abs().max().item()
+    torch.testing.assert_close(statistics.second_moments[1].double(), expected, rtol=1e-12, atol=tolerance)

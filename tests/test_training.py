@@ -298,7 +298,9 @@ def test_head_mean_moments_start_new_entries_at_their_head_s_second_moment(train
                 assert not squares[..., start:].any()
             else:
                 expected = (old[role] / (1.0 if mode == "refactor" else scale)).mean(dim=(1, 2))
-                torch.testing.assert_close(squares[..., start:], expected[:, None, None].expand(4, 65, 16 - start))
+                # tolerances of their own: these moments are ~1e-8, below assert_close's default atol (1e-5)
+                torch.testing.assert_close(squares[..., start:], expected[:, None, None].expand(4, 65, 16 - start),
+                                           rtol=1e-5, atol=0)
                 assert (expected > 0).all()
         weight_before = model.transformer.h[0].attn.c_attn.weight.detach().clone()
         train(model, optimizer, [batch])
@@ -323,3 +325,28 @@ def test_baseline_dims_follow_the_model_s_device(mode):
     weights = _initialized_weights(model, get_adapter(model), [8, 8], mode, 0.02, 0, keep_attention_scale=False)
     assert {tensor.device.type for pair in weights.values() for tensor in pair} == {"meta"}
     assert [tuple(query.shape) for query, _ in weights.values()] == [(4, 65, 16)] * 2
+
+
+def test_each_growth_of_a_schedule_draws_its_own_batches(monkeypatch, stdlib_bytes):
+    """GrowthCallback draws the statistics and held-out batches of each growth from the training set in an order
+    of its own (seed + step): two growths of one schedule see different samples, not the same ones twice."""
+    from torch.utils.data import DataLoader
+
+    from hf_grow.training import callback as callback_module
+
+    drawn = {}
+
+    def record(model, optimizer, batches, added, **kwargs):
+        drawn[len(drawn)] = torch.cat([batch["input_ids"] for batch in batches])
+
+    monkeypatch.setattr(callback_module, "grow_in_training", record)
+    monkeypatch.setattr(callback_module, "resolved_mode", lambda model, mode: "refactor")
+    rows = [{"input_ids": batch["input_ids"][0]} for batch in lm_batches(stdlib_bytes["train"], 64, batch_size=1)]
+    loader = DataLoader(rows, batch_size=4)
+    callback = GrowthCallback(grow_at={2: 8, 4: 8}, statistics_batches=2, eval_batches=1)
+    args = type("Args", (), {"per_device_train_batch_size": 4, "world_size": 1, "process_index": 0})()
+    model = GrownGPT2LMHeadModel(GrownGPT2Config(**tiny_gpt2_config().to_dict() | {"qk_head_dims": [8, 8]}))
+    for step in (2, 4):
+        state = type("State", (), {"global_step": step, "log_history": []})()
+        callback.on_step_end(args, state, None, model=model, optimizer=None, train_dataloader=loader)
+    assert len(drawn) == 2 and not torch.equal(drawn[0], drawn[1])
