@@ -225,3 +225,17 @@ def test_whitened_certificate_bounds_the_actual_perturbation(seed):
     lams = torch.full((query.shape[0],), 0.3, dtype=torch.float64)
     actual = 0.3 * torch.linalg.matrix_norm(step - left @ (left.mT @ step @ right) @ right.mT, ord=2)
     assert (target.perturbation(lams) >= actual * (1 - 1e-9)).all()
+
+
+@pytest.mark.parametrize("seed", [0, 2, 5, 7])
+def test_plain_certificate_bounds_the_actual_perturbation(seed):
+    """Frobenius truncation's eps, |lam| times the plain tail, bounds ||T(lam) - T^(lam)||_2 in model coordinates:
+    T^ the plain projection of T = Z - lam P onto the subspaces (Z lies in them), so T - T^ = -lam (P - P_L P P_R)."""
+    query, key, direction, gradient, metric = random_problem(seed=seed, decay=0.97)
+    factors = tuple(metric.root_diag[:, None] * (metric.eigenvectors.mT @ f) for f in (query, key))
+    target = compact.compact_target(*factors, linalg.whiten(direction, metric), gradient, 16, metric, plain=True)
+    left, right = target.bases(torch.float64)  # model coordinates
+    projector = lambda basis: basis @ torch.linalg.pinv(basis)  # noqa: E731  (orthogonal, onto its span)
+    actual = 0.3 * torch.linalg.matrix_norm(direction - projector(left) @ direction @ projector(right), ord=2)
+    lams = torch.full((query.shape[0],), 0.3, dtype=torch.float64)
+    assert (target.perturbation(lams, "frobenius") >= actual * (1 - 1e-5)).all()
