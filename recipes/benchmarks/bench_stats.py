@@ -219,7 +219,8 @@ def main() -> None:
                     args.solve_qk_dim or config.n_embd // config.n_head, device, args.solvers)
     if args.skip_line_search:
         return
-    seq_len = (args.seq_lens or preset["seq_lens"])[min(1, len(preset["seq_lens"]) - 1)]
+    seq_lens = args.seq_lens or preset["seq_lens"]
+    seq_len = seq_lens[min(1, len(seq_lens) - 1)]  # the second length given (the only one, if one)
     generator = torch.Generator(device=device).manual_seed(1)
     batches = []
     for _ in range(4):
