@@ -108,7 +108,8 @@ class GrowthReport:
     #: the rescaled query weights); the line search compares every step with it.
     eval_loss_before: float | None
     eval_loss_after: float | None
-    #: Best held-out loss of the full-rank update (search="fast" only): an upper reference for growth.
+    #: Best held-out loss of the full-rank update (search="fast" with one step mode; None where the default's
+    #: choice between two step modes searched): an upper reference for growth.
     unconstrained_eval_loss: float | None
     statistics_tokens: int
     statistics_batches: int

@@ -259,3 +259,21 @@ def test_bench_input_spectrum_counts_the_directions_each_tolerance_keeps():
     assert row["dropped_trace@1e-05"] == pytest.approx(3e-6 / eigenvalues.sum().item(), rel=1e-6)
     assert row["largest_over_mean"] == pytest.approx(6 / eigenvalues.sum().item(), rel=1e-9)
     assert "| 0 | 6 | 5 | 4 | 3 | 2 | 2 |" in table([row])
+
+
+def test_bench_growth_and_bench_stats_print_their_tables_at_their_smallest(tmp_path, capsys, monkeypatch):
+    """Both failed after the library changed and nothing ran them (a smoke run of every benchmark, 2026-11-28):
+    bench_growth's full-rank reference (None where two step modes were searched), bench_stats with one length."""
+    import bench_growth
+    import bench_stats
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a machine without CUDA: no triton rows (interpreted, minutes)
+    monkeypatch.setattr(sys, "argv", ["bench_growth", "--preset", "tiny", "--models", "1", "--json",
+                                      str(tmp_path / "growth.json")])
+    bench_growth.main()
+    assert "Unconstrained full-rank update (reference, search='fast'): held-out" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["bench_stats", "--preset", "cpu", "--seq-lens", "64", "--rounds", "1",
+                                      "--batch-size", "1", "--threads", "1", "--solve-heads", "4", "--solve-width",
+                                      "129", "--solve-qk-dim", "16"])
+    bench_stats.main()
+    assert "# grow_model at seq 64" in capsys.readouterr().out

@@ -63,7 +63,9 @@ def exact_weights(model, statistics, problem, step_size):
     return weights, *(torch.cat(values) for values in (apart, excess, certificate))
 
 
-def run(name, model, stats_batches, pool, loss_fn, splits, p, step_mode):
+def run(name, model, stats_batches, pool, loss_fn, splits, p, step_mode) -> list[dict]:
+    """One row per held-out/test split (each also printed as a JSON line as it is measured)."""
+    rows = []
     adapter = hf_grow.get_adapter(model)
     statistics = hf_grow.collect_statistics(model, stats_batches, adapter, loss_fn)
     for split in range(splits):
@@ -85,6 +87,19 @@ def run(name, model, stats_batches, pool, loss_fn, splits, p, step_mode):
                    excess_median=float(excess.median()), excess_max=float(excess.max()),
                    certificate_median=float(certificate.median()))
         print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as BENCHMARKS' table: the library's Frobenius truncation on the whitened subspaces against the
+    exact one of the full target, at the step the library searched."""
+    lines = ["| model | split | step mode | step | changes apart (median / max) | excess error (median / max) "
+             "| certificate (median) | test decrease, library / exact |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['split']} | {r['step_mode']} | {r['step']:.4g} | {r['apart_median']:.1%} / "
+              f"{r['apart_max']:.1%} | {r['excess_median']:.2%} / {r['excess_max']:.2%} | "
+              f"{r['certificate_median']:.2f} | {r['ours']:.5f} / {r['exact']:.5f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -101,6 +116,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="query/key widths .* are not multiples of 8")
     print(f"# bench_frobenius_subspaces {datetime.date.today()} torch {torch.__version__} "
           f"{platform.processor() or platform.machine()}, {args.threads} thread(s); p = {args.p}", flush=True)
+    rows = []
     for model_name in args.models:
         if model_name == "minilm":
             from bench_step_modes import minilm_setup
@@ -110,7 +126,8 @@ def main() -> None:
             setups = english_setups([model_name], False, args.cache, 300)
         for setup in setups:
             for step_mode in args.step_modes:
-                run(*setup, args.splits, args.p, step_mode)
+                rows += run(*setup, args.splits, args.p, step_mode)
+    print(table(rows))
 
 
 if __name__ == "__main__":

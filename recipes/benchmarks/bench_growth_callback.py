@@ -112,7 +112,7 @@ def initial_model(settings: dict, seed: int, qk_dim: int) -> GrownGPT2LMHeadMode
     config = GrownGPT2Config(
         vocab_size=256, n_positions=settings["seq_len"], n_embd=settings["n_embd"], n_layer=settings["n_layer"],
         n_head=settings["n_head"], qk_head_dims=[qk_dim] * settings["n_layer"],
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,  # within the 256 bytes
     )
     torch.manual_seed(seed)
     return GrownGPT2LMHeadModel(config)
