@@ -23,6 +23,7 @@ STEP_MODE_NOTES = {"global": "", "per_head": ", per head"}
 #: The model classes (by name ending) whose loss is a language model's own: next-token or masked.
 LANGUAGE_MODEL_HEADS = ("LMHeadModel", "ForCausalLM", "ForMaskedLM")
 
+
 @dataclass
 class HeadReport:
     """Expected loss decreases of one head under the local model of the chosen step (see `hf_grow.linalg`).
@@ -222,10 +223,11 @@ class GrowthReport:
 
 def summary_table(report: GrowthReport) -> str:
     """A short human-readable table of a growth report (`GrowthReport.summary`)."""
-    fraction = "" if report.step_fraction is None else f" ({report.step_fraction})"
+
     def before_after(before: float | None, after: float | None) -> str:
         return f"before {format_loss(before)}  after {format_loss(after)}"
 
+    fraction = "" if report.step_fraction is None else f" ({report.step_fraction})"
     lines = [f"held-out loss  {before_after(report.eval_loss_before, report.eval_loss_after)}"]
     if report.language_model_loss:  # not a sentence encoder's loss of its own
         lines.append(f"perplexity     {before_after(report.perplexity_before, report.perplexity_after)}")
