@@ -101,6 +101,23 @@ def test_copies_in_the_grown_model_folders_stay_the_same(gpt2, llama, differing)
     assert [number for number, (a, b) in enumerate(zip(first, second), 1) if a != b and number not in differing] == []
 
 
+def attention_checks(path: Path) -> list[str]:
+    """A modeling file's copy of the attention refusal (`_UNSUPPORTED_ATTENTION`) and of its pretrained class's
+    methods from ``post_init`` to ``_flex_attn_can_dispatch`` (the model tags, flash and flex refused)."""
+    lines = path.read_text().splitlines()
+    constant = lines.index("_UNSUPPORTED_ATTENTION = (")
+    start = lines.index("    def post_init(self):")
+    flex = next(number for number, line in enumerate(lines) if line.startswith("    def _flex_attn_can_dispatch("))
+    return lines[constant : lines.index(")", constant) + 1] + lines[start : flex + 2]
+
+
+def test_the_three_modeling_files_refuse_flash_attention_alike():
+    """Each grown modeling file holds its own copy of the attention refusal and the tags (an exported folder
+    cannot import a shared module): a fix in one must reach the others."""
+    copies = [attention_checks(path) for path in sorted((PACKAGE / "models").glob("grown_*/modeling_grown_*.py"))]
+    assert len(copies) == 3 and len(copies[0]) == 13 and copies[1] == copies[0] and copies[2] == copies[0]
+
+
 def test_sources_keep_the_style_limits():
     """`ruff check` with pyproject.toml's settings (pycodestyle and pyflakes, lines of at most 120 characters)
     passes on the package, the recipes and the tests."""
