@@ -5,9 +5,11 @@ printed as one line (exit status 2) before any model or text is loaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,6 +25,15 @@ from ..statistics import GrowthStatistics, check_method_runs, check_offload_dir,
 
 class CommandError(Exception):
     """A problem the user can fix: printed as one line, exit status 2."""
+
+
+@contextlib.contextmanager
+def as_command_error(*errors: type[Exception]) -> Iterator[None]:
+    """The library's refusals (``errors``, default ValueError) as a `CommandError`: their message, one line."""
+    try:
+        yield
+    except errors or (ValueError,) as error:
+        raise CommandError(str(error)) from None
 
 
 #: A folder holding one of these is a saved model (transformers' config; a SentenceTransformer's list of modules):
@@ -77,15 +88,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_data_arguments(args)
     for option in ("memory_budget", "max_memory"):
         if getattr(args, option) is not None:
-            try:
+            with as_command_error():
                 parse_bytes(getattr(args, option), "--" + option.replace("_", "-"))
-            except ValueError as error:
-                raise CommandError(str(error)) from None
     if args.push_to_hub:
-        try:
+        with as_command_error():
             hub.check_push(args.push_to_hub)
-        except ValueError as error:
-            raise CommandError(str(error)) from None
     check_device(args)
     if args.output_dir is None and not args.dry_run:
         raise CommandError("--output-dir is required (the folder for the grown model), except with --dry-run")
@@ -95,15 +102,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_file_folders(("--report", args.report))
     args.config = _growth_config(args)
     if not args.stats:
-        try:
+        with as_command_error():
             check_method_runs(args.config.statistics_method, torch.device(args.device))
-        except ValueError as error:
-            raise CommandError(str(error)) from None
     if args.config.offload_dir is not None:
-        try:
+        with as_command_error():
             check_offload_dir(args.config.offload_dir, torch.device(args.device), "--offload-dir")
-        except ValueError as error:
-            raise CommandError(str(error)) from None
 
 
 def _growth_config(args: argparse.Namespace) -> GrowthConfig:
@@ -113,10 +116,8 @@ def _growth_config(args: argparse.Namespace) -> GrowthConfig:
     for name in ("eval_fraction", *FOR_TRAINING):  # None: not given (the parser's default), the config's default
         if options[name] is None:
             del options[name]
-    try:
+    with as_command_error(TypeError, ValueError):
         return GrowthConfig.for_training(**options) if args.for_training else GrowthConfig(**options)
-    except (TypeError, ValueError) as error:
-        raise CommandError(str(error)) from None
 
 
 def check_device(args: argparse.Namespace) -> None:
@@ -178,9 +179,7 @@ def check_model_growth(model: nn.Module, config: GrowthConfig, statistics: Growt
     """What needs the model but no data (``model`` may be on the meta device): a growth it can take (`check_growth`)
     and ``statistics`` collected on it; refused before any text or weights are read."""
     adapter = get_adapter(model)
-    try:
+    with as_command_error(ValueError, FloatingPointError):
         check_growth(model, adapter, config, mode=None)
         if statistics is not None:
             check_statistics(statistics, model, adapter, config.cross_fit)
-    except (ValueError, FloatingPointError) as error:
-        raise CommandError(str(error)) from None

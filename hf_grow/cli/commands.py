@@ -20,6 +20,7 @@ from ..progress import stage
 from ..statistics import collect_statistics, return_free_memory
 from .checks import (
     CommandError,
+    as_command_error,
     check_arguments,
     check_data_arguments,
     check_device,
@@ -70,7 +71,7 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     statistics_batches = shard_batches(statistics_batches, accelerator, "statistics")
     held_out_batches = shard_batches(held_out_batches, accelerator, "held-out")
     model = load_model(args, objective)
-    try:
+    with as_command_error(ValueError, OtherProcessFailed):
         grown = grow_model(
             model,
             None if statistics else statistics_batches,
@@ -80,8 +81,6 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
             accelerator=accelerator,
             progress=show_progress,
         )
-    except (ValueError, OtherProcessFailed) as error:
-        raise CommandError(str(error)) from None
     del model  # the grown model holds its own weights: saving it needs no second model beside it
     return_free_memory()
     try:
@@ -139,7 +138,7 @@ def run_inspect(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(args)
     statistics_batches, _ = text_batches(args, tokenizer, objective)  # the same split as the main command
     model = load_model(args, objective)
-    try:
+    with as_command_error():
         statistics = collect_statistics(
             model, statistics_batches, get_adapter(model), progress=show_progress, cross_fit=args.cross_fit
         )
@@ -147,8 +146,6 @@ def run_inspect(args: argparse.Namespace) -> None:
             statistics.save(args.save_stats)
         config = GrowthConfig(cross_fit=args.cross_fit)
         inspection = inspect_growth(model, statistics=statistics, max_dims=args.max_dims, config=config)
-    except ValueError as error:
-        raise CommandError(str(error)) from None
     print(inspection.table(heads=not args.layers_only))
     if args.json:
         inspection.to_json_file(args.json)

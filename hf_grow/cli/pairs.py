@@ -17,7 +17,7 @@ from ..distributed import OtherProcessFailed, Processes
 from ..growth import grow_model
 from ..progress import stage
 from ..statistics import GrowthStatistics
-from .checks import CommandError
+from .checks import CommandError, as_command_error
 from .loading import DTYPES
 from .running import push_output, shard_batches, write_card, write_folder_atomically
 
@@ -73,12 +73,10 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
     held_out_pairs = tokenize_pairs(pairs[-num_eval:], model, args.batch_size)
     statistics_batches = shard_batches(statistics_pairs, accelerator, "statistics")
     held_out_batches = shard_batches(held_out_pairs, accelerator, "held-out")
-    try:
+    with as_command_error(ValueError, TypeError, OtherProcessFailed):
         grown = grow_model(model, None if statistics else statistics_batches, config=args.config,
                            statistics=statistics, eval_dataloader=held_out_batches, accelerator=accelerator,
                            progress=show_progress)
-    except (ValueError, TypeError, OtherProcessFailed) as error:
-        raise CommandError(str(error)) from None
     output = Path(args.output_dir)
     data = f"{len(pairs) - num_eval} text pairs from {args.pairs}"
 

@@ -18,7 +18,7 @@ from ..data import (
     split_held_out,
     token_windows,
 )
-from .checks import CommandError, held_out_of_the_same_text
+from .checks import CommandError, as_command_error, held_out_of_the_same_text
 from .running import show_bars
 
 
@@ -53,10 +53,8 @@ def _most_held_out(args: argparse.Namespace) -> int:
 def _split_held_out(args: argparse.Namespace, windows: list, window: int) -> tuple[list, list]:
     """The statistics and the held-out tail of one text (`hf_grow.data.split_held_out`), as one-line errors."""
     fraction = GrowthConfig.eval_fraction if args.eval_fraction is None else args.eval_fraction
-    try:
+    with as_command_error():
         return split_held_out(windows, window, args.max_tokens, args.eval_tokens, fraction)
-    except ValueError as error:
-        raise CommandError(str(error)) from None
 
 
 def _warn(message: str) -> None:
@@ -74,11 +72,9 @@ def text_batches(args: argparse.Namespace, tokenizer, objective: str, is_main: b
             raise CommandError(f"the tokenizer of {args.model!r} has no mask token: masked-LM loss needs one")
         window -= (tokenizer.cls_token_id is not None) + (tokenizer.sep_token_id is not None)
     if args.data:
-        try:
+        with as_command_error(TextFileError):
             texts = read_text_files(args.data, warn=_warn if is_main else lambda message: None)
             windows = token_windows(texts, tokenizer, window, args.max_tokens + _most_held_out(args))
-        except TextFileError as error:
-            raise CommandError(str(error)) from None
         statistics, held_out = _split_held_out(args, windows, window)
     else:
         statistics, held_out = _dataset_windows(args, tokenizer, window)
