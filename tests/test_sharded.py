@@ -329,15 +329,29 @@ def llama_worker(rank: int, world_size: int, state_dict: dict, data: dict, folde
     def failing_solve(*args, **kwargs):
         raise ArithmeticError("a failed solve")
 
-    if rank == world_size - 1:  # an owner whose solve fails: every process stops, none waits for its layers
-        problem_module.solve_layer = failing_solve
-    try:
-        grow_model(model, data["batches"][rank::world_size], p=8, eval_dataloader=data["eval"][rank::world_size],
-                   accelerator=accelerator, **AUTO)
-        failure = None
-    except (ArithmeticError, OtherProcessFailed) as error:
-        failure = type(error).__name__
-    torch.save({"state_dict": grown.state_dict(), "report": grown.growth_report.to_dict(), "failure": failure},
+    own_layer_weights = GrowthProblem._own_layer_weights
+
+    def failing_weights(self, layer, step_size, decompositions):  # a decomposition of the line search failing
+        if step_size > 0:
+            raise MemoryError("a failed decomposition")
+        return own_layer_weights(self, layer, step_size, decompositions)
+
+    failures = []
+    # An owner whose solve fails, then one whose weights at a searched step fail (a process that survives its
+    # error, as in a notebook): every process stops, none waits for the failed owner's layers.
+    for patch in ((problem_module, "solve_layer", failing_solve), (GrowthProblem, "_own_layer_weights",
+                                                                   failing_weights)):
+        original = getattr(*patch[:2])
+        if rank == world_size - 1:
+            setattr(*patch)
+        try:
+            grow_model(model, data["batches"][rank::world_size], p=8,
+                       eval_dataloader=data["eval"][rank::world_size], accelerator=accelerator, **AUTO)
+            failures.append(None)
+        except (ArithmeticError, MemoryError, OtherProcessFailed) as error:
+            failures.append(type(error).__name__)
+        setattr(*patch[:2], original)
+    torch.save({"state_dict": grown.state_dict(), "report": grown.growth_report.to_dict(), "failure": failures},
                f"{folder}/rank{rank}.pt")
     accelerator.end_training()
 
@@ -364,5 +378,6 @@ def test_append_growth_with_both_truncations_on_two_processes_grows_like_one_pro
         assert_same_report(result["report"], expected, expected["eval_loss_before"])
         for name, tensor in alone.state_dict().items():
             torch.testing.assert_close(result["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    # An owner's solve failing: its error there, one clear error on the other process, no wait for its layers.
-    assert [result["failure"] for result in results] == ["OtherProcessFailed", "ArithmeticError"]
+    # An owner's solve failing, then its weights at a searched step: its error there, one clear error on the other
+    # process, no wait for its layers.
+    assert [result["failure"] for result in results] == [["OtherProcessFailed"] * 2, ["ArithmeticError", "MemoryError"]]

@@ -84,8 +84,7 @@ class StepWeights(StepScaling):
         (on the device of this process's statistics). Every process must call it, in the same order."""
         if self.sharding is None:
             return compute()
-        owned = compute() if self.sharding.owns(layer) else None
-        return self.sharding.share(layer, owned, self.statistics.second_moments[layer].device)
+        return self.sharding.computed(layer, compute, self.statistics.second_moments[layer].device)
 
     def _own_layer_weights(
         self, layer: int, step_size: float, decompositions: Decompositions | None

@@ -12,12 +12,12 @@ weights, bit for bit, and holds the solved form of its own layers only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ..distributed import Processes
+from ..distributed import OtherProcessFailed, Processes
 
 
 def plan_owners(costs: Sequence[float], world_size: int) -> list[int]:
@@ -71,6 +71,25 @@ class Sharding:
         self.processes.broadcast_object_(objects, self.owners[layer])
         return value if self.owns(layer) else moved(objects[0], device)
 
+    def computed(self, layer: int, compute: Callable[[], Any], device: torch.device) -> Any:
+        """``compute()`` run by ``layer``'s owner, on every process (`share`). Where it raises on the owner, the
+        owner sends word of it before raising, so that the others raise `OtherProcessFailed` rather than wait in
+        the broadcast for a value that never comes."""
+        if not self.owns(layer):
+            value = self.share(layer, None, device)
+            if isinstance(value, _Failed):
+                raise OtherProcessFailed(
+                    f"process {self.owners[layer]} failed computing layer {layer}'s part ({value.error}); its "
+                    "error is in its output"
+                )
+            return value
+        try:
+            value = compute()
+        except Exception as error:
+            self.share(layer, _Failed(f"{type(error).__name__}: {error}"), device)
+            raise
+        return self.share(layer, value, device)
+
     def share_skeletons(self, layers: list, methods: dict[int, Any], devices: Sequence[torch.device]) -> None:
         """Fill ``layers`` and ``methods`` (what solved each layer) in place, where this process does not own the
         layer, with the owner's `skeleton` of it and its methods, on ``devices[layer]``."""
@@ -78,6 +97,13 @@ class Sharding:
             shared = self.share(layer, (skeleton(solved), methods[layer]) if self.owns(layer) else None, devices[layer])
             if not self.owns(layer):
                 layers[layer], methods[layer] = shared
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """What an owner shares in place of a value its computation failed to give (`Sharding.computed`)."""
+
+    error: str
 
 
 def moved(value: Any, device: torch.device, kept: frozenset[str] | None = None) -> Any:
