@@ -226,7 +226,10 @@ class GrowthConfig(JsonConfigMixin):
         default=0.1,
         metadata={"help": "without held-out batches: the share of the batches held out for the line search"},
     )
-    max_batches: Optional[int] = field(default=None, metadata={"help": "use at most this many statistics batches"})
+    max_batches: Optional[int] = field(
+        default=None,
+        metadata={"help": "use at most this many statistics batches (of each process's own, with several processes)"},
+    )
     measure_realized_gains: bool = field(
         default=True,
         metadata={"help": "evaluate the held-out loss with each layer's step alone (one pass per layer)"},

@@ -17,8 +17,9 @@ from test_cli import SMALL, TEXT_GLOB, model_folder  # noqa: F401 (the fixture)
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
 def test_two_processes_grow_what_one_process_grows(model_folder, tmp_path):  # noqa: F811
     # one candidate: under "auto" each process confirms on its own shard's last batches, not one process's (README)
+    # --max-batches counts the batches of all the processes, as one process's: 5 of the 11, not 5 each
     arguments = [str(model_folder), "--p", "8", "--data", TEXT_GLOB, "--device", "cpu", *SMALL, "--truncation",
-                 "whitened", "--step-mode", "per_head"]
+                 "whitened", "--step-mode", "per_head", "--max-batches", "5"]
     assert cli.main([*arguments, "--output-dir", str(tmp_path / "one")]) == 0
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_grow"]
@@ -32,6 +33,7 @@ def test_two_processes_grow_what_one_process_grows(model_folder, tmp_path):  # n
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("on 2 processes; grown model written to") == 1  # the main process alone writes
     one, two = load_growth_report(tmp_path / "one"), load_growth_report(tmp_path / "two")
+    assert one.statistics_batches == 5
     assert (two.statistics_tokens, two.statistics_batches, two.eval_weight) == (
         one.statistics_tokens,
         one.statistics_batches,

@@ -93,6 +93,16 @@ def test_plot_without_matplotlib_is_refused_before_reading_data(model_folder, tm
     assert "pip install 'hf_grow[plot]'" in error and len(error.strip().splitlines()) == 1
 
 
+def test_inspect_under_torchrun_is_refused_before_reading_data(model_folder, tmp_path, capsys, monkeypatch):
+    """Each process would read all the text, print the table and write every file (a review, 2026-11-28)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["inspect", str(model_folder), "--data", "/nonexistent/never-read.txt", "--json",
+                     str(tmp_path / "x.json")]) == 2
+    error = capsys.readouterr().err
+    assert "runs in one process" in error and len(error.strip().splitlines()) == 1
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_grows_for_training_from_saved_statistics_only_with_their_halves(model_folder, tmp_path, capsys):
     """``--for-training`` cross-fits: statistics saved without M's halves are refused in one line that says what to
     do, before the model is read; saved with them (``inspect --cross-fit``), the command grows for training."""

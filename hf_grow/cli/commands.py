@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,7 +69,8 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
         raise CommandError("--stats holds the statistics of all the data: run it in one process")
     tokenizer = load_tokenizer(args)
     statistics_batches, held_out_batches = text_batches(args, tokenizer, objective, is_main)  # data before the model
-    statistics_batches = shard_batches(statistics_batches, accelerator, "statistics")
+    # --max-batches counts all the processes' batches (grow_model's max_batches counts each process's own)
+    statistics_batches = shard_batches(statistics_batches[: args.config.max_batches], accelerator, "statistics")
     held_out_batches = shard_batches(held_out_batches, accelerator, "held-out")
     model = load_model(args, objective)
     with as_command_error(ValueError, OtherProcessFailed):
@@ -124,6 +126,8 @@ def _write_outputs(
 
 
 def run_inspect(args: argparse.Namespace) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would read all the text and write every file
+        raise CommandError("hf-grow inspect runs in one process: start it without torchrun or accelerate launch")
     check_data_arguments(args)
     if args.max_dims <= 0:
         raise CommandError(f"--max-dims must be positive, got {args.max_dims}")

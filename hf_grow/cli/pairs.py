@@ -71,7 +71,8 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         model.max_seq_length = args.seq_len
     statistics_pairs = tokenize_pairs(pairs[:-num_eval], model, args.batch_size)
     held_out_pairs = tokenize_pairs(pairs[-num_eval:], model, args.batch_size)
-    statistics_batches = shard_batches(statistics_pairs, accelerator, "statistics")
+    # --max-batches counts all the processes' batches (grow_model's max_batches counts each process's own)
+    statistics_batches = shard_batches(statistics_pairs[: args.config.max_batches], accelerator, "statistics")
     held_out_batches = shard_batches(held_out_pairs, accelerator, "held-out")
     with as_command_error(ValueError, TypeError, OtherProcessFailed):
         grown = grow_model(model, None if statistics else statistics_batches, config=args.config,
