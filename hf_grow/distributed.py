@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -89,6 +89,22 @@ class Processes:
         if self.world_size > 1:
             dist.broadcast_object_list(objects, src=owner)
         return objects
+
+    def check_same(self, value: dict[str, Any], what: str) -> None:
+        """Refuse, with a ValueError on every process, where ``value`` (picklable, by name) differs from the main
+        process's: processes given different options would each compute their part differently (a model that
+        neither option describes) or wait forever in a collective that another process does not take."""
+        if self.world_size == 1:
+            return
+        main = self.broadcast_object_([value if self.is_main else None], owner=0)[0]
+        here = [f"{name} {value.get(name)!r} here, {main.get(name)!r} on the main process"
+                for name in sorted(set(main) | set(value)) if main.get(name) != value.get(name)]
+        differing = self._count_failures(failed=bool(here))
+        if differing:
+            where = "; ".join(here) if here else f"on {differing} other process(es)"
+            raise ValueError(
+                f"{what} differ between the processes ({where}): call it with the same options on every process"
+            )
 
     @contextlib.contextmanager
     def failing_together(self) -> Iterator[None]:

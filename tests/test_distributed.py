@@ -20,6 +20,12 @@ WORLD_SIZE = 2
 ONE_CANDIDATE = dict(truncation="whitened", step_mode="per_head")
 
 
+def unread():
+    """A dataloader that fails if read: what is refused must be refused before any data."""
+    raise AssertionError("a batch was read")
+    yield
+
+
 def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batches: list, folder: str) -> None:
     """One process: its shard of the batches, the model wrapped by accelerate (DDP), growth, a failure drill."""
     os.environ.update(WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
@@ -47,6 +53,21 @@ def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batch
         failure = None
     except (FloatingPointError, OtherProcessFailed) as error:
         failure = type(error).__name__
+    # Options that differ between the processes: refused on every process before any data (not a hybrid model).
+    refusals = []
+    for options in ({"truncation": ("whitened", "frobenius")[rank]}, {"step_size": (None, 0.1)[rank]}):
+        try:
+            grow_model(wrapped, unread(), p=8, eval_dataloader=eval_shard, accelerator=accelerator,
+                       **{**ONE_CANDIDATE, **options})
+        except ValueError as error:
+            refusals.append(str(error))
+    try:
+        collect_statistics(model, unread(), get_adapter(model), accelerator=accelerator, cross_fit=rank == 1)
+    except ValueError as error:
+        refusals.append(str(error))
+    # A process without held-out batches (fewer batches than processes): the others' held-out losses serve.
+    no_eval_shard = grow_model(wrapped, shard, p=8, eval_dataloader=eval_shard if rank == 0 else [],
+                               accelerator=accelerator, **ONE_CANDIDATE)
     accelerator.wait_for_everyone()
     result = {
         "num_processes": accelerator.num_processes,
@@ -56,6 +77,8 @@ def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batch
         "local_batches": local.num_batches,
         "halves": (halves.half_gradients, halves.half_loss_weight),
         "failure": failure,
+        "refusals": refusals,
+        "no_eval_shard": no_eval_shard.state_dict(),
     }
     torch.save(result, f"{folder}/rank{rank}.pt")
     accelerator.end_training()
@@ -115,3 +138,19 @@ def test_two_processes_equal_one(trained_gpt2, stdlib_bytes, tmp_path):
     # Every process returns the same model, bit for bit.
     for name, tensor in results[0]["state_dict"].items():
         assert torch.equal(tensor, results[1]["state_dict"][name]), name
+    # Options that differ: the same refusal on every process, the one that differs naming what.
+    for result in results:
+        assert len(result["refusals"]) == 3
+        assert all("differ between the processes" in refusal for refusal in result["refusals"])
+    assert "truncation 'frobenius' here, 'whitened' on the main process" in results[1]["refusals"][0]
+    assert "step_size 0.1 here, None on the main process" in results[1]["refusals"][1]
+    assert "cross_fit True here, False on the main process" in results[1]["refusals"][2]
+    assert "(on 1 other process(es))" in results[0]["refusals"][0]
+    # A process without held-out batches: the line search on the other's, as one process on those alone.
+    alone = grow_model(trained_gpt2, batches, p=8, eval_dataloader=eval_batches[0::2], **ONE_CANDIDATE)
+    same_architecture.load_state_dict(results[1]["no_eval_shard"])
+    assert torch.equal(results[0]["no_eval_shard"]["transformer.h.0.attn.c_attn.weight"],
+                       results[1]["no_eval_shard"]["transformer.h.0.attn.c_attn.weight"])
+    with torch.no_grad():
+        for batch in eval_batches:
+            torch.testing.assert_close(same_architecture(**batch).logits, alone(**batch).logits, rtol=1e-4, atol=1e-4)

@@ -53,7 +53,8 @@ def grow_model(
         p: dimensions added per head, in every layer, or a mapping ``{layer: p}`` (`GrowthConfig.p`).
         config: the growth options; see `GrowthConfig` for each.
         eval_dataloader: held-out batches for the line search and the before/after losses. Without it, the
-            last ``eval_fraction`` of the dataloader's batches are held out (when a line search runs).
+            last ``eval_fraction`` of the dataloader's batches are held out (when a line search runs; with
+            several processes, of each process's own batches).
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor`` instead of ``outputs.loss``. For a
             `SentenceTransformer`: a sentence-transformers loss object built on it (default
             ``MultipleNegativesRankingLoss(model)``), or a loss_fn that receives its transformers model.

@@ -80,11 +80,14 @@ def split_batches(
     eval_dataloader: Iterable | None,
     eval_fraction: float,
     needs_eval: bool,
+    allow_empty: bool = False,
 ) -> tuple[Iterable, list[dict[str, Tensor]] | None]:
-    """Statistics batches and held-out batches (materialized: the line search reads them many times)."""
+    """Statistics batches and held-out batches (materialized: the line search reads them many times).
+    ``allow_empty``: an eval_dataloader without batches is this process's empty share of several processes'
+    (their held-out losses are summed; the caller refuses where all are empty)."""
     if eval_dataloader is not None:
         eval_batches = list(eval_dataloader)
-        if not eval_batches:
+        if not eval_batches and not allow_empty:
             raise ValueError("eval_dataloader yielded no batches.")
         return dataloader, eval_batches
     if not needs_eval:

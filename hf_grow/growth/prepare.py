@@ -243,6 +243,14 @@ def prepare_growth(
     max_rank = adapter.hidden_size(model.config) + 1
     mode, growth = check_growth(model, adapter, config, mode)
     check_loss_fn(loss_fn)
+    # Every process must grow alike: each solves its own layers and takes the same collectives. (The offload
+    # folder may be each process's own.)
+    processes.check_same(
+        {**config.to_dict(), "offload_dir": None, "mode": mode, "dims added": growth, "model": type(model).__name__,
+         "Q/K dims": qk_before, "held-out batches given": eval_dataloader is not None,
+         "statistics given": statistics is not None},
+        "the growth options",
+    )
     if growth is not None:
         qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
         warn_unaligned(qk_after, growth)
@@ -264,7 +272,8 @@ def prepare_growth(
             )
     with processes.failing_together():  # a process without data must not leave the others waiting
         statistics_batches, eval_batches = split_batches(
-            dataloader, eval_dataloader, config.eval_fraction, config.step_size is None
+            dataloader, eval_dataloader, config.eval_fraction, config.step_size is None,
+            allow_empty=processes.world_size > 1,
         )
         weights = [batch_loss_weight(adapter, model, batch, loss_fn) for batch in eval_batches or ()]
     device = next(model.parameters()).device

@@ -167,6 +167,12 @@ def collect_statistics(
             f"owners must name a process (0..{processes.world_size - 1}) for each of the {num_layers} layers, got "
             f"{list(owners)}: plan them with hf_grow.growth.sharding.plan_owners."
         )
+    processes.check_same(  # processes collecting differently would wait in each other's collectives
+        {"method": method, "compute_dtype": str(compute_dtype), "accumulate_dtype": str(accumulate_dtype),
+         "max_batches": max_batches, "memory_budget": memory_budget, "cross_fit": cross_fit,
+         "owners": None if owners is None else list(owners), "model": type(model).__name__, "layers": num_layers},
+        "the statistics options",
+    )
     groups = layer_groups(
         num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget, accumulate_dtype.itemsize,
         cross_fit,
