@@ -44,6 +44,11 @@ class HeadReport:
     #: The compact solve's certificate at this step: how far (at most) its target's singular values lie from the
     #: exact target's, relative to the smallest one kept (0: exact; `hf_grow.compact`). None in older reports.
     compact_perturbation: float | None = None
+    #: The root mean square of this head's pre-softmax scores ``x'^T Z y'`` over independent pairs of statistics
+    #: tokens (||Z|| in the metric of C; with rotary positions, at relative position 0), before growth and at the
+    #: chosen step: how much sharper the step makes attention. None in older reports.
+    score_rms_before: float | None = None
+    score_rms_after: float | None = None
 
 
 @dataclass
@@ -58,6 +63,22 @@ class LayerReport:
     #: This layer's absolute step, Z_new = Z - lam * P (None in reports written before steps per layer); with
     #: ``step_mode="per_head"`` the layer's reference step, each head's own in `HeadReport.lam`.
     lam: float | None = None
+
+    @property
+    def score_rms_before(self) -> float | None:
+        """The heads' scores' root mean square before growth (`HeadReport.score_rms_before`; None if unknown)."""
+        return _root_mean_square([head.score_rms_before for head in self.heads])
+
+    @property
+    def score_rms_after(self) -> float | None:
+        """The heads' scores' root mean square at the chosen step (`HeadReport.score_rms_after`)."""
+        return _root_mean_square([head.score_rms_after for head in self.heads])
+
+
+def _root_mean_square(values: list[float | None]) -> float | None:
+    if not values or any(value is None for value in values):
+        return None
+    return math.sqrt(sum(value * value for value in values) / len(values))
 
 
 @dataclass
@@ -244,11 +265,11 @@ def summary_table(report: GrowthReport) -> str:
         lines.append(f"budget of {report.budget} added dims per head allocated to layers by expected gain")
     if report.unconstrained_eval_loss is not None:
         lines.append(f"full-rank update (reference) held-out loss {format_loss(report.unconstrained_eval_loss)}")
-    lines.append("layer  qk  expected gain  realized gain")
+    lines.append("layer  qk  expected gain  realized gain  score rms")
     for layer in report.layers:
         lines.append(
             f"{layer.layer:5d}  {layer.qk_dim_before}->{layer.qk_dim_after}  {layer.expected_gain:13.5f}  "
-            f"{format_loss(layer.realized_gain):>13}"
+            f"{format_loss(layer.realized_gain):>13}  {format_score_rms(layer)}"
         )
     return "\n".join(lines)
 
@@ -267,6 +288,12 @@ def selection_line(report: GrowthReport) -> str:
         )
     margin = f", {report.selection_margin:.4g} below the simplest on confirmation" if report.selection_margin else ""
     return f"{report.candidate_name} chosen by held-out loss over {others} other candidate(s){margin}"
+
+
+def format_score_rms(layer: LayerReport) -> str:
+    """The layer's scores' root mean square before -> after the step, as the summary and the model card show it."""
+    before, after = layer.score_rms_before, layer.score_rms_after
+    return "-" if before is None or after is None else f"{before:.3g}->{after:.3g}"
 
 
 def format_loss(value: float | None) -> str:

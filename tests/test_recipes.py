@@ -277,3 +277,14 @@ def test_bench_growth_and_bench_stats_print_their_tables_at_their_smallest(tmp_p
                                       "129", "--solve-qk-dim", "16"])
     bench_stats.main()
     assert "# grow_model at seq 64" in capsys.readouterr().out
+
+
+def test_bench_score_scale_prints_its_table_at_its_smallest(monkeypatch, capsys):
+    import bench_score_scale
+
+    monkeypatch.setattr(sys, "argv", ["bench_score_scale", "--steps", "5", "--stats-batches", "2", "--eval-batches",
+                                      "2", "--batch-size", "4", "--seq-len", "32"])
+    bench_score_scale.main()
+    out = capsys.readouterr().out
+    assert "| steps | step | loss | score rms | rms x | max abs score | bf16 error | bf16 error, rotated |" in out
+    assert "\n| 5 | " in out

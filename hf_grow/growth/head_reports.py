@@ -7,6 +7,8 @@ step size); no (heads, d, d) tensor is formed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import linalg
@@ -18,10 +20,10 @@ def head_reports(
     solved: GrowthProblem, layer: int, step_size: float, decomposition: linalg.Decomposition | None = None
 ) -> list[HeadReport]:
     """Per head of ``layer`` at ``step_size``: the expected gain with and without growth, the first-order
-    gain, the expected gain of each added dimension (from the whitened spectrum, whatever the truncation), and
-    the compact solve's certificate at that step. ``decomposition``: the layer's `GrowthProblem.decomposition` at
-    that step for its grown width, where already made ("refactor" growth). Computed by the layer's owner
-    (`GrowthProblem.owner_computes`)."""
+    gain, the expected gain of each added dimension (from the whitened spectrum, whatever the truncation), the
+    compact solve's certificate at that step, and the scores' root mean square before and after it.
+    ``decomposition``: the layer's `GrowthProblem.decomposition` at that step for its grown width, where already
+    made ("refactor" growth). Computed by the layer's owner (`GrowthProblem.owner_computes`)."""
     return solved.owner_computes(layer, lambda: _head_reports(solved, layer, step_size, decomposition))
 
 
@@ -32,6 +34,7 @@ def _head_reports(
     lam = solved.head_lams(step_size, layer)  # each head's own step, shape (heads,)
     qk_before, qk_after = problem.query.shape[-1], problem.qk_dim_after
     added = qk_after - qk_before
+    size_before = problem.norms["whitened"][0]  # ||Z||^2 in the metric of C: the scores' mean square
     with torch.no_grad():
         if solved.mode == "append":
             # The old form stays: the step is the rank-p update alone, and without growth there is none.
@@ -42,12 +45,16 @@ def _head_reports(
             expected, expected_kept, first_order = _decrease(inner, metric_sq, lam), zeros, -inner
             marginal = linalg.rank_gains(lam[:, None] * update.spectrum, lam)[:, :added]
             perturbation = zeros
+            cross = 2 * lam * update.base_trace[:, added - 1] if added else zeros
+            size_after = size_before + cross + metric_sq
         else:
             target = problem.target
             if decomposition is None:
                 decomposition = solved.decomposition(layer, step_size, solved.truncation, qk_after)
             base = target.base_core
-            delta = decomposition.truncate(qk_after).product - base
+            grown = decomposition.truncate(qk_after).product
+            size_after = torch.where(lam == 0, size_before, target.metric_norm_sq(grown))
+            delta = grown - base
             delta_kept = decomposition.truncate(qk_before).product - base
             inner, inner_kept = target.gradient_inner(delta), target.gradient_inner(delta_kept)
             expected = _decrease(inner, target.metric_norm_sq(delta), lam)
@@ -69,6 +76,8 @@ def _head_reports(
             marginal_gains=[float(g) for g in marginal[head]],
             lam=float(lam[head]),
             compact_perturbation=float(perturbation[head]),
+            score_rms_before=math.sqrt(float(size_before[head])),
+            score_rms_after=math.sqrt(max(float(size_after[head]), 0.0)),
         )
         for head in range(len(expected))
     ]

@@ -33,12 +33,15 @@ class AppendUpdate:
     ``spectrum`` (heads, capacity): each head's singular values (or group shares) of -P in the metric of C.
     ``gradient_trace`` (heads, capacity): the cumulative ``<M, L_:j R_:j^T>`` over the first j dims;
     ``metric_sq`` (heads, capacity): the cumulative ``||C^1/2 L_:j R_:j^T C^1/2||^2``.
+    ``base_trace`` (heads, capacity): the cumulative ``<Z, L_:j R_:j^T>`` in the metric of C (with ``metric_sq``,
+    the size of the grown Z = Z + lam L R^T in that metric: the scores' root mean square the report gives).
     """
 
     unit: linalg.Factorization
     spectrum: Tensor
     gradient_trace: Tensor
     metric_sq: Tensor
+    base_trace: Tensor
 
 
 @dataclass
@@ -206,9 +209,12 @@ def _append_update(
     # ||C^1/2 L_:j R_:j^T C^1/2||^2 = sum_{a, b < j} Gl_ab Gr_ab: cumulative over both indices (leading minors)
     products = left_gram * right_gram
     metric_sq = products.cumsum(dim=-1).cumsum(dim=-2).diagonal(dim1=-2, dim2=-1)
+    # <A B^T, l r^T> = (l^T A)(B^T r), column by column, in whitened coordinates (A, B: Z's whitened factors)
+    base_left, base_right = coordinates["whitened"][0]
+    base_trace = ((left_root.mT @ base_left) * (right_root.mT @ base_right)).sum(dim=-1).cumsum(dim=-1)
     return AppendUpdate(
         linalg.Factorization(left, right, unit.singular_values[..., :capacity]), spectrum[..., :capacity],
-        gradient_trace, metric_sq,
+        gradient_trace, metric_sq, base_trace,
     )
 
 
@@ -243,4 +249,4 @@ def _cat_updates(updates: list[AppendUpdate]) -> AppendUpdate:
     unit = linalg.Factorization(*(torch.cat([getattr(u.unit, name) for u in updates]) for name in
                                   ("left", "right", "singular_values")))
     return AppendUpdate(unit, *(torch.cat([getattr(u, name) for u in updates]) for name in
-                                ("spectrum", "gradient_trace", "metric_sq")))
+                                ("spectrum", "gradient_trace", "metric_sq", "base_trace")))
