@@ -307,14 +307,15 @@ class Collector:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         handles = [self.embeddings.register_forward_hook(self._keep_anchor)]
-        for module in self.models:
-            handles.append(module.register_forward_pre_hook(_model_inputs_hook(self, module), with_kwargs=True))
         for layer in self.hooked_layers:
             handles.append(self.qk_inputs[layer].register_forward_pre_hook(self._input_hook(layer)))
         for layer, attention in enumerate(self.attentions):
             COLLECTING[attention] = (self.products, layer)
         try:
-            yield
+            with contextlib.ExitStack() as wrapped:
+                for module in self.models:
+                    wrapped.enter_context(_forward_wrapped(module, _model_inputs_hook(self, module)))
+                yield
         finally:
             for handle in handles:
                 handle.remove()
@@ -387,6 +388,31 @@ class Collector:
         self.anchors.clear()
         self.sums.add_batch(self.pass_tokens, weight, float(loss.detach()))
         return float(loss.detach())
+
+
+@contextlib.contextmanager
+def _forward_wrapped(module: nn.Module, hook: Callable) -> Iterator[None]:
+    """``hook(module, args, kwargs)`` before every call of ``module.forward``, for as long as the block runs: a
+    forward pre-hook (which may return new ``(args, kwargs)``) that also sees ``module.forward(...)`` called
+    directly, as sentence-transformers calls its model (a registered pre-hook runs only through ``module(...)``)."""
+    own = module.__dict__.get("forward")  # a forward already set on the instance, put back after
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        changed = hook(module, args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        return inner(*args, **kwargs)
+
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 def _model_inputs_hook(collector: Collector, module: nn.Module) -> Callable:
