@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -279,6 +280,20 @@ def test_statistics_round_trip_through_safetensors(trained_gpt2, data, tmp_path)
     save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
     with pytest.raises(ValueError, match="not an hf_grow statistics file"):
         GrowthStatistics.load(tmp_path / "other.safetensors")
+    # Damaged files of the format: a ValueError naming what is wrong (were KeyErrors, or NaN in the solve).
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as handle:
+        metadata, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
+    damaged = {
+        "lacks ['gradients.1']": ({k: v for k, v in tensors.items() if k != "gradients.1"}, metadata),
+        "lacks ['num_tokens']": (tensors, {k: v for k, v in metadata.items() if k != "num_tokens"}),
+        "are not all positive": (tensors, {**metadata, "loss_weight": "0"}),
+    }
+    for message, (kept, meta) in damaged.items():
+        save_file(kept, tmp_path / "damaged.safetensors", metadata=meta)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            GrowthStatistics.load(tmp_path / "damaged.safetensors")
     # Files written before M was weighted by loss terms (no loss_weight) summed batch means: M / batches.
     batch_means = [gradient / (16 * 63) for gradient in statistics.gradients]
     unweighted = dataclasses.replace(statistics, gradients=batch_means, loss_weight=None)
@@ -405,6 +420,14 @@ def test_precomputed_statistics_are_checked_and_used_in_float64(trained_gpt2, da
     broken.gradients[1][2, 3, 4] = float("nan")
     with pytest.raises(FloatingPointError, match="the statistics of layer 1 hold NaN or Inf"):
         grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=broken)
+    halves = collect_statistics(trained_gpt2, data["stats"][:3], get_adapter(trained_gpt2), cross_fit=True)
+    halves.half_gradients[0][1, 2, 3] = float("inf")  # refused as M is, naming the layer (was: in the solve)
+    with pytest.raises(FloatingPointError, match="the statistics of layer 0 hold NaN or Inf"):
+        grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=halves, cross_fit=True)
+    # A held-out loss that is not finite, with a given step too (its report said "nan" before the step).
+    with pytest.raises(FloatingPointError, match="the held-out loss is nan before any step"):
+        grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=statistics, eval_dataloader=data["eval"][:1],
+                   loss_fn=lambda model, batch: model(**batch).loss * float("nan"))
 
 
 def test_same_inputs_give_bit_identical_growth(trained_gpt2, data):

@@ -90,8 +90,9 @@ def check_statistics(
             f"the statistics were collected for another model: {found[0]} layers of M with shape {found[1]}, but "
             f"{type(model).__name__} has {layers} layers of {heads} heads over inputs of width {width - 1} (+1)."
         )
-    for layer, (second_moment, gradient) in enumerate(zip(statistics.second_moments, statistics.gradients)):
-        if not (torch.isfinite(second_moment).all() and torch.isfinite(gradient).all()):
+    halves = statistics.half_gradients or [None] * layers
+    for layer, sums in enumerate(zip(statistics.second_moments, statistics.gradients, halves)):
+        if not all(torch.isfinite(tensor).all() for tensor in sums if tensor is not None):
             raise FloatingPointError(
                 f"the statistics of layer {layer} hold NaN or Inf: collect them again (in float32 or float64)."
             )

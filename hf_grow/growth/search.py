@@ -135,10 +135,10 @@ def line_search(
     step_size, loss_after = prepared.config.step_size, None
     chosen: QKWeights | None = None
     unconstrained_loss = None
-    if step_size is None and not math.isfinite(loss_before):
+    if loss_before is not None and not math.isfinite(loss_before):  # a given step too: reported, it would be NaN
         raise FloatingPointError(
-            f"the held-out loss is {loss_before} before any step: the line search needs a finite loss. Check the "
-            "held-out data, or load the model in a wider dtype (float16 overflows most easily)."
+            f"the held-out loss is {loss_before} before any step: growth needs a finite loss. Check the held-out "
+            "data, or load the model in a wider dtype (float16 overflows most easily)."
         )
     if step_size is None and not problem.has_gradient:
         logger.warning("the loss has zero gradient with respect to every head's scores: nothing to gain, step 0.")

@@ -128,6 +128,15 @@ class GrowthStatistics:
             raise ValueError(f"{path} is not an hf_grow statistics file (format {metadata.get('format')!r})")
         layers = sum(name.startswith("second_moments.") for name in tensors)
         halves = "half_gradients.0" in tensors  # files of cross-fitted statistics (and none before them)
+        names = [f"{kind}.{layer}" for kind in ("second_moments", "gradients", *["half_gradients"] * halves)
+                 for layer in range(layers)]
+        missing = [name for name in names if name not in tensors]
+        missing += [key for key in ("num_tokens", "num_batches", "model_type") if key not in metadata]
+        if missing or not layers:
+            raise ValueError(f"{path} is a damaged statistics file: it lacks {missing or 'every layer'}")
+        counts = [metadata.get(key) for key in ("num_tokens", "num_batches", "loss_weight", "half_loss_weight")]
+        if any(count and not (count.isdigit() and int(count) > 0) for count in counts):
+            raise ValueError(f"{path} is a damaged statistics file: its counts {counts} are not all positive")
         return cls(
             second_moments=[tensors[f"second_moments.{layer}"] for layer in range(layers)],
             gradients=[tensors[f"gradients.{layer}"] for layer in range(layers)],
