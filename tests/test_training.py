@@ -350,3 +350,33 @@ def test_each_growth_of_a_schedule_draws_its_own_batches(monkeypatch, stdlib_byt
         state = type("State", (), {"global_step": step, "log_history": []})()
         callback.on_step_end(args, state, None, model=model, optimizer=None, train_dataloader=loader)
     assert len(drawn) == 2 and not torch.equal(drawn[0], drawn[1])
+
+
+def test_an_interrupted_resize_leaves_a_config_that_matches_its_layers(trained_gpt2, stdlib_bytes, tmp_path,
+                                                                      monkeypatch):
+    """Interrupted between layers (Ctrl-C in a long resize with optimizer state), the config records the widths of
+    the layers done: the model saves and reloads (the config kept every old width, and the checkpoint failed to load
+    with a size mismatch)."""
+    from hf_grow import get_adapter, resize_qk_
+
+    model = to_grown_model(copy.deepcopy(trained_gpt2))
+    adapter = get_adapter(model)
+    weights = {layer: tuple(torch.nn.functional.pad(weight, (0, 4)) for weight in adapter.read_qk(attention))
+               for layer, attention in enumerate(adapter.attention_modules(model))}
+    scaling = type(adapter).scaling
+
+    def interrupted_at_layer_1(self, config, layer, dims):
+        if layer == 1:
+            raise KeyboardInterrupt
+        return scaling(self, config, layer, dims)
+
+    monkeypatch.setattr(type(adapter), "scaling", interrupted_at_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        resize_qk_(model, weights, keep_moments=False)
+    monkeypatch.undo()
+    assert model.config.qk_head_dims == [20, 16]
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    batch = lm_batches(stdlib_bytes["eval"], 1, seed=13)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, rtol=0, atol=0)

@@ -110,43 +110,46 @@ def resize_qk_(
     scale_dims = adapter.attention_scale_dims(config)
     scale_dims_after = scale_dims_after_growth(dims, scale_dims, widths, keep_attention_scale)
     attentions = adapter.attention_modules(model)
-    with torch.no_grad():
-        for layer, (query, key) in weights.items():
-            attention = attentions[layer]
-            new_dim = query.shape[-1]
-            if new_dim < dims[layer]:
-                raise ValueError(
-                    f"layer {layer} has {dims[layer]} query/key dims: growth cannot shrink it to {new_dim}"
-                )
-            parameters = dict(attention.named_parameters())
-            names = adapter.qk_parameter_names(attention)
-            scaling_after = adapter.scaling(config, layer, scale_dims_after[layer])
-            fold = adapter.scaling(config, layer, scale_dims[layer]) / scaling_after
-            states = [optimizer.state.get(parameters[name], {}) for name in names] if optimizer is not None else []
-            for state_key in {key for state in states for key in state}:
-                present = [state.get(state_key) for state in states]
-                if not all(isinstance(value, Tensor) and value.dim() > 0 for value in present):
-                    continue  # scalars such as the step count are kept
-                source = dict(zip(names, present))
-                old_query, old_key = adapter.read_qk(attention, source)
-                degree = OPTIMIZER_STATE_DEGREES[state_key]
-                if keep_moments:
-                    old_query = old_query * fold**-degree
-                    new_query, new_key = _pad(old_query, new_dim), _pad(old_key, new_dim)
-                else:
-                    new_query = old_query.new_zeros(*old_query.shape[:-1], new_dim)
-                    new_key = old_key.new_zeros(*old_key.shape[:-1], new_dim)
-                start = dims[layer] if keep_moments else 0
-                new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
-                new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
-                for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
-                    optimizer.state[parameters[name]][state_key] = value
-            for name, value in adapter.qk_parameters(attention, query, key).items():
-                _resize_parameter(parameters[name], value)
-            adapter.set_qk_head_dim(attention, config, layer, new_dim, scale_dims_after[layer])
-            dims[layer] = new_dim
-    config.qk_head_dims = dims
-    config.attention_scale_dims = attention_scale_entry(dims, scale_dims_after)
+    scales = list(scale_dims)  # each layer's as it is resized: the config follows the layers done, if interrupted
+    try:
+        with torch.no_grad():
+            for layer, (query, key) in weights.items():
+                attention = attentions[layer]
+                new_dim = query.shape[-1]
+                if new_dim < dims[layer]:
+                    raise ValueError(
+                        f"layer {layer} has {dims[layer]} query/key dims: growth cannot shrink it to {new_dim}"
+                    )
+                parameters = dict(attention.named_parameters())
+                names = adapter.qk_parameter_names(attention)
+                scaling_after = adapter.scaling(config, layer, scale_dims_after[layer])
+                fold = adapter.scaling(config, layer, scale_dims[layer]) / scaling_after
+                states = [] if optimizer is None else [optimizer.state.get(parameters[name], {}) for name in names]
+                for state_key in {key for state in states for key in state}:
+                    present = [state.get(state_key) for state in states]
+                    if not all(isinstance(value, Tensor) and value.dim() > 0 for value in present):
+                        continue  # scalars such as the step count are kept
+                    source = dict(zip(names, present))
+                    old_query, old_key = adapter.read_qk(attention, source)
+                    degree = OPTIMIZER_STATE_DEGREES[state_key]
+                    if keep_moments:
+                        old_query = old_query * fold**-degree
+                        new_query, new_key = _pad(old_query, new_dim), _pad(old_key, new_dim)
+                    else:
+                        new_query = old_query.new_zeros(*old_query.shape[:-1], new_dim)
+                        new_key = old_key.new_zeros(*old_key.shape[:-1], new_dim)
+                    start = dims[layer] if keep_moments else 0
+                    new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
+                    new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
+                    for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
+                        optimizer.state[parameters[name]][state_key] = value
+                for name, value in adapter.qk_parameters(attention, query, key).items():
+                    _resize_parameter(parameters[name], value)
+                adapter.set_qk_head_dim(attention, config, layer, new_dim, scale_dims_after[layer])
+                dims[layer], scales[layer] = new_dim, scale_dims_after[layer]
+    finally:
+        config.qk_head_dims = dims
+        config.attention_scale_dims = attention_scale_entry(dims, scales)
 
 
 def _resize_parameter(parameter: torch.nn.Parameter, value: Tensor) -> None:
