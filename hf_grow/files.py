@@ -3,6 +3,7 @@ old file or the whole new one, never half of one, and no temporary is left behin
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,8 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
         write(temporary)
         os.replace(temporary, path)
     except BaseException:
-        temporary.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only folder: the error to show is the write's
+            temporary.unlink(missing_ok=True)
         raise
 
 

@@ -252,7 +252,7 @@ def test_the_grown_model_is_written_in_shards_that_load_back(model_folder, tmp_p
 def test_overwrite_replaces_the_folder(model_folder, tmp_path):
     output = tmp_path / "grown"
     output.mkdir()
-    (output / "config.json").write_text("{}")  # a model's folder: --overwrite replaces only those
+    (output / "config.json").write_text('{"model_type": "gpt2"}')  # a model's folder: --overwrite replaces only those
     (output / "old.txt").write_text("old")
     assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--overwrite",
                      "--step-size", "0.0", *SMALL]) == 0
@@ -261,10 +261,12 @@ def test_overwrite_replaces_the_folder(model_folder, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["the input", "its parent", "inside the input", "a folder of other files",
-                                  "report over a data file", "report into the input"])
+                                  "report over a data file", "report into the input", "a project's config.json",
+                                  "a model in a git repository", "a Trainer's output"])
 def test_overwrite_never_touches_the_input_or_a_folder_of_other_files(model_folder, tmp_path, capsys, case):
     """Refused before any work, with nothing changed: an output path that is, holds or lies inside what the command
-    reads, and a folder without a saved model, even with --overwrite."""
+    reads, and a folder that holds anything but a saved model, even with --overwrite (a project's own config.json
+    once counted as a model's: --overwrite emptied the project, its .git included)."""
     import shutil
 
     model = tmp_path / "parent" / "base"
@@ -276,13 +278,25 @@ def test_overwrite_never_touches_the_input_or_a_folder_of_other_files(model_fold
         "the input": (model, None, "is the input"),
         "its parent": (model.parent, None, "holds the input"),
         "inside the input": (model / "grown", None, "is inside the input"),
-        "a folder of other files": (tmp_path / "parent", None, "holds no saved model"),
+        "a folder of other files": (tmp_path / "parent", None, "holds no transformers config.json"),
+        "a project's config.json": (tmp_path / "project", None, "holds no transformers config.json"),
+        "a model in a git repository": (tmp_path / "repository", None, "holds '.git' (a hidden entry)"),
+        "a Trainer's output": (tmp_path / "trainer", None, "holds 'checkpoint-1' (a folder that is none of its"),
         "report over a data file": (tmp_path / "grown", data, "is the input"),
         "report into the input": (tmp_path / "grown", model / "report.json", "is inside the input"),
     }[case]
     if case == "a folder of other files":
         model = tmp_path / "elsewhere"
         shutil.move(tmp_path / "parent" / "base", model)
+    if case == "a project's config.json":
+        (output / "src").mkdir(parents=True)
+        (output / "config.json").write_text('{"app": "settings"}')
+        (output / "src" / "main.c").write_text("int main(void) { return 0; }")
+    if case in ("a model in a git repository", "a Trainer's output"):
+        shutil.copytree(model_folder, output)
+        inside = output / (".git" if case == "a model in a git repository" else "checkpoint-1")
+        inside.mkdir()
+        (inside / "HEAD").write_text("ref: refs/heads/main")
     before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
     arguments = [str(model), "--data", str(data), "--output-dir", str(output), "--overwrite", *SMALL]
     assert cli.main(arguments + (["--report", str(report)] if report else [])) == 2
@@ -337,3 +351,83 @@ def test_token_windows_cut_the_concatenated_texts():
     assert torch.equal(torch.stack(windows).flatten(), torch.tensor(stream[: len(windows) * 64]))
     capped = token_windows(texts, ByteTokenizer(), 64, max_tokens=1000)  # windows up to the first past 1000 tokens
     assert len(capped) == 16 and all(torch.equal(a, b) for a, b in zip(capped, windows))
+
+
+@pytest.mark.parametrize("case", ["SIGTERM while writing", "Ctrl-C after writing", "a full disk"])
+def test_an_interrupted_or_failed_write_leaves_the_old_output_and_says_what_was_written(model_folder, tmp_path,
+                                                                                     capsys, monkeypatch, case):
+    """SIGTERM (kill, timeout, a scheduler's stop) interrupts as Ctrl-C does: the staging folder is removed (it
+    stayed, a loadable half-written model, and the old output was left under a hidden name when the signal came
+    between the renames); an interruption after the output is in place says so; a save that fails with safetensors'
+    own error (a full disk while serializing) is one line (it was a traceback)."""
+    import signal
+
+    from safetensors import SafetensorError
+
+    from hf_grow.cli import commands
+
+    output = tmp_path / "grown"
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--step-size", "0.0",
+                     *SMALL]) == 0
+    before = {path.name: path.read_bytes() for path in output.iterdir()}
+    card = commands.write_card
+
+    def failing_card(*args):
+        card(*args)
+        if case == "SIGTERM while writing":
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    def interrupted_push(args):
+        raise KeyboardInterrupt
+
+    if case == "Ctrl-C after writing":
+        monkeypatch.setattr(commands, "push_output", interrupted_push)
+    else:
+        monkeypatch.setattr(commands, "write_card", failing_card)
+    handler = signal.getsignal(signal.SIGTERM)
+    status = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--overwrite",
+                       "--step-size", "0.5", *SMALL])
+    error = capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["grown"]  # no staging or replaced folder left
+    if case == "Ctrl-C after writing":
+        assert status == 130 and f"interrupted; already written: the grown model to {output}" in error
+        assert {path.name: path.read_bytes() for path in output.iterdir()} != before
+        return
+    assert {path.name: path.read_bytes() for path in output.iterdir()} == before
+    if case == "SIGTERM while writing":
+        assert status == 130 and "interrupted; nothing was written" in error
+    else:
+        assert status == 2 and "No space left on device" in error and "nothing was written" in error
+        assert len(error.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("case", ["a report inside the output", "offloading into the input", "a mount point"])
+def test_outputs_that_would_break_the_output_or_the_input_are_refused_before_any_work(model_folder, tmp_path, capsys,
+                                                                                      monkeypatch, case):
+    """A --report inside --output-dir replaced a file of the grown model (exit 0, a model that did not load); an
+    --offload-dir inside the input folder left M's files there when killed; an output folder that is a mount point
+    (a container's volume) failed at the rename, after all the work."""
+    import shutil
+
+    output = tmp_path / "grown"
+    if case == "offloading into the input":
+        model_folder = shutil.copytree(model_folder, tmp_path / "model")
+        (model_folder / "offload").mkdir()
+    extra = {
+        "a report inside the output": ["--report", str(output / "model.safetensors")],
+        "offloading into the input": ["--offload-dir", str(model_folder / "offload")],
+        "a mount point": [],
+    }[case]
+    if case == "a mount point":
+        output.mkdir()
+        monkeypatch.setattr(os.path, "ismount", lambda path: os.fspath(path) == os.fspath(output))
+    before = sorted(path.name for path in model_folder.iterdir())
+    assert cli.main([str(model_folder), "--data", "/nonexistent/never-read.txt", "--output-dir", str(output),
+                     *extra, *SMALL]) == 2
+    error = capsys.readouterr().err
+    expected = {"a report inside the output": "lies inside --output-dir",
+                "offloading into the input": "is inside the input", "a mount point": "is a mount point"}[case]
+    assert expected in error and len(error.strip().splitlines()) == 1, error
+    assert sorted(path.name for path in model_folder.iterdir()) == before

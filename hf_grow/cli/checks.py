@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,9 +37,12 @@ def as_command_error(*errors: type[Exception]) -> Iterator[None]:
         raise CommandError(str(error)) from None
 
 
-#: A folder holding one of these is a saved model (transformers' config; a SentenceTransformer's list of modules):
-#: the only kind of non-empty folder that ``--overwrite`` replaces.
-MODEL_FOLDER_FILES = ("config.json", "modules.json")
+#: The files a model's save writes (weights, configs, tokenizer, modeling code, card), by suffix: a folder of these
+#: alone (and a SentenceTransformer's module folders) is the only kind of non-empty folder ``--overwrite`` replaces.
+MODEL_FILE_SUFFIXES = frozenset(
+    {".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".json", ".py", ".md", ".txt", ".model", ".jinja",
+     ".tiktoken"}
+)
 
 
 def check_data_arguments(args: argparse.Namespace) -> None:
@@ -99,6 +103,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_inputs_kept(args, ("--output-dir", args.output_dir), ("--report", args.report))
     if args.output_dir is not None:
         check_output_folder(Path(args.output_dir), args.overwrite)
+        if args.report and Path(args.report).resolve().is_relative_to(Path(args.output_dir).resolve()):
+            raise CommandError(
+                f"--report {args.report} lies inside --output-dir {args.output_dir}, which is written as a whole "
+                "(with growth_report.json in it): write the report elsewhere"
+            )
     check_file_folders(("--report", args.report))
     args.config = _growth_config(args)
     if not args.stats:
@@ -107,6 +116,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.config.offload_dir is not None:
         with as_command_error():
             check_offload_dir(args.config.offload_dir, torch.device(args.device), "--offload-dir")
+        check_inputs_kept(args, ("--offload-dir", args.config.offload_dir), holding=False)
 
 
 def _growth_config(args: argparse.Namespace) -> GrowthConfig:
@@ -132,19 +142,56 @@ def check_device(args: argparse.Namespace) -> None:
 def check_output_folder(output: Path, overwrite: bool) -> None:
     """A ready or creatable output folder, refused if it holds anything, unless ``overwrite`` and what it holds is a
     saved model: a folder of other files (a project, the current folder) is never emptied."""
+    if os.path.ismount(output):
+        raise CommandError(
+            f"--output-dir {output} is a mount point, which the finished model cannot be renamed into: give a folder "
+            "inside it"
+        )
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         if not overwrite:
             raise CommandError(f"{output} exists and is not empty: choose another --output-dir or pass --overwrite")
-        if not any((output / name).is_file() for name in MODEL_FOLDER_FILES):
+        foreign = not_a_saved_model(output)
+        if foreign is not None:
             raise CommandError(
-                f"{output} holds no saved model (no {' or '.join(MODEL_FOLDER_FILES)}) and --overwrite replaces "
-                "only a model's folder: choose another --output-dir, or empty it yourself"
+                f"--overwrite replaces only a folder that holds a saved model and nothing else, and {output} "
+                f"{foreign}: choose another --output-dir, or empty it yourself"
             )
     ancestor = output.resolve().parent
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
         raise CommandError(f"--output-dir {output}: cannot create folders in {ancestor}")
+
+
+def not_a_saved_model(folder: Path) -> str | None:
+    """Why ``folder`` is not a saved model's folder alone (what `--overwrite` may replace), or None where it is:
+    a transformers config with a ``model_type`` or a SentenceTransformer's ``modules.json``, and besides only files
+    a save writes (`MODEL_FILE_SUFFIXES`) and the listed module folders: no hidden entries (``.git``), no other
+    folders (a project's sources, a Trainer's checkpoints)."""
+    modules = _read_json(folder / "modules.json")
+    config = _read_json(folder / "config.json")
+    module_folders = {str(module.get("path") or "") for module in modules if isinstance(module, dict)} if isinstance(
+        modules, list) else set()
+    if not (isinstance(config, dict) and "model_type" in config) and not module_folders:
+        return "holds no transformers config.json with a model_type, nor a SentenceTransformer's modules.json"
+    for entry in sorted(folder.iterdir()):
+        if entry.name.startswith("."):
+            why = "a hidden entry"
+        elif entry.is_dir():
+            why = None if entry.name in module_folders else "a folder that is none of its modules"
+        else:
+            why = None if entry.suffix in MODEL_FILE_SUFFIXES else "a file that no model save writes"
+        if why is not None:
+            return f"holds {entry.name!r} ({why})"
+    return None
+
+
+def _read_json(path: Path) -> object:
+    """The JSON in ``path``, or None where there is none or it does not parse."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def check_file_folders(*options: tuple[str, str | None]) -> None:
@@ -156,18 +203,21 @@ def check_file_folders(*options: tuple[str, str | None]) -> None:
             raise CommandError(f"{option} {path} is a folder: give a file name")
 
 
-def check_inputs_kept(args: argparse.Namespace, *outputs: tuple[str, str | None]) -> None:
+def check_inputs_kept(args: argparse.Namespace, *outputs: tuple[str, str | None], holding: bool = True) -> None:
     """Nothing the command writes replaces, contains or enters what it reads (the local model folder, ``--stats``,
-    ``--pairs``, the ``--data`` files): the input checkpoint is never modified on disk."""
+    ``--pairs``, the ``--data`` files): the input checkpoint is never modified on disk. ``holding=False``: an
+    output folder that only gets a new subfolder (``--offload-dir``) may hold the inputs, not be or enter them."""
     inputs = [Path(path) for path in (args.model, getattr(args, "stats", None), getattr(args, "pairs", None)) if path]
     inputs += [Path(path) for pattern in getattr(args, "data", None) or [] for path in matching_paths(pattern)]
     inputs = [path.resolve() for path in inputs if path.exists()]
     for option, written in outputs:
         if written is None:
             continue
-        target = Path(written).expanduser().resolve()
+        target = Path(written).resolve()  # a "~" the shell left is a folder named so, where it is written too
         for read in inputs:
-            if read.is_relative_to(target) or (read.is_dir() and target.is_relative_to(read)):
+            if (read.is_relative_to(target) and (holding or read == target)) or (
+                read.is_dir() and target.is_relative_to(read)
+            ):
                 where = "is" if read == target else "holds" if read.is_relative_to(target) else "is inside"
                 raise CommandError(
                     f"{option} {written} {where} the input {read}: the command never writes over or into what it "

@@ -5,11 +5,17 @@ reports; `main` parses, runs one of them and turns a `CommandError` into one lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 from .. import hub
 from ..adapters import get_adapter
@@ -109,12 +115,13 @@ def _write_outputs(
     try:
         with stage(f"writing the grown model to {output}", enabled=show_progress):
             write_folder_atomically(output, write, args.overwrite)
-    except OSError as error:
+    except WRITE_ERRORS as error:
         raise CommandError(f"writing {output} failed ({error}); nothing was written") from None
+    args.written.append(f"the grown model to {output}")
     if args.report:
         try:
             report.to_json_file(args.report)
-        except OSError as error:
+        except WRITE_ERRORS as error:
             raise CommandError(
                 f"writing --report {args.report} failed ({error}); the grown model is in {output}"
             ) from None
@@ -123,6 +130,10 @@ def _write_outputs(
     processes = f" on {accelerator.num_processes} processes" if accelerator is not None else ""
     print(f"wall time {elapsed:.1f} s{processes}; grown model written to {output}")
     push_output(args)
+
+
+#: What a failed write raises: the OS's errors, and safetensors' own (a full disk while serializing is not an OSError).
+WRITE_ERRORS = (OSError, SafetensorError)
 
 
 def run_inspect(args: argparse.Namespace) -> None:
@@ -146,34 +157,66 @@ def run_inspect(args: argparse.Namespace) -> None:
         statistics = collect_statistics(
             model, statistics_batches, get_adapter(model), progress=show_progress, cross_fit=args.cross_fit
         )
-        if args.save_stats:
-            statistics.save(args.save_stats)
+    if args.save_stats:
+        _write(args, f"statistics {args.save_stats}", lambda: statistics.save(args.save_stats))
+    with as_command_error():
         config = GrowthConfig(cross_fit=args.cross_fit)
         inspection = inspect_growth(model, statistics=statistics, max_dims=args.max_dims, config=config)
     print(inspection.table(heads=not args.layers_only))
     if args.json:
-        inspection.to_json_file(args.json)
+        _write(args, f"inspection {args.json}", lambda: inspection.to_json_file(args.json))
     if args.plot:
-        inspection.plot(args.plot)
-    written = [f"{kind} {path}" for kind, path in (("spectra", args.plot), ("inspection", args.json),
-                                                   ("statistics", args.save_stats)) if path]
-    if written:
-        print("wrote " + ", ".join(written))
+        _write(args, f"spectra {args.plot}", lambda: inspection.plot(args.plot))
+    if args.written:
+        print("wrote " + ", ".join(args.written))
+
+
+def _write(args: argparse.Namespace, what: str, write) -> None:
+    """``write()`` of ``what``, recorded as written; a failure as one line that says what was written before."""
+    try:
+        write()
+    except WRITE_ERRORS as error:
+        before = f"; already written: {', '.join(args.written)}" if args.written else ""
+        raise CommandError(f"writing {what} failed ({error}){before}") from None
+    args.written.append(what)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     inspecting = argv[:1] == ["inspect"]
     args = build_inspect_parser().parse_args(argv[1:]) if inspecting else build_parser().parse_args(argv)
+    args.written = []  # what is in place, for the message of an interruption
     try:
-        if inspecting:
-            run_inspect(args)
-        else:
-            run(args)
+        with _terminations_interrupt():
+            if inspecting:
+                run_inspect(args)
+            else:
+                run(args)
     except CommandError as error:
         print(f"hf-grow: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("hf-grow: interrupted; nothing was written", file=sys.stderr)
+        written = f"already written: {', '.join(args.written)}" if args.written else "nothing was written"
+        print(f"hf-grow: interrupted; {written}", file=sys.stderr)
         return 130
     return 0
+
+
+@contextlib.contextmanager
+def _terminations_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP (``kill``, ``timeout``, a scheduler's or container's stop, a closed terminal) interrupt as
+    Ctrl-C does, so that staging folders and offloaded statistics are removed: by default they end the process
+    without any cleanup. (Handlers can only be set in the main thread: elsewhere, nothing changes.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)

@@ -13,6 +13,8 @@ import importlib.util
 import time
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from ..distributed import OtherProcessFailed, Processes
 from ..growth import grow_model
 from ..progress import stage
@@ -90,11 +92,12 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
             if is_main:
                 with stage(f"writing the grown model to {output}", enabled=show_progress):
                     write_folder_atomically(output, write, args.overwrite)
+                args.written.append(f"the grown model to {output}")
                 if args.report:
                     grown.growth_report.to_json_file(args.report)
     except OtherProcessFailed as error:
         raise CommandError(f"{error}: nothing was written") from None
-    except OSError as error:
+    except (OSError, SafetensorError) as error:
         raise CommandError(f"writing {output} or the report failed ({error})") from None
     if is_main:
         print(grown.growth_report.summary())
