@@ -100,7 +100,7 @@ def test_two_processes_equal_one(trained_gpt2, stdlib_bytes, tmp_path):
     batches = lm_batches(stdlib_bytes["stats"], 6, batch_size=4, seed=31)
     eval_batches = lm_batches(stdlib_bytes["eval"], 4, batch_size=4, seed=32)
     state_dict = {name: tensor.clone() for name, tensor in trained_gpt2.state_dict().items()}
-    run_processes(grow_on_shard, (trained_gpt2.config, state_dict, batches, eval_batches, str(tmp_path)))
+    run_processes(grow_on_shard, (trained_gpt2.config, state_dict, batches, eval_batches, str(tmp_path)), timeout=300)
     results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
     assert [result["num_processes"] for result in results] == [2, 2]
     assert [result["process_index"] for result in results] == [0, 1]
