@@ -26,11 +26,17 @@ class TextFileError(ValueError):
     """A ``--data`` path that cannot be read as text: missing, a folder, unreadable, or binary."""
 
 
-def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.warn) -> Iterator[str]:
-    """The contents of every file matching ``patterns`` (paths or globs), in sorted order per pattern.
+#: Text files are read in pieces of about this many bytes, each cut after a line end: a large corpus file is read
+#: (and held in memory) only as far as the tokens wanted, not whole.
+READ_BYTES = 1 << 20
+
+
+def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.warn) -> Iterator[Iterator[str]]:
+    """Every file matching ``patterns`` (paths or globs), in sorted order per pattern, as its text in pieces
+    (`READ_BYTES`, cut after line ends), read as far as the pieces are taken (`token_windows` takes a file so).
 
     Folders matched by a glob are skipped; a folder named as such, a missing or unreadable file, or one that is
-    not UTF-8 text (`decode_text`) raises `TextFileError`.
+    not UTF-8 text (`decode_text`, piece by piece) raises `TextFileError`.
     """
     for pattern in patterns:
         for path in matching_paths(pattern):
@@ -38,12 +44,33 @@ def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.
                 raise TextFileError(f"--data {path!r} is a folder: pass its text files, e.g. '{path}/*.txt'")
             if not os.path.isfile(path):
                 raise TextFileError(f"no text file at {path!r}: --data takes text files or globs")
-            try:
-                with open(path, "rb") as handle:
-                    data = handle.read()
-            except OSError as error:
-                raise TextFileError(f"cannot read --data file {path!r}: {error.strerror or error}") from None
-            yield decode_text(data, path, warn)
+            yield _text_pieces(path, warn)
+
+
+def _text_pieces(path: str, warn: Callable[[str], None]) -> Iterator[str]:
+    """The text of ``path`` in pieces of about `READ_BYTES`, each ending after a line end (but the last); a
+    warning about undecodable bytes once per file."""
+    warned: list[str] = []
+
+    def warn_once(message: str) -> None:
+        if not warned:
+            warned.append(message)
+            warn(message)
+
+    try:
+        with open(path, "rb") as handle:
+            rest = b""
+            while True:
+                data = handle.read(READ_BYTES)
+                text = rest + data
+                cut = text.rfind(b"\n") + 1 if data else len(text)  # a line without an end stays for the next read
+                piece, rest = text[:cut], text[cut:]
+                if piece:
+                    yield decode_text(piece, path, warn_once)
+                if not data:
+                    return
+    except OSError as error:
+        raise TextFileError(f"cannot read --data file {path!r}: {error.strerror or error}") from None
 
 
 def matching_paths(pattern: str) -> list[str]:
@@ -90,26 +117,37 @@ def read_dataset(
 
 
 def token_windows(
-    texts: Iterable[str], tokenizer: PreTrainedTokenizerBase, seq_len: int, max_tokens: int
+    texts: Iterable[str | Iterable[str]], tokenizer: PreTrainedTokenizerBase, seq_len: int, max_tokens: int
 ) -> list[torch.Tensor]:
-    """Concatenate the tokenized texts and cut windows of ``seq_len`` tokens.
+    """Concatenate the tokenized texts, each followed by the end-of-text token, and cut windows of ``seq_len``
+    tokens. A text may come in pieces (an iterable of strings, as `read_text_files` gives a file): only as many
+    are read as the windows need.
 
     Stops after ``max_tokens`` tokens of windows; a last partial window is dropped.
     """
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     buffer: list[int] = []
     windows: list[torch.Tensor] = []
-    for text in texts:
-        if not text:
-            continue
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + separator
-        buffer.extend(ids)
-        wanted = -(-max_tokens // seq_len) - len(windows)
-        count = min(len(buffer) // seq_len, wanted)
+
+    def cut() -> bool:
+        """Windows from the buffer, up to the ones wanted; whether they are all there."""
+        count = min(len(buffer) // seq_len, -(-max_tokens // seq_len) - len(windows))
         windows.extend(torch.tensor(buffer[: count * seq_len], dtype=torch.long).view(count, seq_len).unbind())
-        del buffer[: count * seq_len]  # once per text: a long document is cut in linear time
-        if len(windows) * seq_len >= max_tokens:
-            break
+        del buffer[: count * seq_len]  # once per piece: a long document is cut in linear time
+        return len(windows) * seq_len >= max_tokens
+
+    for text in texts:
+        read = False
+        for piece in [text] if isinstance(text, str) else text:
+            if piece:
+                read = True
+                buffer.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
+                if cut():
+                    return windows
+        if read:
+            buffer.extend(separator)
+            if cut():
+                return windows
     return windows
 
 

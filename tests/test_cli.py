@@ -431,3 +431,42 @@ def test_outputs_that_would_break_the_output_or_the_input_are_refused_before_any
                 "offloading into the input": "is inside the input", "a mount point": "is a mount point"}[case]
     assert expected in error and len(error.strip().splitlines()) == 1, error
     assert sorted(path.name for path in model_folder.iterdir()) == before
+
+
+def test_a_large_text_file_is_read_only_as_far_as_the_windows_need(tmp_path, monkeypatch):
+    """A corpus file was read and tokenized whole whatever --max-tokens said (20 MB: 33 s and 4.3 GB for 6,000
+    tokens); it is read in pieces cut after line ends, which give the windows the whole text gives."""
+    from hf_grow import data
+    from hf_grow.data import READ_BYTES, read_text_files
+
+    text = "".join(f"line {index}: {'x' * 50}\n" for index in range(100_000))  # 6.6 MB
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    sizes = []
+
+    class CountingFile:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def read(self, size):
+            sizes.append(len(chunk := self.handle.read(size)))
+            return chunk
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    monkeypatch.setattr(data, "open", lambda name, mode: CountingFile(open(name, mode)), raising=False)
+    windows = token_windows(read_text_files([str(path)]), ByteTokenizer(), 64, max_tokens=10_000)
+    assert sum(sizes) <= READ_BYTES < len(text) / 5
+    expected = token_windows([text], ByteTokenizer(), 64, max_tokens=10_000)
+    assert len(windows) == len(expected) and all(torch.equal(a, b) for a, b in zip(windows, expected))
+    monkeypatch.setattr(data, "READ_BYTES", 1000)  # many pieces, and lines cut by reads: the same windows
+    short = text[:200_000]
+    path.write_text(short)
+    pieces = token_windows(read_text_files([str(path)]), ByteTokenizer(), 64, max_tokens=10**9)
+    whole = token_windows([short], ByteTokenizer(), 64, max_tokens=10**9)
+    assert len(pieces) == len(whole) == (len(short) + 1) // 64
+    assert all(torch.equal(a, b) for a, b in zip(pieces, whole))
