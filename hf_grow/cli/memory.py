@@ -168,8 +168,14 @@ def _sentence_transformer_parts(model: str) -> tuple[str, int | None]:
     folder = Path(model)
     if not (folder / "modules.json").is_file():
         return model, None
-    modules = json.loads((folder / "modules.json").read_text())
-    inner = folder / next((module["path"] for module in modules if module["type"].endswith(".Transformer")), "")
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        inner = folder / next((module["path"] for module in modules if module["type"].endswith(".Transformer")), "")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CommandError(
+            f"{folder / 'modules.json'} is damaged: a SentenceTransformer's list of modules, each with its type "
+            "and path, is expected there"
+        ) from None
     settings = inner / "sentence_bert_config.json"
     return str(inner), json.loads(settings.read_text()).get("max_seq_length") if settings.is_file() else None
 

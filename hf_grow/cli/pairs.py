@@ -71,8 +71,11 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         ) from None
     if args.seq_len:
         model.max_seq_length = args.seq_len
-    statistics_pairs = tokenize_pairs(pairs[:-num_eval], model, args.batch_size)
-    held_out_pairs = tokenize_pairs(pairs[-num_eval:], model, args.batch_size)
+    try:
+        statistics_pairs = tokenize_pairs(pairs[:-num_eval], model, args.batch_size)
+        held_out_pairs = tokenize_pairs(pairs[-num_eval:], model, args.batch_size)
+    except ValueError as error:  # e.g. a tokenizer without a padding token (a decoder's)
+        raise CommandError(f"cannot tokenize the pairs for {args.model!r}: {str(error).splitlines()[0]}") from None
     # --max-batches counts all the processes' batches (grow_model's max_batches counts each process's own)
     statistics_batches = shard_batches(statistics_pairs[: args.config.max_batches], accelerator, "statistics")
     held_out_batches = shard_batches(held_out_pairs, accelerator, "held-out")
