@@ -170,8 +170,8 @@ def not_a_saved_model(folder: Path) -> str | None:
     folders (a project's sources, a Trainer's checkpoints)."""
     modules = _read_json(folder / "modules.json")
     config = _read_json(folder / "config.json")
-    module_folders = {str(module.get("path") or "") for module in modules if isinstance(module, dict)} if isinstance(
-        modules, list) else set()
+    modules = modules if isinstance(modules, list) else []
+    module_folders = {str(module.get("path") or "") for module in modules if isinstance(module, dict)}
     if not (isinstance(config, dict) and "model_type" in config) and not module_folders:
         return "holds no transformers config.json with a model_type, nor a SentenceTransformer's modules.json"
     for entry in sorted(folder.iterdir()):
