@@ -56,8 +56,9 @@ def test_statistics_of_another_model_are_refused(model_folder, tmp_path, capsys)
     other = tmp_path / "other"
     GPT2LMHeadModel(GPT2LMHeadModel.from_pretrained(model_folder).config).save_pretrained(other)  # new random weights
     PreTrainedTokenizerFast.from_pretrained(model_folder).save_pretrained(other)
-    assert cli.main([str(other), "--data", TEXT_GLOB, "--stats", str(stats), "--output-dir", str(tmp_path / "out"),
-                     *SMALL]) == 2
+    # refused from the checkpoint's saved weights, before any text is read (was: after the text and the model)
+    assert cli.main([str(other), "--data", "/nonexistent/never-read.txt", "--stats", str(stats), "--output-dir",
+                     str(tmp_path / "out"), *SMALL]) == 2
     error = capsys.readouterr().err
     assert "other weights" in error and len(error.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
     (tmp_path / "junk").write_text("junk")

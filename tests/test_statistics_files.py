@@ -99,3 +99,19 @@ def test_precomputed_statistics_are_checked_and_used_in_float64(trained_gpt2, da
     with pytest.raises(FloatingPointError, match="the held-out loss is nan before any step"):
         grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=statistics, eval_dataloader=data["eval"][:1],
                    loss_fn=lambda model, batch: model(**batch).loss * float("nan"))
+
+
+def test_the_weight_sample_of_a_saved_checkpoint_is_the_loaded_models(trained_gpt2, tmp_path):
+    """The command compares --stats with the checkpoint's saved weights before it reads any text: read entry by entry
+    from one safetensors file or shards, the sample is the loaded model's, bit for bit; None without safetensors."""
+    from hf_grow.statistics import checkpoint_weight_sample, weight_sample
+
+    trained_gpt2.save_pretrained(tmp_path / "one")
+    trained_gpt2.save_pretrained(tmp_path / "shards", max_shard_size="100KB")
+    assert len(list((tmp_path / "shards").glob("model-*.safetensors"))) > 1
+    with torch.device("meta"):
+        meta = type(trained_gpt2)(trained_gpt2.config)
+    for folder in ("one", "shards"):
+        assert torch.equal(checkpoint_weight_sample(meta, tmp_path / folder), weight_sample(trained_gpt2))
+    (tmp_path / "empty").mkdir()
+    assert checkpoint_weight_sample(meta, tmp_path / "empty") is None

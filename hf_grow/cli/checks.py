@@ -20,8 +20,8 @@ from .. import hub
 from ..adapters import get_adapter
 from ..config import FOR_TRAINING, GrowthConfig
 from ..data import matching_paths
-from ..growth import check_growth, check_statistics
-from ..statistics import GrowthStatistics, check_method_runs, check_offload_dir, parse_bytes
+from ..growth import check_growth, check_statistics, check_weight_sample
+from ..statistics import GrowthStatistics, check_method_runs, check_offload_dir, checkpoint_weight_sample, parse_bytes
 
 
 class CommandError(Exception):
@@ -225,11 +225,17 @@ def check_inputs_kept(args: argparse.Namespace, *outputs: tuple[str, str | None]
                 )
 
 
-def check_model_growth(model: nn.Module, config: GrowthConfig, statistics: GrowthStatistics | None) -> None:
+def check_model_growth(
+    model: nn.Module, config: GrowthConfig, statistics: GrowthStatistics | None, checkpoint: str | None = None
+) -> None:
     """What needs the model but no data (``model`` may be on the meta device): a growth it can take (`check_growth`)
-    and ``statistics`` collected on it; refused before any text or weights are read."""
+    and ``statistics`` collected on it, their weights compared with those saved in the ``checkpoint`` folder where
+    it holds them in safetensors (`checkpoint_weight_sample`); refused before any text or weights are read."""
     adapter = get_adapter(model)
     with as_command_error(ValueError, FloatingPointError):
         check_growth(model, adapter, config, mode=None)
         if statistics is not None:
             check_statistics(statistics, model, adapter, config.cross_fit)
+            saved = None if checkpoint is None else checkpoint_weight_sample(model, checkpoint)
+            if saved is not None:
+                check_weight_sample(saved, statistics)

@@ -43,7 +43,8 @@ def check_memory(
     does not fit the memory even one layer at a time, the refusal names ``--offload-dir DIR`` and the disk it needs.
     """
     plan_with, model = _planner(args, objective)
-    check_model_growth(model, args.config, statistics)
+    local = objective != "pairs" and Path(args.model).is_dir()  # a SentenceTransformer's model: checked when loaded
+    check_model_growth(model, args.config, statistics, checkpoint=args.model if local else None)
     plan = plan_with({})
     if args.dry_run:
         print(plan.table())

@@ -96,15 +96,22 @@ def check_statistics(
             raise FloatingPointError(
                 f"the statistics of layer {layer} hold NaN or Inf: collect them again (in float32 or float64)."
             )
-    if statistics.weights is not None and not next(model.parameters()).is_meta:  # a meta model has no weights yet
-        weights = weight_sample(model)
-        if weights.shape != statistics.weights.shape or float(
-            (weights - statistics.weights).norm()
-        ) > WEIGHTS_RTOL * float(statistics.weights.norm()):
-            raise ValueError(
-                "the statistics were collected on a model with other weights (another checkpoint of the same "
-                "architecture): collect them on the model you grow."
-            )
+    if not next(model.parameters()).is_meta:  # a meta model has no weights yet
+        check_weight_sample(weight_sample(model), statistics)
+
+
+def check_weight_sample(weights: Tensor, statistics: GrowthStatistics) -> None:
+    """Refuse ``statistics`` collected on other weights than those of ``weights`` (`weight_sample`, or
+    `checkpoint_weight_sample` of a saved model), within `WEIGHTS_RTOL`; statistics saved without one pass."""
+    if statistics.weights is None:
+        return
+    if weights.shape != statistics.weights.shape or float(
+        (weights - statistics.weights).norm()
+    ) > WEIGHTS_RTOL * float(statistics.weights.norm()):
+        raise ValueError(
+            "the statistics were collected on a model with other weights (another checkpoint of the same "
+            "architecture): collect them on the model you grow."
+        )
 
 
 def resolve_growth(p: int | Mapping[int, int], num_layers: int) -> list[int]:

@@ -27,7 +27,7 @@ from .batches import (
     without_kv_cache,
 )
 from .collect import check_arguments, check_method_runs, collect_statistics, is_positive_int
-from .container import STATISTICS_FORMAT, GrowthStatistics, weight_sample
+from .container import STATISTICS_FORMAT, GrowthStatistics, checkpoint_weight_sample, weight_sample
 from .kernels import (
     CPU_REFERENCE_MAX_LENGTH,
     METHODS,
@@ -75,6 +75,7 @@ __all__ = [
     "token_shapes",
     "triton_available",
     "walk_tensors",
+    "checkpoint_weight_sample",
     "weight_sample",
     "without_kv_cache",
 ]

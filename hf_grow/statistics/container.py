@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import safetensors
 import safetensors.torch
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from .. import linalg
@@ -151,6 +155,13 @@ class GrowthStatistics:
         )
 
 
+def _sample_positions(numel: int, per_parameter: int) -> list[int]:
+    """The evenly spaced flat positions `weight_sample` reads of a parameter of ``numel`` entries."""
+    # float64: float32 positions round to the wrong entry (and past the end) beyond 2^24 entries
+    count = min(per_parameter, numel)
+    return torch.linspace(0, numel - 1, count, dtype=torch.float64).round().long().tolist()
+
+
 def weight_sample(model: PreTrainedModel, per_parameter: int = 8) -> Tensor:
     """A few evenly spaced entries of every parameter, in float64: a fingerprint of the weights.
 
@@ -160,8 +171,40 @@ def weight_sample(model: PreTrainedModel, per_parameter: int = 8) -> Tensor:
     with torch.no_grad():
         for parameter in model.parameters():
             flat = parameter.detach().reshape(-1)
-            # float64: float32 positions round to the wrong entry (and past the end) beyond 2^24 entries
-            count = min(per_parameter, flat.numel())
-            positions = torch.linspace(0, flat.numel() - 1, count, dtype=torch.float64, device=flat.device)
-            samples.append(flat[positions.round().long()].to(torch.float64).cpu())
+            positions = torch.tensor(_sample_positions(flat.numel(), per_parameter), device=flat.device)
+            samples.append(flat[positions].to(torch.float64).cpu())
+    return torch.cat(samples)
+
+
+def checkpoint_weight_sample(model: nn.Module, folder: str | os.PathLike, per_parameter: int = 8) -> Tensor | None:
+    """`weight_sample` of the weights saved in ``folder`` (safetensors: one file or an index of shards) for
+    ``model``'s parameters, read entry by entry without loading them (``model`` may be on the meta device); None
+    where the folder does not hold every parameter under its name and shape."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = json.loads(index.read_text()).get("weight_map", {})
+    elif (folder / "model.safetensors").is_file():
+        with safetensors.safe_open(os.fspath(folder / "model.safetensors"), framework="pt") as handle:
+            files = dict.fromkeys(handle.keys(), "model.safetensors")
+    else:
+        return None
+    samples = []
+    with contextlib.ExitStack() as opened:
+        handles: dict[str, Any] = {}
+        for name, parameter in model.named_parameters():
+            if name not in files:
+                return None
+            if files[name] not in handles:
+                path = os.fspath(folder / files[name])
+                handles[files[name]] = opened.enter_context(safetensors.safe_open(path, framework="pt"))
+            saved = handles[files[name]].get_slice(name)
+            shape = tuple(saved.get_shape())
+            if shape != tuple(parameter.shape):
+                return None
+            entries = []
+            for position in _sample_positions(parameter.numel(), per_parameter):
+                index_of = [int(i) for i in torch.unravel_index(torch.tensor(position), shape)] if shape else []
+                entries.append(saved[tuple(slice(i, i + 1) for i in index_of)].reshape(-1)[0].to(torch.float64))
+            samples.append(torch.stack(entries))
     return torch.cat(samples)
