@@ -48,15 +48,11 @@ def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.
 
 
 def _text_pieces(path: str, warn: Callable[[str], None]) -> Iterator[str]:
-    """The text of ``path`` in pieces of about `READ_BYTES`, each ending after a line end (but the last); a
-    warning about undecodable bytes once per file."""
-    warned: list[str] = []
-
-    def warn_once(message: str) -> None:
-        if not warned:
-            warned.append(message)
-            warn(message)
-
+    """The text of ``path`` in pieces of about `READ_BYTES`, each ending after a line end (in a file without any,
+    at a character's end), judged as text (`decode_text`) on all that was read so far; a warning about
+    undecodable bytes once per file. Where a piece is cut, a tokenizer may split a token that the whole text would
+    not (one token in a MiB at most)."""
+    counts = [0, 0]  # bytes that are not text, bytes read
     try:
         with open(path, "rb") as handle:
             rest = b""
@@ -64,9 +60,13 @@ def _text_pieces(path: str, warn: Callable[[str], None]) -> Iterator[str]:
                 data = handle.read(READ_BYTES)
                 text = rest + data
                 cut = text.rfind(b"\n") + 1 if data else len(text)  # a line without an end stays for the next read
+                if cut == 0 and len(text) >= READ_BYTES:  # no line end at all: cut before the last character
+                    cut = len(text) - 1
+                    while cut > 0 and text[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte
+                        cut -= 1
                 piece, rest = text[:cut], text[cut:]
                 if piece:
-                    yield decode_text(piece, path, warn_once)
+                    yield decode_text(piece, path, warn if not counts[0] else lambda message: None, counts)
                 if not data:
                     return
     except OSError as error:
@@ -81,14 +81,19 @@ def matching_paths(pattern: str) -> list[str]:
     return sorted(path for path in matches if not os.path.isdir(path)) or [pattern]
 
 
-def decode_text(data: bytes, name: str, warn: Callable[[str], None] = warnings.warn) -> str:
+def decode_text(
+    data: bytes, name: str, warn: Callable[[str], None] = warnings.warn, counts: list[int] | None = None
+) -> str:
     """``data`` as UTF-8 text; refused if more than `MAX_NOT_TEXT_SHARE` of its bytes are not text (binary data
-    would be grown on as noise), undecodable bytes read as U+FFFD with a warning otherwise."""
+    would be grown on as noise), undecodable bytes read as U+FFFD with a warning otherwise. ``counts``: the bytes
+    not text and all bytes of the file's pieces before this one, updated: the share is of the whole part read."""
     text = data.decode("utf-8", errors="surrogateescape")
-    not_text = len(_NOT_TEXT.findall(text))
-    if not not_text:
+    counts = [0, 0] if counts is None else counts
+    counts[0] += len(_NOT_TEXT.findall(text))
+    counts[1] += len(data)
+    if not counts[0]:
         return text
-    share = not_text / len(data)
+    share = counts[0] / counts[1]
     if share > MAX_NOT_TEXT_SHARE:
         raise TextFileError(
             f"{name} is not text: {share:.0%} of its bytes are not UTF-8 text (binary data, UTF-16, or another "

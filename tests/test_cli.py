@@ -253,16 +253,16 @@ def test_overwrite_replaces_the_folder(model_folder, tmp_path):
     output = tmp_path / "grown"
     output.mkdir()
     (output / "config.json").write_text('{"model_type": "gpt2"}')  # a model's folder: --overwrite replaces only those
-    (output / "old.txt").write_text("old")
+    (output / "old-vocab.txt").write_text("old")
     assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--overwrite",
                      "--step-size", "0.0", *SMALL]) == 0
-    assert not (output / "old.txt").exists() and (output / "config.json").is_file()
+    assert not (output / "old-vocab.txt").exists() and (output / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grown"]
 
 
 @pytest.mark.parametrize("case", ["the input", "its parent", "inside the input", "a folder of other files",
                                   "report over a data file", "report into the input", "a project's config.json",
-                                  "a model in a git repository", "a Trainer's output"])
+                                  "a model in a git repository", "a Trainer's output", "a model beside a script"])
 def test_overwrite_never_touches_the_input_or_a_folder_of_other_files(model_folder, tmp_path, capsys, case):
     """Refused before any work, with nothing changed: an output path that is, holds or lies inside what the command
     reads, and a folder that holds anything but a saved model, even with --overwrite (a project's own config.json
@@ -282,6 +282,7 @@ def test_overwrite_never_touches_the_input_or_a_folder_of_other_files(model_fold
         "a project's config.json": (tmp_path / "project", None, "holds no transformers config.json"),
         "a model in a git repository": (tmp_path / "repository", None, "holds '.git' (a hidden entry)"),
         "a Trainer's output": (tmp_path / "trainer", None, "holds 'checkpoint-1' (a folder that is none of its"),
+        "a model beside a script": (tmp_path / "flat", None, "holds 'train.py' (a file that no model save writes)"),
         "report over a data file": (tmp_path / "grown", data, "is the input"),
         "report into the input": (tmp_path / "grown", model / "report.json", "is inside the input"),
     }[case]
@@ -292,6 +293,9 @@ def test_overwrite_never_touches_the_input_or_a_folder_of_other_files(model_fold
         (output / "src").mkdir(parents=True)
         (output / "config.json").write_text('{"app": "settings"}')
         (output / "src" / "main.c").write_text("int main(void) { return 0; }")
+    if case == "a model beside a script":
+        shutil.copytree(model_folder, output)
+        (output / "train.py").write_text("print('my training script')")
     if case in ("a model in a git repository", "a Trainer's output"):
         shutil.copytree(model_folder, output)
         inside = output / (".git" if case == "a model in a git repository" else "checkpoint-1")
@@ -397,7 +401,7 @@ def test_an_interrupted_or_failed_write_leaves_the_old_output_and_says_what_was_
         return
     assert {path.name: path.read_bytes() for path in output.iterdir()} == before
     if case == "SIGTERM while writing":
-        assert status == 130 and "interrupted; nothing was written" in error
+        assert status == 130 and "interrupted; nothing was written" in error, error
     else:
         assert status == 2 and "No space left on device" in error and "nothing was written" in error
         assert len(error.strip().splitlines()) == 1
@@ -470,3 +474,35 @@ def test_a_large_text_file_is_read_only_as_far_as_the_windows_need(tmp_path, mon
     whole = token_windows([short], ByteTokenizer(), 64, max_tokens=10**9)
     assert len(pieces) == len(whole) == (len(short) + 1) // 64
     assert all(torch.equal(a, b) for a, b in zip(pieces, whole))
+
+
+def test_a_signal_ignored_before_the_command_stays_ignored(model_folder, monkeypatch):
+    """`nohup hf-grow ...` ignores SIGHUP so that the run outlives the terminal: the command's handler, which turns
+    SIGTERM and SIGHUP into an interruption, must not take SIGHUP over (it did: a logout ended the run)."""
+    import signal
+
+    from hf_grow.cli import commands
+
+    seen = {}
+    monkeypatch.setattr(commands, "run", lambda args: seen.update(
+        hup=signal.getsignal(signal.SIGHUP), term=signal.getsignal(signal.SIGTERM)))
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert cli.main([str(model_folder), "--output-dir", "unused"]) == 0
+        assert seen["hup"] is signal.SIG_IGN and seen["term"] not in (signal.SIG_DFL, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_text_file_without_line_ends_is_read_in_pieces_too(tmp_path, monkeypatch):
+    """A file with no line end was read whole (and in time growing with the square of its size): it is cut at
+    character ends, never inside a UTF-8 character."""
+    from hf_grow import data
+    from hf_grow.data import read_text_files
+
+    monkeypatch.setattr(data, "READ_BYTES", 1001)
+    text = "é" * 3000 + "z"  # two bytes a character: reads end inside characters
+    (tmp_path / "one.txt").write_text(text)
+    pieces = list(next(read_text_files([str(tmp_path / "one.txt")])))
+    assert len(pieces) > 5 and all(len(piece.encode()) <= 1002 for piece in pieces) and "".join(pieces) == text

@@ -380,3 +380,34 @@ def test_an_interrupted_resize_leaves_a_config_that_matches_its_layers(trained_g
     batch = lm_batches(stdlib_bytes["eval"], 1, seed=13)[0]
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, rtol=0, atol=0)
+
+
+def test_a_resize_failing_inside_a_layer_leaves_the_layer_as_it_was(trained_gpt2, stdlib_bytes, monkeypatch):
+    """Out of memory (or an interruption) between a layer's parameters left some resized and the config at the old
+    width: the model neither ran nor reloaded. The layer's changes are undone."""
+    from hf_grow import get_adapter, resize_qk_
+    from hf_grow.training import resize
+
+    model = to_grown_model(copy.deepcopy(trained_gpt2))
+    adapter = get_adapter(model)
+    weights = {0: tuple(torch.nn.functional.pad(weight, (0, 4))
+                        for weight in adapter.read_qk(adapter.attention_modules(model)[0]))}
+    batch = lm_batches(stdlib_bytes["eval"], 1, seed=14)[0]
+    with torch.no_grad():
+        before = model(**batch).logits
+    calls = []
+    resize_parameter = resize._resize_parameter
+
+    def failing_second_resize(parameter, value):
+        calls.append(value.shape)
+        if len(calls) == 2:  # GPT-2's fused c_attn: its weight resized, then its bias fails
+            raise MemoryError("out of memory")
+        resize_parameter(parameter, value)
+
+    monkeypatch.setattr(resize, "_resize_parameter", failing_second_resize)
+    with pytest.raises(MemoryError):
+        resize_qk_(model, weights, keep_moments=False)
+    monkeypatch.undo()
+    assert model.config.qk_head_dims == [16, 16]
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, before, rtol=0, atol=0)

@@ -180,10 +180,25 @@ def not_a_saved_model(folder: Path) -> str | None:
         elif entry.is_dir():
             why = None if entry.name in module_folders else "a folder that is none of its modules"
         else:
-            why = None if entry.suffix in MODEL_FILE_SUFFIXES else "a file that no model save writes"
+            code = isinstance(config, dict) and "auto_map" in config  # a model that ships its own modules
+            why = None if _saved_by_a_model(entry.name, code) else "a file that no model save writes"
         if why is not None:
             return f"holds {entry.name!r} ({why})"
     return None
+
+
+def _saved_by_a_model(name: str, code: bool) -> bool:
+    """Whether a file of this name is one a model's save writes: by suffix (`MODEL_FILE_SUFFIXES`), and for text,
+    code and markdown by name (a vocabulary, merges, modeling code, the card), not a user's notes or scripts.
+    ``code``: the model ships its own modules (``auto_map``, as a grown model does), any of which a save writes."""
+    suffix = Path(name).suffix
+    if suffix == ".txt":
+        return "vocab" in name or "merges" in name
+    if suffix == ".py":
+        return code or name.startswith(("modeling_", "configuration_", "tokenization_", "processing_"))
+    if suffix == ".md":
+        return name == "README.md"
+    return suffix in MODEL_FILE_SUFFIXES
 
 
 def _read_json(path: Path) -> object:

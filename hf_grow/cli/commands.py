@@ -121,6 +121,7 @@ def _write_outputs(
     if args.report:
         try:
             report.to_json_file(args.report)
+            args.written.append(f"the report to {args.report}")
         except WRITE_ERRORS as error:
             raise CommandError(
                 f"writing --report {args.report} failed ({error}); the grown model is in {output}"
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 def _terminations_interrupt() -> Iterator[None]:
     """SIGTERM and SIGHUP (``kill``, ``timeout``, a scheduler's or container's stop, a closed terminal) interrupt as
     Ctrl-C does, so that staging folders and offloaded statistics are removed: by default they end the process
-    without any cleanup. (Handlers can only be set in the main thread: elsewhere, nothing changes.)"""
+    without any cleanup. A signal the process ignores stays ignored (``nohup`` ignores SIGHUP), and handlers are
+    set only in the main thread, where they can be (and put back after)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -214,7 +216,9 @@ def _terminations_interrupt() -> Iterator[None]:
     def interrupt(signum: int, frame) -> None:
         raise KeyboardInterrupt
 
-    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGTERM, signal.SIGHUP)}
+    numbers = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]  # no SIGHUP: Windows
+    previous = {number: signal.signal(number, interrupt) for number in numbers
+                if signal.getsignal(number) is not signal.SIG_IGN}
     try:
         yield
     finally:

@@ -125,6 +125,9 @@ def resize_qk_(
                 scaling_after = adapter.scaling(config, layer, scale_dims_after[layer])
                 fold = adapter.scaling(config, layer, scale_dims[layer]) / scaling_after
                 states = [] if optimizer is None else [optimizer.state.get(parameters[name], {}) for name in names]
+                # Every new tensor of the layer first, then all are put in place, undone if that fails (out of memory,
+                # an interruption): the layer is left as it was, never with some of its parameters resized.
+                new_states: list[tuple[str, str, Tensor]] = []
                 for state_key in {key for state in states for key in state}:
                     present = [state.get(state_key) for state in states]
                     if not all(isinstance(value, Tensor) and value.dim() > 0 for value in present):
@@ -142,9 +145,21 @@ def resize_qk_(
                     new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
                     new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
                     for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
+                        new_states.append((name, state_key, value))
+                new_parameters = adapter.qk_parameters(attention, query, key)
+                old_states = [(name, key, optimizer.state[parameters[name]][key]) for name, key, _ in new_states]
+                old_parameters = {name: parameters[name].data for name in new_parameters}
+                try:
+                    for name, state_key, value in new_states:
                         optimizer.state[parameters[name]][state_key] = value
-                for name, value in adapter.qk_parameters(attention, query, key).items():
-                    _resize_parameter(parameters[name], value)
+                    for name, value in new_parameters.items():
+                        _resize_parameter(parameters[name], value)
+                except BaseException:
+                    for name, state_key, value in old_states:
+                        optimizer.state[parameters[name]][state_key] = value
+                    for name, value in old_parameters.items():
+                        _resize_parameter(parameters[name], value)
+                    raise
                 adapter.set_qk_head_dim(attention, config, layer, new_dim, scale_dims_after[layer])
                 dims[layer], scales[layer] = new_dim, scale_dims_after[layer]
     finally:
