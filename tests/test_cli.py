@@ -357,86 +357,6 @@ def test_token_windows_cut_the_concatenated_texts():
     assert len(capped) == 16 and all(torch.equal(a, b) for a, b in zip(capped, windows))
 
 
-@pytest.mark.parametrize("case", ["SIGTERM while writing", "Ctrl-C after writing", "a full disk"])
-def test_an_interrupted_or_failed_write_leaves_the_old_output_and_says_what_was_written(model_folder, tmp_path,
-                                                                                     capsys, monkeypatch, case):
-    """SIGTERM (kill, timeout, a scheduler's stop) interrupts as Ctrl-C does: the staging folder is removed (it
-    stayed, a loadable half-written model, and the old output was left under a hidden name when the signal came
-    between the renames); an interruption after the output is in place says so; a save that fails with safetensors'
-    own error (a full disk while serializing) is one line (it was a traceback)."""
-    import signal
-
-    from safetensors import SafetensorError
-
-    from hf_grow.cli import commands
-
-    output = tmp_path / "grown"
-    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--step-size", "0.0",
-                     *SMALL]) == 0
-    before = {path.name: path.read_bytes() for path in output.iterdir()}
-    card = commands.write_card
-
-    def failing_card(*args):
-        card(*args)
-        if case == "SIGTERM while writing":
-            os.kill(os.getpid(), signal.SIGTERM)
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-
-    def interrupted_push(args):
-        raise KeyboardInterrupt
-
-    if case == "Ctrl-C after writing":
-        monkeypatch.setattr(commands, "push_output", interrupted_push)
-    else:
-        monkeypatch.setattr(commands, "write_card", failing_card)
-    handler = signal.getsignal(signal.SIGTERM)
-    status = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--overwrite",
-                       "--step-size", "0.5", *SMALL])
-    error = capsys.readouterr().err
-    assert signal.getsignal(signal.SIGTERM) is handler  # put back
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["grown"]  # no staging or replaced folder left
-    if case == "Ctrl-C after writing":
-        assert status == 130 and f"interrupted; already written: the grown model to {output}" in error
-        assert {path.name: path.read_bytes() for path in output.iterdir()} != before
-        return
-    assert {path.name: path.read_bytes() for path in output.iterdir()} == before
-    if case == "SIGTERM while writing":
-        assert status == 130 and "interrupted; nothing was written" in error, error
-    else:
-        assert status == 2 and "No space left on device" in error and "nothing was written" in error
-        assert len(error.strip().splitlines()) == 1
-
-
-@pytest.mark.parametrize("case", ["a report inside the output", "offloading into the input", "a mount point"])
-def test_outputs_that_would_break_the_output_or_the_input_are_refused_before_any_work(model_folder, tmp_path, capsys,
-                                                                                      monkeypatch, case):
-    """A --report inside --output-dir replaced a file of the grown model (exit 0, a model that did not load); an
-    --offload-dir inside the input folder left M's files there when killed; an output folder that is a mount point
-    (a container's volume) failed at the rename, after all the work."""
-    import shutil
-
-    output = tmp_path / "grown"
-    if case == "offloading into the input":
-        model_folder = shutil.copytree(model_folder, tmp_path / "model")
-        (model_folder / "offload").mkdir()
-    extra = {
-        "a report inside the output": ["--report", str(output / "model.safetensors")],
-        "offloading into the input": ["--offload-dir", str(model_folder / "offload")],
-        "a mount point": [],
-    }[case]
-    if case == "a mount point":
-        output.mkdir()
-        monkeypatch.setattr(os.path, "ismount", lambda path: os.fspath(path) == os.fspath(output))
-    before = sorted(path.name for path in model_folder.iterdir())
-    assert cli.main([str(model_folder), "--data", "/nonexistent/never-read.txt", "--output-dir", str(output),
-                     *extra, *SMALL]) == 2
-    error = capsys.readouterr().err
-    expected = {"a report inside the output": "lies inside --output-dir",
-                "offloading into the input": "is inside the input", "a mount point": "is a mount point"}[case]
-    assert expected in error and len(error.strip().splitlines()) == 1, error
-    assert sorted(path.name for path in model_folder.iterdir()) == before
-
-
 def test_a_large_text_file_is_read_only_as_far_as_the_windows_need(tmp_path, monkeypatch):
     """A corpus file was read and tokenized whole whatever --max-tokens said (20 MB: 33 s and 4.3 GB for 6,000
     tokens); it is read in pieces cut after line ends, which give the windows the whole text gives."""
@@ -474,25 +394,6 @@ def test_a_large_text_file_is_read_only_as_far_as_the_windows_need(tmp_path, mon
     whole = token_windows([short], ByteTokenizer(), 64, max_tokens=10**9)
     assert len(pieces) == len(whole) == (len(short) + 1) // 64
     assert all(torch.equal(a, b) for a, b in zip(pieces, whole))
-
-
-def test_a_signal_ignored_before_the_command_stays_ignored(model_folder, monkeypatch):
-    """`nohup hf-grow ...` ignores SIGHUP so that the run outlives the terminal: the command's handler, which turns
-    SIGTERM and SIGHUP into an interruption, must not take SIGHUP over (it did: a logout ended the run)."""
-    import signal
-
-    from hf_grow.cli import commands
-
-    seen = {}
-    monkeypatch.setattr(commands, "run", lambda args: seen.update(
-        hup=signal.getsignal(signal.SIGHUP), term=signal.getsignal(signal.SIGTERM)))
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    try:
-        assert cli.main([str(model_folder), "--output-dir", "unused"]) == 0
-        assert seen["hup"] is signal.SIG_IGN and seen["term"] not in (signal.SIG_DFL, signal.SIG_IGN)
-        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGHUP, previous)
 
 
 def test_a_text_file_without_line_ends_is_read_in_pieces_too(tmp_path, monkeypatch):
