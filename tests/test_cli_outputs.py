@@ -107,3 +107,24 @@ def test_a_signal_ignored_before_the_command_stays_ignored(model_folder, monkeyp
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_an_interrupted_process_that_does_not_write_says_so(model_folder, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """Under torchrun only the main process writes: another process, interrupted, said "nothing was written" even
+    when the main process had written the model."""
+    from hf_grow.cli import commands
+
+    class OtherProcess:
+        is_main_process = False
+
+        def end_training(self) -> None:
+            pass
+
+    def interrupted(args, is_main):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "accelerator_for", lambda args: OtherProcess())
+    monkeypatch.setattr(commands, "start_run", interrupted)
+    status = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "grown"), *SMALL])
+    error = capsys.readouterr().err
+    assert status == 130 and "interrupted; this process writes nothing (the main process writes" in error, error

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> None:
 
 def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> None:
     is_main = accelerator is None or accelerator.is_main_process
+    args.writes = is_main
     show_progress = start_run(args, is_main)
     if args.pairs:
         check_pairs_arguments(args)
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     inspecting = argv[:1] == ["inspect"]
     args = build_inspect_parser().parse_args(argv[1:]) if inspecting else build_parser().parse_args(argv)
-    args.written = []  # what is in place, for the message of an interruption
+    args.written, args.writes = [], True  # what is in place, and whether this process writes: for an interruption
     try:
         with _terminations_interrupt():
             if inspecting:
@@ -197,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-grow: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        written = f"already written: {', '.join(args.written)}" if args.written else "nothing was written"
+        if not args.writes:
+            written = "this process writes nothing (the main process writes the outputs)"
+        else:
+            written = f"already written: {', '.join(args.written)}" if args.written else "nothing was written"
         print(f"hf-grow: interrupted; {written}", file=sys.stderr)
         return 130
     return 0
