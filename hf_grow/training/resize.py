@@ -147,7 +147,9 @@ def resize_qk_(
                     for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
                         new_states.append((name, state_key, value))
                 new_parameters = adapter.qk_parameters(attention, query, key)
-                old_states = [(name, key, optimizer.state[parameters[name]][key]) for name, key, _ in new_states]
+                old_states = [
+                    (name, state_key, optimizer.state[parameters[name]][state_key]) for name, state_key, _ in new_states
+                ]
                 old_parameters = {name: parameters[name].data for name in new_parameters}
                 try:
                     for name, state_key, value in new_states:
