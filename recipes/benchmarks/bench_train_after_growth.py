@@ -26,7 +26,9 @@ each half's top singular directions in the metric of C, valued by the other half
 split the batches into a first and a second half instead). An arm's ``"max_change": c`` (an arm option of
 this script) takes the step the line search chooses with the other options, then shrinks each head's lam until its
 Z changes by at most c of the old Z (plain Frobenius norm): a step bounded relative to the old weights, e.g.
-``'cap0.25={"max_change": 0.25}'``.
+``'cap0.25={"max_change": 0.25}'``. An arm's ``"rotate": "dct"`` or ``"random"`` (an arm option of this script)
+multiplies each layer's grown query and key factors by one orthogonal matrix: the same scores, Z split into other
+columns than its singular directions (bfloat16 serving: BENCHMARKS, "The scores' size after the step").
 
     python recipes/benchmarks/bench_train_after_growth.py                 # 3 seeds, ~30 min on 2 CPU cores
     python recipes/benchmarks/bench_train_after_growth.py --quick         # smoke test
@@ -145,6 +147,9 @@ def grow(
     step line-searched on ``held_out``: by `grow_model`, or with a ``"mode"`` (e.g. ``"append"``: old Q/K kept,
     rank-p new dims) by `grow_in_training` on a grown-type copy."""
     options = dict(options)
+    if "rotate" in options:
+        kind = options.pop("rotate")
+        return rotated_factors(grow(original, options, batches, held_out, statistics, p, loss_fn), kind)
     if "max_change" in options:
         return capped_growth(original, options, batches, held_out, statistics, p, loss_fn)
     common = dict(eval_dataloader=held_out, loss_fn=loss_fn, statistics=statistics)
@@ -153,6 +158,27 @@ def grow(
         hf_grow.grow_in_training(grown, None, batches, p, eval_fraction=0.1, **common, **options)
         return grown
     return hf_grow.grow_model(original, batches, p, measure_realized_gains=False, **common, **options)
+
+
+def rotated_factors(model: PreTrainedModel, kind: str) -> PreTrainedModel:
+    """``model`` with each layer's query and key factors multiplied by one orthogonal matrix R (W_Q R, W_K R): the
+    same scores, another split of Z into columns. ``kind``: ``"dct"`` (the orthonormal DCT-II matrix) or
+    ``"random"`` (Q of a seeded Gaussian's QR). A comparison for bfloat16 serving, not what hf_grow writes."""
+    adapter = hf_grow.get_adapter(model)
+    for attention in adapter.attention_modules(model):
+        query, key = adapter.read_qk(attention)
+        width = query.shape[-1]
+        if kind == "dct":
+            n = torch.arange(width, dtype=query.dtype)
+            rotation = torch.cos(torch.pi * (n[:, None] + 0.5) * n[None, :] / width) * (2 / width) ** 0.5
+            rotation[:, 0] /= 2**0.5
+        elif kind == "random":
+            generator = torch.Generator().manual_seed(0)
+            rotation = torch.linalg.qr(torch.randn(width, width, generator=generator, dtype=query.dtype))[0]
+        else:
+            raise ValueError(f'"rotate" is "dct" or "random", not {kind!r}')
+        adapter.write_qk(attention, query @ rotation, key @ rotation)
+    return model
 
 
 def capped_growth(

@@ -21,7 +21,9 @@ the same batches. Scored by the test loss at each step count in ``--at``.
 Arms (``--arms``, as in part (a)): ``original``, ``zero`` (widened by p with step 0: the same function),
 ``default`` (`grow_model`'s defaults) and growth options as ``name={json}`` (with ``"cross_fit": true`` in any
 arm the statistics also hold M's two halves; M itself is the same sum). Per grown arm, diagnostics: the chosen
-step and the loss before -> after growth on the line-search, statistics and other texts.
+step, the loss before -> after growth on the line-search, statistics and other texts, and the bfloat16 logits'
+largest error against float32 on two test batches, the original's -> the grown model's (with part (a)'s
+``"rotate"`` arm option, the grown factors rotated: the same scores).
 
     python recipes/benchmarks/bench_train_after_growth_lm.py --cache runs/candidates   # bpe-en, llama-en; 3 seeds
     python recipes/benchmarks/bench_train_after_growth_lm.py --quick                    # smoke test
@@ -95,6 +97,18 @@ def continue_training(
     return losses
 
 
+def bfloat16_error(model: PreTrainedModel, batches: list[dict]) -> float:
+    """The largest absolute difference between ``model``'s logits and those of its bfloat16 copy on ``batches``:
+    what serving in bfloat16 costs (BENCHMARKS, "The scores' size after the step")."""
+    copied = copy.deepcopy(model).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        return max(
+            float((model.eval()(input_ids=b["input_ids"]).logits - copied(input_ids=b["input_ids"]).logits.float())
+                  .abs().max())
+            for b in batches
+        )
+
+
 def run_model(
     model: PreTrainedModel, batches: dict[str, list[dict]], train_text: torch.Tensor, arms: list[str], p: int,
     at: list[int], lr: float, seeds: int,
@@ -107,6 +121,7 @@ def run_model(
     )
     losses = {name: hf_grow.evaluate_loss(model, batches[name])[0] for name in ("search", "statistics", "other")}
     results, diagnostics = {}, {}
+    base_error = bfloat16_error(model, batches["test"][:2])
     for arm in arms:
         name, options = parse_arm(arm)
         tick = time.perf_counter()
@@ -115,7 +130,7 @@ def run_model(
             start = grow(model, options, batches["statistics"], batches["search"], statistics, p)
             diagnostics[name] = {"step": start.growth_report.step_size} | {
                 text: (before, hf_grow.evaluate_loss(start, batches[text])[0]) for text, before in losses.items()
-            }
+            } | {"bf16": (base_error, bfloat16_error(start, batches["test"][:2]))}
         results[name] = [
             continue_training(copy.deepcopy(start), train_text, batches["test"], at, lr, seed, batch_size, seq_len)
             for seed in range(seeds)
@@ -132,11 +147,11 @@ def spread(values: list[float]) -> str:
 def tables(results: dict[str, list[dict[int, float]]], diagnostics: dict[str, dict], at: list[int]) -> str:
     """Markdown: the diagnostics per grown arm, the test loss per arm and step count (mean ± std over seeds), and
     each arm's test loss minus the original's on the same seed (the same batches)."""
-    lines = ["| arm | step size | line-search loss | statistics text's loss | other text's loss |",
-             "|---|---|---|---|---|"]
+    lines = ["| arm | step size | line-search loss | statistics text's loss | other text's loss | bf16 logits' error |",
+             "|---|---|---|---|---|---|"]
     for name, row in diagnostics.items():
         cells = " | ".join(f"{row[text][0]:.4f} -> {row[text][1]:.4f}" for text in ("search", "statistics", "other"))
-        lines.append(f"| {name} | {row['step']:.4g} | {cells} |")
+        lines.append(f"| {name} | {row['step']:.4g} | {cells} | {row['bf16'][0]:.3g} -> {row['bf16'][1]:.3g} |")
     header = ["", "| arm | " + " | ".join(str(step) for step in at) + " |", "|---|" + "---|" * len(at)]
     lines += ["", "test loss after continued training steps (mean ± std over seeds)", *header]
     for name, runs in results.items():
