@@ -19,22 +19,29 @@ import torch
 from torch import Tensor, nn
 from transformers import (
     LlamaForCausalLM,
+    LlamaForQuestionAnswering,
     LlamaForSequenceClassification,
+    LlamaForTokenClassification,
     LlamaModel,
     MistralForCausalLM,
     MistralForSequenceClassification,
+    MistralForTokenClassification,
     MistralModel,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2ForCausalLM,
+    Qwen2ForQuestionAnswering,
     Qwen2ForSequenceClassification,
+    Qwen2ForTokenClassification,
     Qwen2Model,
 )
 
 from ..models.grown_llama import (
     GrownLlamaConfig,
     GrownLlamaForCausalLM,
+    GrownLlamaForQuestionAnswering,
     GrownLlamaForSequenceClassification,
+    GrownLlamaForTokenClassification,
     GrownLlamaModel,
     GrownLlamaPreTrainedModel,
 )
@@ -67,16 +74,22 @@ class LlamaAdapter(ArchitectureAdapter):
     growth_modes = ("append",)
     grown_config_class = GrownLlamaConfig
     grown_base_class = GrownLlamaPreTrainedModel
+    # MistralForQuestionAnswering keeps its body under ``model``, not Llama's ``transformer``: not mapped
     grown_classes = {
         LlamaModel: GrownLlamaModel,
         LlamaForCausalLM: GrownLlamaForCausalLM,
         LlamaForSequenceClassification: GrownLlamaForSequenceClassification,
+        LlamaForTokenClassification: GrownLlamaForTokenClassification,
+        LlamaForQuestionAnswering: GrownLlamaForQuestionAnswering,
         MistralModel: GrownLlamaModel,
         MistralForCausalLM: GrownLlamaForCausalLM,
         MistralForSequenceClassification: GrownLlamaForSequenceClassification,
+        MistralForTokenClassification: GrownLlamaForTokenClassification,
         Qwen2Model: GrownLlamaModel,
         Qwen2ForCausalLM: GrownLlamaForCausalLM,
         Qwen2ForSequenceClassification: GrownLlamaForSequenceClassification,
+        Qwen2ForTokenClassification: GrownLlamaForTokenClassification,
+        Qwen2ForQuestionAnswering: GrownLlamaForQuestionAnswering,
     }
     refused_mode_reason = (
         "rotary position embeddings rotate the existing query/key dims by position, so their scores are no "
@@ -103,7 +116,7 @@ class LlamaAdapter(ArchitectureAdapter):
         weights = []
         for name, num_heads in heads.items():
             bias = source.get(f"{name}.bias")
-            weight = source[f"{name}.weight"].detach().to(torch.float64)
+            weight = source[f"{name}.weight"].detach().to(torch.float64, copy=True)  # a copy even in float64
             weights.append(_split_heads(weight, None if bias is None else bias.detach().to(torch.float64), num_heads))
         return weights[0], weights[1]
 
