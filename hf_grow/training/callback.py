@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import itertools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,9 +16,9 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from transformers import PreTrainedModel, TrainerCallback
 
 from ..adapters import get_adapter
-from ..config import GrowthConfig, resolve_config
+from ..config import GrowthConfig, check_p, resolve_config
 from ..distributed import refuse_sharded_training, sharded_training_message
-from ..growth import check_fast_search
+from ..growth import check_fast_search, resolve_growth
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
 from .grow import DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, resolved_mode, grow_in_training
@@ -116,6 +117,7 @@ class GrowthCallback(TrainerCallback):
         if self.trainer is not None:
             refuse_sharded_training(self.trainer.model_wrapped, self.trainer.accelerator)
         check_growable(_unwrapped(model), get_adapter(_unwrapped(model)), as_torch_optimizer(optimizer))
+        _check_schedule_layers(self.grow_at, self.qk_dims_at, _unwrapped(model))
 
     def _added_dims(self, step: int, model: PreTrainedModel) -> int | dict[int, int]:
         if self.grow_at is not None:
@@ -178,11 +180,37 @@ def _check_schedule(
     bad_steps = [step for step in schedule if isinstance(step, bool) or not isinstance(step, int) or step <= 0]
     if bad_steps:
         raise ValueError(f"growth steps must be positive global steps (optimizer steps), got {bad_steps}")
+    for step, added in (grow_at or {}).items():
+        with _naming(f"grow_at[{step}]"):
+            check_p(added)
     if qk_dims_at is not None:
         widths = sorted(schedule.items())
         flat = [min(w) if isinstance(w, Sequence) else w for _, w in widths]
         if any(not isinstance(w, int) or w <= 0 for w in flat) or flat != sorted(flat):
             raise ValueError(f"qk_dims_at must map steps to positive, non-decreasing widths, got {dict(widths)}")
+
+
+def _check_schedule_layers(
+    grow_at: Mapping[int, int | Mapping[int, int]] | None, qk_dims_at: Mapping[int, int | Sequence[int]] | None,
+    model: PreTrainedModel,
+) -> None:
+    """The schedule's layers against the model's, before training (they were found wrong at the growth step)."""
+    num_layers = len(get_adapter(model).qk_head_dims(model.config))
+    for step, added in (grow_at or {}).items():
+        with _naming(f"grow_at[{step}]"):
+            resolve_growth(added, num_layers)
+    for step, target in (qk_dims_at or {}).items():
+        if not isinstance(target, int) and len(target) != num_layers:
+            raise ValueError(f"qk_dims_at[{step}] has {len(target)} widths but the model has {num_layers} layers")
+
+
+@contextlib.contextmanager
+def _naming(entry: str) -> Iterator[None]:
+    """Errors of a check prefixed with the schedule entry they are about."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{entry}: {error}") from None
 
 
 def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_kwargs: Mapping[str, Any]) -> None:
