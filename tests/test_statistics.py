@@ -193,6 +193,31 @@ def test_tokens_of_multiple_choice_inputs_are_all_counted(stdlib_bytes):
         collect_statistics(model, [{"input_ids": too_long, "labels": too_long}], get_adapter(model))
 
 
+def test_a_batch_product_is_added_in_the_sums_dtype_and_checked_entry_by_entry_only_when_its_sum_is_not_finite():
+    """M += a batch's product without a converted copy: the sums of adding float64 copies, bit for bit; a float16
+    product whose entries are finite but whose float16 sum overflows is accepted, one with a NaN or an Inf is
+    not, and names the layer and batch."""
+    from hf_grow.statistics.collector import Sums
+
+    generator = torch.Generator().manual_seed(0)
+    sums = Sums(2, 3, 5, [1], False, torch.device("cpu"), float16=True)
+    reference = torch.zeros(3, 5, 5, dtype=torch.float64)
+    for _ in range(3):
+        product = torch.randn(3, 5, 5, generator=generator)
+        sums.add_gradient(1, product)
+        reference += product.to(torch.float64)
+    assert torch.equal(sums.gradients[1], reference)
+    large = torch.full((3, 5, 5), 60000.0, dtype=torch.float16)
+    assert not torch.isfinite(large.sum())
+    sums.add_gradient(1, large)
+    assert torch.equal(sums.gradients[1], reference + 60000.0)
+    for bad in (float("nan"), float("inf")):
+        product = torch.zeros(3, 5, 5)
+        product[2, 1, 3] = bad
+        with pytest.raises(FloatingPointError, match="layer 1 at batch 0 .float16 overflows"):
+            sums.add_gradient(1, product)
+
+
 def test_non_finite_loss_names_the_batch(gpt2_copy, stdlib_bytes):
     model = gpt2_copy
     before = parameter_snapshot(model)
