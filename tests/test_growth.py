@@ -321,6 +321,29 @@ def test_line_search_ranks_non_finite_losses_last():
     }
 
 
+def test_the_walk_down_stops_where_a_step_changes_the_loss_by_less_than_its_rounding():
+    """A model without gains: the loss rises with the step, and from some step on it is step 0's to the last bit.
+    The walk down stops there (it went on to 7e-9, every pass a held-out pass and every head decomposed), and
+    still finds a gain that lies above that step."""
+    calls = []
+
+    def flat_below(threshold: float, better: float | None = None):
+        def loss(step: float) -> float:
+            calls.append(step)
+            if better is not None and step == better:
+                return 0.5
+            return 1.0 if step <= threshold else 1.0 + step
+        return loss
+
+    losses = search_step_size(flat_below(0.03 / 4**2), start=0.03)
+    assert sorted(losses) == [0.0, 0.03 / 4**2, 0.03 / 4, 0.03] and best_step(losses) == 0.0
+    assert len(calls) == 4
+    losses = search_step_size(flat_below(0.03 / 4**2, better=0.03 / 4**3), start=0.03)
+    assert 0.03 / 4**3 not in losses  # the walk stopped above it: a gain below rounding's step is not looked for
+    losses = search_step_size(lambda step: 1.0 - step * (0.1 - step), start=0.03)
+    assert 0.04 < best_step(losses) < 0.06  # a real minimum is still found
+
+
 def test_a_step_whose_loss_overflows_in_float16_is_never_taken(trained_gpt2, data):
     """In float16 the first steps of a search from a huge step overflow the scores (NaN losses): the search
     ranks them last (it used to take the first) and takes a finite step, never worse than step 0."""

@@ -136,6 +136,8 @@ def search_step_size(
 
     The grid steps down until a step beats step 0, then moves by ``factor`` while the loss falls; the
     bracket around the best grid point is then halved ``refinements`` times in log space (geometric means).
+    The walk down stops at a step whose loss is step 0's to the last bit: a smaller step changes the loss by less
+    than its rounding, so it could only "gain" by rounding (9 of 12 steps walked there on a model without gains).
     A non-finite loss (a step that overflows in low precision) counts as +inf, so it is never the best.
     ``known`` losses (e.g. of the step already taken) are not evaluated again.
     """
@@ -151,6 +153,8 @@ def search_step_size(
     for _ in range(max_expansions):
         if loss(step) < loss(0.0):
             break
+        if loss(step) == loss(0.0):
+            return losses
         step /= factor
     else:
         return losses
