@@ -84,7 +84,15 @@ def test_report_gives_the_scores_size_over_pairs_of_statistics_tokens(architectu
     assert shown in report.summary() and f"| {shown} |" in str(card)
 
 
-def test_step_zero_keeps_the_scores_size(trained_gpt2, stdlib_bytes):
+def test_step_zero_keeps_the_scores_size_and_reports_without_decomposing(trained_gpt2, stdlib_bytes, monkeypatch):
+    """At step 0 every head's gains are 0 and its scores the old ones; the reports decompose nothing (they
+    decomposed every layer at step 0 and then set what it gave to 0)."""
+    from hf_grow.growth import GrowthProblem
+
+    decomposed = []
+    decomposition = GrowthProblem.decomposition
+    monkeypatch.setattr(GrowthProblem, "decomposition",
+                        lambda self, *args, **kwargs: decomposed.append(args) or decomposition(self, *args, **kwargs))
     batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=8, seq_len=32, seed=83)
     for mode in ("refactor", "append"):
         report = grow_in_training(to_grown_model(copy.deepcopy(trained_gpt2)), None, batches, p=4, mode=mode,
@@ -92,3 +100,7 @@ def test_step_zero_keeps_the_scores_size(trained_gpt2, stdlib_bytes):
         assert report.step_size == 0
         for layer in report.layers:
             assert [head.score_rms_after for head in layer.heads] == [head.score_rms_before for head in layer.heads]
+            for head in layer.heads:
+                assert head.expected_gain == head.expected_gain_without_growth == head.first_order_gain == 0
+                assert head.marginal_gains == [0.0] * 4 and head.compact_perturbation == 0
+    assert decomposed == []

@@ -47,6 +47,11 @@ def _head_reports(
             perturbation = zeros
             cross = 2 * lam * update.base_trace[:, added - 1] if added else zeros
             size_after = size_before + cross + metric_sq
+        elif not bool(lam.any()):  # no step: every gain is 0 and the scores are the old ones, nothing to decompose
+            zeros = torch.zeros_like(lam)
+            expected = expected_kept = first_order = perturbation = zeros
+            marginal = torch.zeros(len(lam), added, dtype=lam.dtype)
+            size_after = size_before
         else:
             target = problem.target
             if decomposition is None:
