@@ -288,3 +288,16 @@ def test_bench_score_scale_prints_its_table_at_its_smallest(monkeypatch, capsys)
     out = capsys.readouterr().out
     assert "| steps | step | loss | score rms | rms x | max abs score | bf16 error | bf16 error, rotated |" in out
     assert "\n| 5 | " in out
+
+
+def test_bench_bf16_serving_prints_its_table_at_its_smallest(tmp_path, capsys):
+    """One row per arm after the original's, each with a Q/K norm ratio per layer; step 0 keeps the norms but
+    for the scale folded into the queries."""
+    import bench_bf16_serving
+
+    bench_bf16_serving.main(["--quick", "--train-steps", "5", "--cache", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| arm | step | test loss | bf16 logits' largest error |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| arm")]
+    assert [row.split(" | ")[0] for row in rows] == ["| original", "| zero", "| default", "| dct"]
+    assert rows[1].endswith("1.22 / 1.00 |") and len(rows[2].rsplit(" | ", 1)[1].split("  ")) == 4
