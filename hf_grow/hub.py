@@ -22,7 +22,10 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import FOR_TRAINING
-from .report import CROSS_FIT_NOTES, REPORT_FILENAME, GrowthReport, format_loss, format_score_rms, load_growth_report
+from .report import (
+    CROSS_FIT_NOTES, REPORT_FILENAME, GrowthReport, format_loss, format_score_rms, format_weight_ratio,
+    load_growth_report,
+)
 from .sentence import is_sentence_transformer, transformer_module
 
 
@@ -217,7 +220,8 @@ def _card_body(
         loss += f" (perplexity {format_loss(report.perplexity_before)} -> {format_loss(report.perplexity_after)})"
     widths = "\n".join(
         f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} | {layer.expected_gain:.3g} | "
-        f"{'-' if layer.realized_gain is None else f'{layer.realized_gain:.3g}'} | {format_score_rms(layer)} |"
+        f"{'-' if layer.realized_gain is None else f'{layer.realized_gain:.3g}'} | {format_score_rms(layer)} | "
+        f"{format_weight_ratio(layer)} |"
         for layer in report.layers
     )
     step = f"size {report.step_size:.4g} in relative units, λ = {report.lam:.4g}"
@@ -262,12 +266,14 @@ old one was and takes one step downhill. At step 0 it computes exactly the old f
 - Step: {step}; truncation `{report.truncation}`.{budget}{_selection(report)}
 - Attention scale: {scale}.
 
-| layer | Q/K dims before | Q/K dims after | expected gain | realized gain | score RMS before -> after |
-|---|---|---|---|---|---|
+| layer | Q/K dims before | Q/K dims after | expected gain | realized gain | score RMS before -> after | Z norm |
+|---|---|---|---|---|---|---|
 {widths}
 
 The score RMS is the root mean square of the pre-softmax attention scores over pairs of statistics tokens, the
-heads' together: how much sharper the step made attention.
+heads' together: how much sharper the step made attention. Z norm: the Frobenius norm of Z = scaling W_Q W_K^T
+at the step over before it; far above the score RMS's change, it is weight where the statistics' inputs hardly
+vary, which serving in bfloat16 rounds into the scores.
 
 The full report (line search, per-head expected gains, timings) is in `{REPORT_FILENAME}`.{configuration}
 

@@ -49,6 +49,12 @@ class HeadReport:
     #: chosen step: how much sharper the step makes attention. None in older reports.
     score_rms_before: float | None = None
     score_rms_after: float | None = None
+    #: The plain Frobenius norm of this head's Z = scaling W'_Q W'_K^T (model coordinates, with the bias row),
+    #: before growth and at the chosen step. Grown far beyond the score RMS, it is weight where the statistics'
+    #: inputs hardly vary (C's small eigenvalues), which bfloat16's rounding of the inputs reaches. None in older
+    #: reports.
+    weight_norm_before: float | None = None
+    weight_norm_after: float | None = None
 
 
 @dataclass
@@ -73,6 +79,14 @@ class LayerReport:
     def score_rms_after(self) -> float | None:
         """The heads' scores' root mean square at the chosen step (`HeadReport.score_rms_after`)."""
         return _root_mean_square([head.score_rms_after for head in self.heads])
+
+    @property
+    def weight_norm_ratio(self) -> float | None:
+        """The heads' ||Z|| (`HeadReport.weight_norm_before` / `weight_norm_after`, root mean square over the
+        heads) at the chosen step over before growth; None if unknown."""
+        before = _root_mean_square([head.weight_norm_before for head in self.heads])
+        after = _root_mean_square([head.weight_norm_after for head in self.heads])
+        return None if before is None or after is None or before == 0 else after / before
 
 
 def _root_mean_square(values: list[float | None]) -> float | None:
@@ -265,11 +279,11 @@ def summary_table(report: GrowthReport) -> str:
         lines.append(f"budget of {report.budget} added dims per head allocated to layers by expected gain")
     if report.unconstrained_eval_loss is not None:
         lines.append(f"full-rank update (reference) held-out loss {format_loss(report.unconstrained_eval_loss)}")
-    lines.append("layer  qk  expected gain  realized gain  score rms")
+    lines.append("layer  qk  expected gain  realized gain  score rms  Z norm")
     for layer in report.layers:
         lines.append(
             f"{layer.layer:5d}  {layer.qk_dim_before}->{layer.qk_dim_after}  {layer.expected_gain:13.5f}  "
-            f"{format_loss(layer.realized_gain):>13}  {format_score_rms(layer)}"
+            f"{format_loss(layer.realized_gain):>13}  {format_score_rms(layer)}  {format_weight_ratio(layer)}"
         )
     return "\n".join(lines)
 
@@ -294,6 +308,12 @@ def format_score_rms(layer: LayerReport) -> str:
     """The layer's scores' root mean square before -> after the step, as the summary and the model card show it."""
     before, after = layer.score_rms_before, layer.score_rms_after
     return "-" if before is None or after is None else f"{before:.3g}->{after:.3g}"
+
+
+def format_weight_ratio(layer: LayerReport) -> str:
+    """The layer's ||Z|| at the step over before it (`LayerReport.weight_norm_ratio`), e.g. ``x1.02``."""
+    ratio = layer.weight_norm_ratio
+    return "-" if ratio is None else f"x{ratio:.3g}"
 
 
 def format_loss(value: float | None) -> str:

@@ -37,6 +37,19 @@ def attention_inputs(model, batches) -> dict[int, torch.Tensor]:
     return augmented
 
 
+def weight_norms(model) -> torch.Tensor:
+    """(layers, heads): ||scaling W'_Q W'_K^T||_F from ``model``'s weights, the product formed."""
+    adapter = get_adapter(model)
+    scale_dims = adapter.attention_scale_dims(model.config)
+    result = []
+    for layer, attention in enumerate(adapter.attention_modules(model)):
+        query, key = (weight.double() for weight in adapter.read_qk(attention))
+        key = key.repeat_interleave(query.shape[0] // key.shape[0], dim=0)
+        scaling = adapter.scaling(model.config, layer, scale_dims[layer])
+        result.append((scaling * query @ key.mT).flatten(1).norm(dim=1))
+    return torch.stack(result)
+
+
 def score_rms(model, inputs: dict[int, torch.Tensor]) -> torch.Tensor:
     """(layers, heads): the root mean square of x'^T Z y' over every pair of the tokens, from ``model``'s weights
     (rotary positions left out: relative position 0)."""
@@ -62,7 +75,8 @@ def test_report_gives_the_scores_size_over_pairs_of_statistics_tokens(architectu
     batches = lm_batches(stdlib_bytes["stats"], 3, batch_size=8, seq_len=32, seed=81)
     held_out = lm_batches(stdlib_bytes["test"], 1, batch_size=8, seq_len=32, seed=82)
     options = dict(p=4, step_size=1.0, eval_dataloader=held_out, measure_realized_gains=False)
-    if architecture == "gpt2-append":  # growth in training appends (grow_model refactors GPT-2)
+    norms_before = weight_norms(model)
+    if architecture == "gpt2-append":  # growth in training appends (grow_model refactors GPT-2), in place
         grown = to_grown_model(copy.deepcopy(model))
         report = grow_in_training(grown, None, batches, mode="append", **options)
     else:
@@ -76,12 +90,19 @@ def test_report_gives_the_scores_size_over_pairs_of_statistics_tokens(architectu
     torch.testing.assert_close(before, expected_before, rtol=1e-5, atol=0)
     torch.testing.assert_close(after, expected_after, rtol=1e-4, atol=0)
     assert ((after / before - 1).abs() > 0.05).any()  # the step changed the scores' size: the check has power
+    # ||Z|| in model coordinates, before (from the solve, the grown model being the input's in place in training)
+    # and after (from the weights written)
+    for reported, expected in (("weight_norm_before", norms_before), ("weight_norm_after", weight_norms(grown))):
+        values = torch.tensor([[getattr(head, reported) for head in layer.heads] for layer in report.layers])
+        torch.testing.assert_close(values.double(), expected, rtol=1e-5, atol=0)
     layer = report.layers[0]
+    ratio = float(weight_norms(grown)[0].square().mean().sqrt() / norms_before[0].square().mean().sqrt())
+    assert layer.weight_norm_ratio == pytest.approx(ratio, rel=1e-5) and abs(ratio - 1) > 0.05
     assert layer.score_rms_after == pytest.approx(float(expected_after[0].square().mean().sqrt()), rel=1e-4)
     shown = f"{layer.score_rms_before:.3g}->{layer.score_rms_after:.3g}"
     card = grown_model_card(report, grown.config.to_dict(), name="grown", base_model=None, tokenizer=False,
                             sentence=False)
-    assert shown in report.summary() and f"| {shown} |" in str(card)
+    assert f"{shown}  x{ratio:.3g}" in report.summary() and f"| {shown} | x{ratio:.3g} |" in str(card)
 
 
 def test_step_zero_keeps_the_scores_size_and_reports_without_decomposing(trained_gpt2, stdlib_bytes, monkeypatch):
@@ -100,6 +121,7 @@ def test_step_zero_keeps_the_scores_size_and_reports_without_decomposing(trained
         assert report.step_size == 0
         for layer in report.layers:
             assert [head.score_rms_after for head in layer.heads] == [head.score_rms_before for head in layer.heads]
+            assert layer.weight_norm_ratio == pytest.approx(1, rel=1e-6)
             for head in layer.heads:
                 assert head.expected_gain == head.expected_gain_without_growth == head.first_order_gain == 0
                 assert head.marginal_gains == [0.0] * 4 and head.compact_perturbation == 0

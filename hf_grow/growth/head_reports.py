@@ -10,10 +10,21 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
+from transformers import PreTrainedModel
 
 from .. import linalg
+from ..adapters import ArchitectureAdapter
 from ..report import HeadReport
 from .problem import GrowthProblem
+
+
+def weight_norms(adapter: ArchitectureAdapter, model: PreTrainedModel, layer: int) -> Tensor:
+    """Each head's ||Z||_F, Z = scaling W'_Q W'_K^T in model coordinates, from the factors' Gram matrices."""
+    query, key = adapter.read_qk(adapter.attention_modules(model)[layer])
+    key = key.repeat_interleave(query.shape[0] // key.shape[0], dim=0)
+    scaling = adapter.scaling(model.config, layer, adapter.attention_scale_dims(model.config)[layer])
+    return scaling * ((query.mT @ query) * (key.mT @ key)).sum(dim=(-2, -1)).clamp_min(0).sqrt()
 
 
 def head_reports(
@@ -21,7 +32,8 @@ def head_reports(
 ) -> list[HeadReport]:
     """Per head of ``layer`` at ``step_size``: the expected gain with and without growth, the first-order
     gain, the expected gain of each added dimension (from the whitened spectrum, whatever the truncation), the
-    compact solve's certificate at that step, and the scores' root mean square before and after it.
+    compact solve's certificate at that step, the scores' root mean square before and after it, and ||Z|| before
+    it (after it: `weight_norms` of the weights written).
     ``decomposition``: the layer's `GrowthProblem.decomposition` at that step for its grown width, where already
     made ("refactor" growth). Computed by the layer's owner (`GrowthProblem.owner_computes`)."""
     return solved.owner_computes(layer, lambda: _head_reports(solved, layer, step_size, decomposition))
@@ -35,6 +47,7 @@ def _head_reports(
     qk_before, qk_after = problem.query.shape[-1], problem.qk_dim_after
     added = qk_after - qk_before
     size_before = problem.norms["whitened"][0]  # ||Z||^2 in the metric of C: the scores' mean square
+    weight_before = problem.norms["frobenius"][0]  # ||Z||^2 in model coordinates
     with torch.no_grad():
         if solved.mode == "append":
             # The old form stays: the step is the rank-p update alone, and without growth there is none.
@@ -83,6 +96,7 @@ def _head_reports(
             compact_perturbation=float(perturbation[head]),
             score_rms_before=math.sqrt(float(size_before[head])),
             score_rms_after=math.sqrt(max(float(size_after[head]), 0.0)),
+            weight_norm_before=math.sqrt(float(weight_before[head])),
         )
         for head in range(len(expected))
     ]

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from ..progress import progress_bar
 from ..report import CandidateReport, GrowthReport, LayerReport, LineSearchPoint
-from .head_reports import head_reports
+from .head_reports import head_reports, weight_norms
 from .layer_steps import HeldOutPasses, search_coordinates, search_layers_alone
 from .line_search import best_step, evaluate_loss, search_step_size
 from .prepare import PreparedGrowth
@@ -394,6 +394,8 @@ def write_report(
     layers = []
     for layer in range(len(problem.layers)):
         heads = head_reports(problem, layer, step_size, outcome.decompositions.get(layer))
+        heads = [dataclasses.replace(head, weight_norm_after=after)  # from the weights written, on every process
+                 for head, after in zip(heads, weight_norms(adapter, target, layer).tolist())]
         layers.append(
             LayerReport(
                 layer=layer,
