@@ -220,7 +220,7 @@ def compact_target(
     """Decompose each head's direction once and build its `CompactTarget`.
 
     ``base_left``/``base_right`` (heads, d, a): factors of W; ``step`` (heads, d, d): Q; both whitened by C^1/2 in
-    C's eigenbasis (`linalg.whiten`). ``gradient`` (heads, d, d): M in model coordinates. ``metric``: C's, to
+    C's eigenbasis (`linalg.whiten`). ``gradient`` (heads, d, d): M in C's eigenbasis (U^T M U). ``metric``: C's, to
     un-whiten the bases. ``rank``: s (`compact_rank`); ``method``: how Q is decomposed
     (`linalg.decompose_whitened`: "eigh", "svd" or "subspace"). ``width``: the grown width; with it, a full
     decomposition ("eigh", "svd") keeps more than ``rank`` where the certificate asks for it (`certified_rank`).
@@ -252,10 +252,11 @@ def compact_target(
         outside = (step - left @ step_core @ right.mT) * inverse_root[..., :, None] * inverse_root[..., None, :]
         plain_tail = torch.linalg.matrix_norm(outside, ord=2)
         del outside
-    # whitened coordinates -> model coordinates: U diag(1 / root) basis
+    # whitened coordinates -> C's eigenbasis (diag(1 / root) basis, where M is) -> model coordinates (U times it)
     scale = 1 / metric.root_diag[..., :, None]
-    left, right = metric.eigenvectors @ (left * scale), metric.eigenvectors @ (right * scale)
+    left, right = left * scale, right * scale
     gradient_core = left.mT @ gradient @ right
+    left, right = metric.eigenvectors @ left, metric.eigenvectors @ right
     if not exact:  # stored narrower; exact solves (narrow models, square bases) keep theirs as they are
         left, right = left.to(BASIS_DTYPE), right.to(BASIS_DTYPE)
     return CompactTarget(left, right, base_core, step_core, gradient_core, step_sq, tail, plain_tail)

@@ -95,23 +95,26 @@ def bilinear_form(query_weight: Tensor, key_weight: Tensor, scaling: float) -> T
 
 def solve_direction(gradient: Tensor, metric: Metric) -> Tensor:
     """P = C^+ M C^+ for the loss gradient M = dLoss/dZ."""
-    return metric.from_basis(solve_direction_in_basis(gradient, metric))
+    return metric.from_basis(solve_direction_in_basis(metric.to_basis(gradient), metric))
 
 
-def solve_direction_in_basis(gradient: Tensor, metric: Metric) -> Tensor:
-    """U^T P U: P = C^+ M C^+ in the eigenbasis of C, where whitening is a scaling (`whiten`)."""
+def solve_direction_in_basis(gradient_in_basis: Tensor, metric: Metric) -> Tensor:
+    """U^T P U: P = C^+ M C^+ in the eigenbasis of C, where whitening is a scaling (`whiten`), from U^T M U."""
     inverse = metric.pinv_diag
-    return metric.to_basis(gradient) * inverse[..., :, None] * inverse[..., None, :]
+    return gradient_in_basis * inverse[..., :, None] * inverse[..., None, :]
 
 
-def cross_fitted_gradient(first: Tensor, second: Tensor, metric: Metric, rank: int, method: str = "eigh") -> Tensor:
+def cross_fitted_gradient(
+    first: Tensor, second: Tensor, metric: Metric, rank: int, method: str = "eigh", in_basis: bool = False
+) -> Tensor:
     """M kept to what two independent halves of the data agree on, from each half's mean M (heads, d, d).
 
     In the metric of C, each half's top-``rank`` singular directions (u_k, v_k) are kept with the value the
     other half gives them, ``max(u_k^T M_other v_k, 0)``, not their own: their own singular values are biased
     up by the noise they were fitted to, the other half's are not (split-sample shrinkage). The two halves'
     results are averaged. Directions the halves do not confirm get zero, so that P = C^+ M C^+ holds what is
-    common to the data rather than what fits the batches the statistics came from.
+    common to the data rather than what fits the batches the statistics came from. ``in_basis``: returned in C's
+    eigenbasis (U^T M U), where the solve uses it (the way back and forth costs 4 d^3 per head).
     """
     inverse_root = metric.pinv_diag.sqrt()
     scale = inverse_root[..., :, None] * inverse_root[..., None, :]
@@ -125,7 +128,8 @@ def cross_fitted_gradient(first: Tensor, second: Tensor, metric: Metric, rank: i
         honest = torch.einsum("...dk,...de,...ek->...k", left, other, right).clamp_min(0)
         confirmed.append((left * honest[..., None, :]) @ right.mT)
     root = metric.root_diag
-    return metric.from_basis((confirmed[0] + confirmed[1]) / 2 * root[..., :, None] * root[..., None, :])
+    kept = (confirmed[0] + confirmed[1]) / 2 * root[..., :, None] * root[..., None, :]
+    return kept if in_basis else metric.from_basis(kept)
 
 
 def whitened_norm_sq(matrix: Tensor, metric: Metric) -> Tensor:

@@ -36,7 +36,7 @@ def exact_and_compact(truncation, rank_kept, lam, grown=8, **kwargs):
     whitened = truncation == "whitened"
     factors = tuple(metric.root_diag[:, None] * (metric.eigenvectors.mT @ f) for f in (query, key))
     step = linalg.whiten(direction, metric)
-    target = compact.compact_target(*factors, step, gradient, rank_kept, metric, plain=not whitened)
+    target = compact.compact_target(*factors, step, metric.to_basis(gradient), rank_kept, metric, plain=not whitened)
     lams = torch.full((query.shape[0],), lam, dtype=torch.float64)
     core = target.decompose(lams, truncation=truncation)
     approximate = target.to_model(core.truncate(grown))
@@ -219,7 +219,7 @@ def test_whitened_certificate_bounds_the_actual_perturbation(seed):
     query, key, direction, gradient, metric = random_problem(seed=seed, decay=0.97)
     factors = tuple(metric.root_diag[:, None] * (metric.eigenvectors.mT @ f) for f in (query, key))
     step = linalg.whiten(direction, metric)
-    target = compact.compact_target(*factors, step, gradient, 16, metric)
+    target = compact.compact_target(*factors, step, metric.to_basis(gradient), 16, metric)
     to_whitened = lambda basis: metric.root_diag[:, None] * (metric.eigenvectors.mT @ basis)  # noqa: E731
     left, right = (to_whitened(basis) for basis in target.bases(torch.float64))
     lams = torch.full((query.shape[0],), 0.3, dtype=torch.float64)
@@ -233,7 +233,8 @@ def test_plain_certificate_bounds_the_actual_perturbation(seed):
     T^ the plain projection of T = Z - lam P onto the subspaces (Z lies in them), so T - T^ = -lam (P - P_L P P_R)."""
     query, key, direction, gradient, metric = random_problem(seed=seed, decay=0.97)
     factors = tuple(metric.root_diag[:, None] * (metric.eigenvectors.mT @ f) for f in (query, key))
-    target = compact.compact_target(*factors, linalg.whiten(direction, metric), gradient, 16, metric, plain=True)
+    target = compact.compact_target(*factors, linalg.whiten(direction, metric), metric.to_basis(gradient), 16, metric,
+                                    plain=True)
     left, right = target.bases(torch.float64)  # model coordinates
     projector = lambda basis: basis @ torch.linalg.pinv(basis)  # noqa: E731  (orthogonal, onto its span)
     actual = 0.3 * torch.linalg.matrix_norm(direction - projector(left) @ direction @ projector(right), ord=2)

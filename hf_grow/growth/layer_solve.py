@@ -103,8 +103,9 @@ def solve_layer(
 ) -> set[str]:
     """Fill ``problem``'s norms, target or updates (and rates) from M, a chunk of heads at a time.
 
-    ``gradient_of(heads)``: M of those heads (a slice) in float64. ``max_width``: the widest the layer may grow
-    to (the compact rank and the append capacity follow it). Returns the decomposition methods used.
+    ``gradient_of(heads)``: M of those heads (a slice) in float64, in C's eigenbasis (U^T M U). ``max_width``:
+    the widest the layer may grow to (the compact rank and the append capacity follow it). Returns the
+    decomposition methods used.
     """
     heads = problem.query.shape[0]
     per_group = heads // problem.groups
@@ -201,10 +202,11 @@ def _append_update(
                 linalg.decompose_whitened(-whitened_step, None, method, rank=capacity).singular_values
             )
     left, right = unit.left, unit.right
-    gradient_trace = torch.einsum("hdj,hde,hej->hj", left, gradient, right).cumsum(dim=-1)
+    # in C's eigenbasis, where M is given: U^T L, U^T R
+    left_in_basis, right_in_basis = (problem.metric.eigenvectors.mT @ factor for factor in (left, right))
+    gradient_trace = torch.einsum("hdj,hde,hej->hj", left_in_basis, gradient, right_in_basis).cumsum(dim=-1)
     root = problem.metric.root_diag[..., :, None]
-    left_root = root * (problem.metric.eigenvectors.mT @ left)
-    right_root = root * (problem.metric.eigenvectors.mT @ right)
+    left_root, right_root = root * left_in_basis, root * right_in_basis
     left_gram, right_gram = left_root.mT @ left_root, right_root.mT @ right_root
     # ||C^1/2 L_:j R_:j^T C^1/2||^2 = sum_{a, b < j} Gl_ab Gr_ab: cumulative over both indices (leading minors)
     products = left_gram * right_gram

@@ -303,16 +303,16 @@ def _gradient_source(
     solver: str,
     mode: str,
 ) -> Callable[[slice], Tensor]:
-    """M of the heads of ``layer`` over its inputs, as `solve_layer` asks for it: the mean over all batches, or
-    with ``cross_fit`` the cross-fitted mean, keeping the top directions a truncation up to width ``widest`` could
-    use (the compact rank) found by the solve's own decomposition method."""
+    """M of the heads of ``layer`` over its inputs in C's eigenbasis (U^T M U), as `solve_layer` asks for it: the
+    mean over all batches, or with ``cross_fit`` the cross-fitted mean, keeping the top directions a truncation up
+    to width ``widest`` could use (the compact rank) found by the solve's own decomposition method."""
     inputs = part.query.shape[-2]
     if not cross_fit:
-        return lambda heads: statistics.mean_gradient(layer, heads)[:, :inputs, :inputs]
+        return lambda heads: part.metric.to_basis(statistics.mean_gradient(layer, heads)[:, :inputs, :inputs])
     added = max(1, widest - part.query.shape[-1])
     method = decomposition_method(solver, mode, inputs, added, part.query.shape[0] // part.groups)
     rank = compact.compact_rank(inputs, widest)
-    return lambda heads: statistics.cross_fitted_gradient(layer, part.metric, rank, method, heads)
+    return lambda heads: statistics.cross_fitted_gradient(layer, part.metric, rank, method, heads, in_basis=True)
 
 
 def write_weights(adapter: ArchitectureAdapter, model: PreTrainedModel, weights: QKWeights) -> None:

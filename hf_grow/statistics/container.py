@@ -72,11 +72,13 @@ class GrowthStatistics:
         return self.gradients[layer][heads].to(torch.float64) / weight
 
     def cross_fitted_gradient(
-        self, layer: int, metric: linalg.Metric, rank: int, method: str = "eigh", heads: slice = slice(None)
+        self, layer: int, metric: linalg.Metric, rank: int, method: str = "eigh", heads: slice = slice(None),
+        in_basis: bool = False,
     ) -> Tensor:
         """The mean gradient of ``heads`` kept to what the two halves of the batches agree on, in float64, over the
         first inputs of M that ``metric`` (of C) spans: `linalg.cross_fitted_gradient` of the halves' means,
-        ``half_gradients / half_loss_weight`` and the rest of M over the rest of the loss terms.
+        ``half_gradients / half_loss_weight`` and the rest of M over the rest of the loss terms (``in_basis``: in
+        C's eigenbasis).
 
         Statistics with one noisy M fit the batches they came from; each half's top-``rank`` directions valued
         by the other half keep what is common to the data.
@@ -90,7 +92,7 @@ class GrowthStatistics:
         half = self.half_gradients[layer][heads, :inputs, :inputs].to(torch.float64)
         first = half / self.half_loss_weight
         second = (total - half) / (self.loss_weight - self.half_loss_weight)
-        return linalg.cross_fitted_gradient(first, second, metric, rank, method)
+        return linalg.cross_fitted_gradient(first, second, metric, rank, method, in_basis)
 
     def release(self, layer: int) -> None:
         """Free the M of ``layer`` (and its half sum) once it is solved."""
