@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import hf_grow
+from hf_grow.models import GROWN_PACKAGES
 
 
 PACKAGE = Path(hf_grow.__file__).parent
@@ -77,11 +78,19 @@ def test_grown_model_files_import_only_torch_transformers_and_their_siblings():
         assert all(name.split(".")[0] in allowed for name in foreign), (path.name, foreign)
 
 
-#: Code each grown model folder holds a copy of (a `trust_remote_code` folder cannot import a shared module):
-#: GPT-2's file, Llama's file, and the lines where they may differ (the model's name, its value width).
+#: The grown decoder packages (those with a paged-cache file): each holds a copy of the same code, as a
+#: `trust_remote_code` folder cannot import a shared module.
+FIRST_DECODER, *OTHER_DECODERS = sorted(
+    path.parent.name.removeprefix("grown_") for path in (PACKAGE / "models").glob("grown_*/paged_*.py")
+)
+#: The copied files, and the lines where a decoder's copy may differ from the first's (the model's name, its
+#: value width).
+COPIED_FILES = {"paged": ("paged_grown_{}.py", {2, 25}), "cache_layers": ("configuration_grown_{}.py", {2, 10})}
 TWINS = [
-    ("grown_gpt2/paged_grown_gpt2.py", "grown_llama/paged_grown_llama.py", {2, 25}),
-    ("grown_gpt2/configuration_grown_gpt2.py", "grown_llama/configuration_grown_llama.py", {2, 10}),
+    pytest.param(f"grown_{FIRST_DECODER}/{file.format(FIRST_DECODER)}", f"grown_{other}/{file.format(other)}",
+                 differing, id=f"{kind}-{other}")
+    for kind, (file, differing) in COPIED_FILES.items()
+    for other in OTHER_DECODERS
 ]
 
 
@@ -93,10 +102,10 @@ def shared_lines(path: Path) -> list[str]:
     return lines[: config_class[0]] if config_class else lines
 
 
-@pytest.mark.parametrize("gpt2, llama, differing", TWINS, ids=["paged", "cache_layers"])
-def test_copies_in_the_grown_model_folders_stay_the_same(gpt2, llama, differing):
-    """A fix in one folder's copy must reach the other's: the twins agree line by line but where they may differ."""
-    first, second = (shared_lines(PACKAGE / "models" / name) for name in (gpt2, llama))
+@pytest.mark.parametrize("first_copy, other_copy, differing", TWINS)
+def test_copies_in_the_grown_model_folders_stay_the_same(first_copy, other_copy, differing):
+    """A fix in one folder's copy must reach the others: the twins agree line by line but where they may differ."""
+    first, second = (shared_lines(PACKAGE / "models" / name) for name in (first_copy, other_copy))
     assert len(first) == len(second)
     assert [number for number, (a, b) in enumerate(zip(first, second), 1) if a != b and number not in differing] == []
 
@@ -111,11 +120,11 @@ def attention_checks(path: Path) -> list[str]:
     return lines[constant : lines.index(")", constant) + 1] + lines[start : flex + 2]
 
 
-def test_the_three_modeling_files_refuse_flash_attention_alike():
+def test_the_modeling_files_refuse_flash_attention_alike():
     """Each grown modeling file holds its own copy of the attention refusal and the tags (an exported folder
     cannot import a shared module): a fix in one must reach the others."""
     copies = [attention_checks(path) for path in sorted((PACKAGE / "models").glob("grown_*/modeling_grown_*.py"))]
-    assert len(copies) == 3 and len(copies[0]) == 13 and copies[1] == copies[0] and copies[2] == copies[0]
+    assert len(copies) == len(GROWN_PACKAGES) and len(copies[0]) == 13 and all(copy == copies[0] for copy in copies)
 
 
 def test_sources_keep_the_style_limits():

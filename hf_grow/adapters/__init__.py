@@ -1,19 +1,22 @@
-"""Architecture adapters, looked up by `config.model_type`."""
+"""Architecture adapters, looked up by `config.model_type`.
+
+Each adapter module's `ArchitectureAdapter` subclass registers itself when the module is imported below; the
+import order is the lookup order and the order the supported model types are listed in.
+"""
 
 from __future__ import annotations
 
 from transformers import PreTrainedModel
 
+from . import gpt2, bert, llama  # noqa: F401  (imported for their adapters' registration)
 from .base import ArchitectureAdapter, scale_dims_after_growth
-from .bert import BertAdapter
-from .gpt2 import GPT2Adapter
-from .llama import LlamaAdapter
 
 
-ADAPTERS: tuple[ArchitectureAdapter, ...] = (GPT2Adapter(), BertAdapter(), LlamaAdapter())
+ADAPTERS: tuple[ArchitectureAdapter, ...] = tuple(adapter() for adapter in ArchitectureAdapter.registered)
 
 
 def supported_model_types() -> list[str]:
+    """The `config.model_type` values some adapter handles, in lookup order (for error messages)."""
     return [model_type for adapter in ADAPTERS for model_type in adapter.model_types]
 
 

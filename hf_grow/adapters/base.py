@@ -2,13 +2,16 @@
 
 An adapter converts between a model's own Q/K parameters and the augmented per-head weights of
 `hf_grow.linalg` (shape ``(heads, d_e + 1, d_k)``, the bias as the last row), and builds the grown model
-type. Supporting a new architecture means writing one adapter and one grown model file.
+type. Supporting a new architecture means writing one adapter module (an `ArchitectureAdapter` subclass, which
+registers itself; `hf_grow.adapters` imports the module) and one grown model package under `hf_grow.models`
+(config, modeling and, for decoders, paged-cache files), which registers itself too.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +55,13 @@ class ArchitectureAdapter(GrownModelBuilder, ABC):
     growth_modes: tuple[str, ...] = ("refactor", "append")
     #: Why a mode outside `growth_modes` cannot work, for the error message.
     refused_mode_reason: str = ""
+    #: Every adapter class, in the order they were defined; `hf_grow.adapters` instantiates them.
+    registered: ClassVar[list[type[ArchitectureAdapter]]] = []
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Register each adapter class as it is defined, so that supporting an architecture edits no list."""
+        super().__init_subclass__(**kwargs)
+        ArchitectureAdapter.registered.append(cls)
 
     @abstractmethod
     def attention_modules(self, model: PreTrainedModel) -> list[nn.Module]:

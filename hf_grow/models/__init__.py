@@ -1,49 +1,24 @@
 """Grown model types, registered with the transformers Auto classes when hf_grow is imported.
 
-Each grown package (a self-contained config file and modeling file) exports ``AUTO_MAP``, the Auto classes its
-checkpoints declare for `trust_remote_code`; the same table registers them here, so that checkpoints load
-with the plain Auto classes wherever hf_grow is imported.
+Each `grown_*` package here (a self-contained config file, modeling file and, for decoders, paged-cache file) is
+found by name, so that adding a model type edits nothing in this file. Each exports ``AUTO_MAP``, the Auto classes
+its checkpoints declare for `trust_remote_code`; the same table registers them here, so that checkpoints load
+with the plain Auto classes wherever hf_grow is imported. The packages' other exports are re-exported here.
 """
 
+import importlib
+import pkgutil
 from types import ModuleType
 
 import transformers
 
-from . import grown_bert, grown_gpt2, grown_llama
-from .grown_bert import (
-    GrownBertConfig,
-    GrownBertForMaskedLM,
-    GrownBertForMultipleChoice,
-    GrownBertForPreTraining,
-    GrownBertForQuestionAnswering,
-    GrownBertForSequenceClassification,
-    GrownBertForTokenClassification,
-    GrownBertLMHeadModel,
-    GrownBertModel,
-    GrownBertPreTrainedModel,
-)
-from .grown_gpt2 import (
-    GrownGPT2Config,
-    GrownGPT2DoubleHeadsModel,
-    GrownGPT2ForQuestionAnswering,
-    GrownGPT2ForSequenceClassification,
-    GrownGPT2ForTokenClassification,
-    GrownGPT2LMHeadModel,
-    GrownGPT2Model,
-    GrownGPT2PreTrainedModel,
-)
-from .grown_llama import (
-    GrownLlamaConfig,
-    GrownLlamaForCausalLM,
-    GrownLlamaForQuestionAnswering,
-    GrownLlamaForSequenceClassification,
-    GrownLlamaForTokenClassification,
-    GrownLlamaModel,
-    GrownLlamaPreTrainedModel,
-)
 
-
-GROWN_PACKAGES: tuple[ModuleType, ...] = (grown_gpt2, grown_bert, grown_llama)
+#: The `grown_*` packages, in name order.
+GROWN_PACKAGES: tuple[ModuleType, ...] = tuple(
+    importlib.import_module(f"{__name__}.{module.name}")
+    for module in pkgutil.iter_modules(__path__)
+    if module.ispkg and module.name.startswith("grown_")
+)
 
 
 def _register(package: ModuleType) -> None:
@@ -59,30 +34,9 @@ def _register(package: ModuleType) -> None:
 for _package in GROWN_PACKAGES:
     _register(_package)
 
-__all__ = [
-    "GrownBertConfig",
-    "GrownBertForMaskedLM",
-    "GrownBertForMultipleChoice",
-    "GrownBertForPreTraining",
-    "GrownBertForQuestionAnswering",
-    "GrownBertForSequenceClassification",
-    "GrownBertForTokenClassification",
-    "GrownBertLMHeadModel",
-    "GrownBertModel",
-    "GrownBertPreTrainedModel",
-    "GrownGPT2Config",
-    "GrownGPT2DoubleHeadsModel",
-    "GrownGPT2ForQuestionAnswering",
-    "GrownGPT2ForSequenceClassification",
-    "GrownGPT2ForTokenClassification",
-    "GrownGPT2LMHeadModel",
-    "GrownGPT2Model",
-    "GrownGPT2PreTrainedModel",
-    "GrownLlamaConfig",
-    "GrownLlamaForCausalLM",
-    "GrownLlamaForQuestionAnswering",
-    "GrownLlamaForSequenceClassification",
-    "GrownLlamaForTokenClassification",
-    "GrownLlamaModel",
-    "GrownLlamaPreTrainedModel",
-]
+#: Every package's exports but its ``AUTO_MAP`` (each package has one): configs, models and their base classes.
+_EXPORTS = {
+    name: getattr(package, name) for package in GROWN_PACKAGES for name in package.__all__ if name != "AUTO_MAP"
+}
+globals().update(_EXPORTS)
+__all__ = sorted(_EXPORTS)
