@@ -54,8 +54,7 @@ import torch
 from . import linalg
 from .budget import check_budget_chunks
 from .files import write_text_atomically
-from .statistics import METHODS as STATISTICS_METHODS
-from .statistics import is_positive_int, parse_bytes
+from .option_values import STATISTICS_METHODS, is_positive_int, parse_bytes
 
 
 #: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z on

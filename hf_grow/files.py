@@ -1,5 +1,6 @@
 """Files written atomically: through a temporary sibling renamed into place, so that a reader (or a crash) sees the
-old file or the whole new one, never half of one, and no temporary is left behind when writing fails."""
+old file or the whole new one, never half of one, and no temporary is left behind when writing fails. And the
+shard size of saved models, which the memory plan counts on the host."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+
+#: Grown models are written in safetensors shards of at most this size (the Hub's usual 5 GB): saving a model that
+#: lives on a GPU copies one shard at a time to the host (a Llama-3-8B in one shard took its whole 15 GiB there).
+SHARD_BYTES = 5 * 10**9
 
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
     """``write(temporary)`` writes the file, which then replaces ``path`` in one rename (same folder, same disk)."""

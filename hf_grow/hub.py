@@ -22,16 +22,13 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import FOR_TRAINING
+from .files import SHARD_BYTES
 from .report import (
     CROSS_FIT_NOTES, REPORT_FILENAME, GrowthReport, format_loss, format_score_rms, format_weight_ratio,
     load_growth_report,
 )
 from .sentence import is_sentence_transformer, transformer_module
 
-
-#: Grown models are written in safetensors shards of at most this size (the Hub's usual 5 GB): saving a model that
-#: lives on a GPU copies one shard at a time to the host (a Llama-3-8B in one shard took its whole 15 GiB there).
-SHARD_BYTES = 5 * 10**9
 
 logger = logging.getLogger("hf_grow")
 

@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..adapters import ArchitectureAdapter
 from ..compact import compact_rank, rank_ceiling, stored_bytes
 from ..config import COMPUTE_DTYPES, GrowthConfig
-from ..hub import SHARD_BYTES
+from ..files import SHARD_BYTES
 from ..progress import format_bytes
 from ..statistics import CPU_REFERENCE_MAX_LENGTH, layer_groups, m_copies, statistics_bytes
 from .layer_solve import HEAD_CHUNK

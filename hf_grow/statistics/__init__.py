@@ -26,11 +26,12 @@ from .batches import (
     walk_tensors,
     without_kv_cache,
 )
-from .collect import check_arguments, check_method_runs, collect_statistics, is_positive_int
+from ..option_values import STATISTICS_METHODS as METHODS
+from ..option_values import is_positive_int, parse_bytes
+from .collect import check_arguments, check_method_runs, collect_statistics
 from .container import STATISTICS_FORMAT, GrowthStatistics, checkpoint_weight_sample, weight_sample
 from .kernels import (
     CPU_REFERENCE_MAX_LENGTH,
-    METHODS,
     STATISTICS_ATTENTION,
     choose_method,
     default_query_block,
@@ -38,7 +39,7 @@ from .kernels import (
     statistics_attention,
     triton_available,
 )
-from .memory import layer_groups, m_copies, parse_bytes, return_free_memory, statistics_bytes
+from .memory import layer_groups, m_copies, return_free_memory, statistics_bytes
 from .offload import OFFLOAD_PREFIX, check_offload_dir
 
 

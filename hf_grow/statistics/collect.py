@@ -19,12 +19,13 @@ from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter
 from ..distributed import Processes, unwrap_model
+from ..option_values import STATISTICS_METHODS, is_positive_int, parse_bytes
 from ..progress import progress_bar
 from .batches import LossFn, batch_loss_weight, check_loss_fn, iterate_batches
 from .collector import Collector, statistics_mode
 from .container import GrowthStatistics, weight_sample
-from .kernels import METHODS, triton_available
-from .memory import layer_groups, parse_bytes, return_free_memory
+from .kernels import triton_available
+from .memory import layer_groups, return_free_memory
 from .offload import check_offload_dir, offload_folder
 
 
@@ -33,11 +34,6 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger("hf_grow")
-
-
-def is_positive_int(value: object) -> bool:
-    """A count of batches or queries: an int >= 1, not a bool (``True`` is no count, though Python takes it as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def check_arguments(
@@ -60,8 +56,8 @@ def check_arguments(
         raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
     if accumulate_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"accumulate_dtype must be float32 or float64, got {accumulate_dtype}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in STATISTICS_METHODS:
+        raise ValueError(f"method must be one of {STATISTICS_METHODS}, got {method!r}")
     if query_block is not None and not is_positive_int(query_block):
         raise ValueError(f"query_block must be a positive int (queries per block), got {query_block!r}")
     check_method_runs(method, device)

@@ -54,7 +54,6 @@ class AttentionObserver(Protocol):
 
 
 STATISTICS_ATTENTION = "hf_grow_statistics"
-METHODS: tuple[str, ...] = ("auto", "chunked", "reference", "triton")
 # Up to this many tokens per sequence the reference method is the faster one on a CPU (BENCHMARKS.md).
 CPU_REFERENCE_MAX_LENGTH = 256
 

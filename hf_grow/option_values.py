@@ -1,0 +1,37 @@
+"""The values options take, checked without importing torch or transformers: the statistics methods' names,
+counts, and sizes in bytes.
+
+`hf_grow.config` (the options) and `hf_grow.statistics` (which runs them) both check against these, so the options
+layer needs nothing of the statistics package.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+#: How M is collected (`hf_grow.statistics.kernels`); "auto" picks per batch.
+STATISTICS_METHODS: tuple[str, ...] = ("auto", "chunked", "reference", "triton")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def is_positive_int(value: object) -> bool:
+    """A count of batches or queries: an int >= 1, not a bool (``True`` is no count, though Python takes it as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def parse_bytes(size: int | str, name: str = "memory_budget") -> int:
+    """A number of bytes from an int or a string such as ``"2GB"``, ``"1.5 GiB"`` or ``"500MB"`` (``name``: the
+    option, for the error)."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise TypeError(f"{name} must be a number of bytes or a string like '2GB', got {type(size).__name__}")
+    if isinstance(size, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name} {size!r} is not a size: write e.g. '2GB', '1.5GiB', '500MB' or bytes")
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"{name} must be positive, got {size}")
+    return size
