@@ -54,7 +54,7 @@ import torch
 from . import linalg
 from .budget import check_budget_chunks
 from .files import write_text_atomically
-from .option_values import STATISTICS_METHODS, is_positive_int, parse_bytes
+from .option_values import check_statistics_options
 
 
 #: Measured on trained GPT-2s (BENCHMARKS.md): truncating in the metric of C beats the Frobenius norm of Z on
@@ -335,7 +335,6 @@ def _check_options(config: GrowthConfig) -> None:
     _choose("step_mode", config.step_mode, (*STEP_MODES, "auto"))
     if not 0 < config.confirm_fraction < 1:
         raise ValueError(f"confirm_fraction must be in (0, 1), got {config.confirm_fraction}")
-    _choose("statistics_method", config.statistics_method, STATISTICS_METHODS)
     if config.step_size is not None and (not math.isfinite(config.step_size) or config.step_size < 0):
         raise ValueError(f"step_size must be a finite number >= 0, got {config.step_size}")
     if not (isinstance(config.step_scale, (int, float)) and math.isfinite(config.step_scale)
@@ -355,24 +354,17 @@ def _check_options(config: GrowthConfig) -> None:
     linalg.check_rtol(config.rtol)
     if not 0 < config.eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in (0, 1), got {config.eval_fraction}")
-    if config.max_batches is not None and not is_positive_int(config.max_batches):
-        raise ValueError(f"max_batches must be a positive int (or None for all batches), got {config.max_batches!r}")
-    if config.memory_budget is not None:
-        parse_bytes(config.memory_budget)
     _choose("compute_dtype", config.compute_dtype, tuple(COMPUTE_DTYPES))
     _choose("accumulate_dtype", config.accumulate_dtype, tuple(COMPUTE_DTYPES))
+    check_statistics_options(
+        config.statistics_method, config.query_block, config.max_batches, config.memory_budget,
+        config.compute_dtype == "float32", method_option="statistics_method", float32="'float32'",
+    )
     if config.offload_dir is not None and (not isinstance(config.offload_dir, str) or not config.offload_dir):
         raise ValueError(f"offload_dir must be a folder's path, got {config.offload_dir!r}")
     for option in ("keep_attention_scale", "measure_realized_gains", "cross_fit"):
         if not isinstance(getattr(config, option), bool):  # a string such as "no" would read as True
             raise ValueError(f"{option} must be True or False, got {getattr(config, option)!r}")
-    if config.query_block is not None and not is_positive_int(config.query_block):
-        raise ValueError(f"query_block must be a positive int (queries per block), got {config.query_block!r}")
-    if config.statistics_method == "triton" and config.compute_dtype != "float32":
-        raise ValueError(
-            "statistics_method='triton' computes in float32: use compute_dtype='float32', or statistics_method="
-            "'chunked'."
-        )
 
 
 def training_options(overrides: Mapping[str, Any]) -> dict[str, Any]:

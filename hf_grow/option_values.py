@@ -1,5 +1,5 @@
 """The values options take, checked without importing torch or transformers: the statistics methods' names,
-counts, and sizes in bytes.
+counts, sizes in bytes, and the statistics options' checks.
 
 `hf_grow.config` (the options) and `hf_grow.statistics` (which runs them) both check against these, so the options
 layer needs nothing of the statistics package.
@@ -35,3 +35,24 @@ def parse_bytes(size: int | str, name: str = "memory_budget") -> int:
     if size <= 0:
         raise ValueError(f"{name} must be positive, got {size}")
     return size
+
+
+def check_statistics_options(
+    method: str, query_block: object, max_batches: object, memory_budget: object, float32_compute: bool,
+    method_option: str = "method", float32: str = "torch.float32",
+) -> None:
+    """A ValueError for statistics options no model is needed to refuse. `GrowthConfig` and `collect_statistics`
+    both check with it, each naming its own option of the method (``method_option``) and its spelling of the
+    float32 dtype (``float32``, for which ``float32_compute`` says whether the products compute in it)."""
+    if max_batches is not None and not is_positive_int(max_batches):
+        raise ValueError(f"max_batches must be a positive int (or None for all batches), got {max_batches!r}")
+    if memory_budget is not None:
+        parse_bytes(memory_budget)
+    if method not in STATISTICS_METHODS:
+        raise ValueError(f"{method_option} must be one of {STATISTICS_METHODS}, got {method!r}")
+    if query_block is not None and not is_positive_int(query_block):
+        raise ValueError(f"query_block must be a positive int (queries per block), got {query_block!r}")
+    if method == "triton" and not float32_compute:
+        raise ValueError(
+            f"{method_option}='triton' computes in float32: use compute_dtype={float32}, or {method_option}='chunked'."
+        )

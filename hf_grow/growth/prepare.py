@@ -21,9 +21,9 @@ from ..config import GrowthConfig, check_p
 from ..distributed import Processes
 from ..progress import stage
 from ..statistics import (
-    GrowthStatistics, LossFn, batch_loss_weight, check_loss_fn, collect_statistics, return_free_memory, weight_sample,
+    GrowthStatistics, LossFn, batch_loss_weight, check_loss_fn, check_statistics_arguments, collect_statistics,
+    return_free_memory, weight_sample,
 )
-from ..statistics import check_arguments as check_statistics_arguments
 from .line_search import NO_LOSS_TERMS, confirmation_split, split_batches
 from .problem import MODES, GrowthProblem
 from .sharding import Sharding, solve_cost

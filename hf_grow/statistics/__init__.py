@@ -28,7 +28,7 @@ from .batches import (
 )
 from ..option_values import STATISTICS_METHODS as METHODS
 from ..option_values import is_positive_int, parse_bytes
-from .collect import check_arguments, check_method_runs, collect_statistics
+from .collect import check_method_runs, check_statistics_arguments, collect_statistics
 from .container import STATISTICS_FORMAT, GrowthStatistics, checkpoint_weight_sample, weight_sample
 from .kernels import (
     CPU_REFERENCE_MAX_LENGTH,
@@ -52,9 +52,9 @@ __all__ = [
     "GrowthStatistics",
     "LossFn",
     "batch_loss_weight",
-    "check_arguments",
     "check_loss_fn",
     "check_method_runs",
+    "check_statistics_arguments",
     "is_positive_int",
     "check_offload_dir",
     "choose_method",

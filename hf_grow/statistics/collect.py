@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter
 from ..distributed import Processes, unwrap_model
-from ..option_values import STATISTICS_METHODS, is_positive_int, parse_bytes
+from ..option_values import check_statistics_options
 from ..progress import progress_bar
 from .batches import LossFn, batch_loss_weight, check_loss_fn, iterate_batches
 from .collector import Collector, statistics_mode
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_grow")
 
 
-def check_arguments(
+def check_statistics_arguments(
     method: str,
     device: torch.device,
     compute_dtype: torch.dtype,
@@ -48,21 +48,12 @@ def check_arguments(
     tf32: bool | None = None,
 ) -> None:
     """A ValueError, before any work, for arguments `collect_statistics` cannot run with on ``device``."""
-    if max_batches is not None and not is_positive_int(max_batches):
-        raise ValueError(f"max_batches must be a positive int (or None for all batches), got {max_batches!r}")
-    if memory_budget is not None:
-        parse_bytes(memory_budget)
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
     if accumulate_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"accumulate_dtype must be float32 or float64, got {accumulate_dtype}")
-    if method not in STATISTICS_METHODS:
-        raise ValueError(f"method must be one of {STATISTICS_METHODS}, got {method!r}")
-    if query_block is not None and not is_positive_int(query_block):
-        raise ValueError(f"query_block must be a positive int (queries per block), got {query_block!r}")
     check_method_runs(method, device)
-    if method == "triton" and compute_dtype != torch.float32:
-        raise ValueError("method='triton' computes in float32: use compute_dtype=torch.float32, or method='chunked'.")
+    check_statistics_options(method, query_block, max_batches, memory_budget, compute_dtype == torch.float32)
     if method == "triton" and tf32 is False:
         raise ValueError(
             "method='triton' runs its products on TF32 tensor cores: with tf32=False (IEEE float32 products) Triton "
@@ -151,7 +142,7 @@ def collect_statistics(
     processes = Processes(accelerator)
     config = model.config
     parameter = next(model.parameters())
-    check_arguments(
+    check_statistics_arguments(
         method, parameter.device, compute_dtype, query_block, max_batches, memory_budget, accumulate_dtype, offload_dir,
         tf32,
     )
