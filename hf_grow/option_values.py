@@ -1,5 +1,5 @@
-"""The values options take, checked without importing torch or transformers: the statistics methods' names,
-counts, sizes in bytes, and the statistics options' checks.
+"""The values options take, checked without importing torch or transformers: the solved growth modes, the
+statistics methods' names, counts, sizes in bytes, and the statistics options' checks.
 
 `hf_grow.config` (the options) and `hf_grow.statistics` (which runs them) both check against these, so the options
 layer needs nothing of the statistics package.
@@ -10,6 +10,10 @@ from __future__ import annotations
 import re
 
 
+#: The growth modes whose new weights are solved from the statistics (`grow_model`'s; `grow_in_training` adds
+#: baselines). "refactor": the rank-(d_k + p) truncation of Z - lam P rewrites all Q/K weights. "append": the old
+#: Q/K weights are kept and the p new dimensions hold the best rank-p approximation of the step -lam P.
+SOLVED_MODES: tuple[str, ...] = ("refactor", "append")
 #: How M is collected (`hf_grow.statistics.kernels`); "auto" picks per batch.
 STATISTICS_METHODS: tuple[str, ...] = ("auto", "chunked", "reference", "triton")
 

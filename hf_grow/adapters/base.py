@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from ..option_values import SOLVED_MODES
 from .building import GrownModelBuilder
 
 
@@ -51,8 +52,8 @@ class ArchitectureAdapter(GrownModelBuilder, ABC):
 
     #: `config.model_type` values handled: the plain architecture and its grown counterpart.
     model_types: tuple[str, ...] = ()
-    #: The growth modes the architecture supports (see `hf_grow.growth.problem.MODES`); the first is the default.
-    growth_modes: tuple[str, ...] = ("refactor", "append")
+    #: The growth modes the architecture supports (of `SOLVED_MODES`); the first is the default.
+    growth_modes: tuple[str, ...] = SOLVED_MODES
     #: Why a mode outside `growth_modes` cannot work, for the error message.
     refused_mode_reason: str = ""
     #: Every adapter class, in the order they were defined; `hf_grow.adapters` instantiates them.

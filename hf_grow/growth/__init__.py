@@ -34,7 +34,8 @@ from .prepare import (
     prepare_growth,
     resolve_growth,
 )
-from .problem import MODES, GrowthProblem, QKWeights, write_weights
+from ..option_values import SOLVED_MODES as MODES
+from .problem import GrowthProblem, QKWeights, write_weights
 from .candidates import search_and_report
 
 

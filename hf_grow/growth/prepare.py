@@ -20,12 +20,13 @@ from ..budget import allocate_budget, check_budget
 from ..config import GrowthConfig, check_p
 from ..distributed import Processes
 from ..progress import stage
+from ..option_values import SOLVED_MODES
 from ..statistics import (
     GrowthStatistics, LossFn, batch_loss_weight, check_loss_fn, check_statistics_arguments, collect_statistics,
     return_free_memory, weight_sample,
 )
 from .line_search import NO_LOSS_TERMS, confirmation_split, split_batches
-from .problem import MODES, GrowthProblem
+from .problem import GrowthProblem
 from .sharding import Sharding, solve_cost
 
 
@@ -213,8 +214,8 @@ def check_growth(
     default), and the dims each layer gains (None with a budget, which the statistics allocate)."""
     qk_before = adapter.qk_head_dims(model.config)
     max_rank = adapter.hidden_size(model.config) + 1
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode is not None and mode not in SOLVED_MODES:
+        raise ValueError(f"mode must be one of {SOLVED_MODES}, got {mode!r}")
     mode = adapter.check_mode(model, mode)
     check_fast_search(config.search, mode, type(model).__name__)
     if config.budget is not None:

@@ -24,9 +24,6 @@ from .sharding import Sharding
 from .step_scaling import StepScaling
 
 
-#: "refactor": the rank-(d_k + p) truncation of Z - lam P rewrites all Q/K weights. "append": the old Q/K
-#: weights are kept and the p new dimensions hold the best rank-p approximation of the step -lam P.
-MODES = ("refactor", "append")
 QKWeights = dict[int, tuple[Tensor, Tensor]]
 #: Each layer's `StepWeights.decomposition` at one step (the chosen one's, for the report), by layer.
 Decompositions = dict[int, linalg.Decomposition]

@@ -17,6 +17,7 @@ from ..distributed import Processes, ddp_wrappers, refuse_sharded_training, sync
 from ..growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
 from ..growth.line_search import held_out_count
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
+from ..option_values import SOLVED_MODES
 from ..report import GrowthReport
 from ..statistics import GrowthStatistics, LossFn
 from .resize import check_growable, as_torch_optimizer, resize_qk_
@@ -25,7 +26,9 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-GROWTH_MODES: tuple[str, ...] = ("refactor", "append", "zero", "random")
+#: The solved modes (`SOLVED_MODES`; without a config they solve from the cross-fitted M where the statistics can
+#: have two halves, `_in_training_defaults`) and the baselines.
+GROWTH_MODES: tuple[str, ...] = (*SOLVED_MODES, "zero", "random")
 #: Measured with growth in training's other defaults (BENCHMARKS.md, issue #35, "The solved new dims' weight
 #: where the inputs do not vary yet" and the two sections after it): in language-model pretraining with
 #: GrowthCallback on CPU models (2 layers x 128 in three regimes, 8 seeds; 4 layers x 256, 10 seeds) append with
@@ -51,9 +54,6 @@ DEFAULT_MODE = "append"
 #: fourth) and of 1e-6 or equal to it, without 1e-6's dip; on the H100 model (8 x 512) 1e-3 gave up 0.007 of 1e-6's
 #: lead (BENCHMARKS.md, "The in-training defaults on the H100 model").
 IN_TRAINING_DEFAULTS = dict(eval_fraction=0.25, measure_realized_gains=False, rtol=1e-5)
-#: The modes whose new weights are solved from statistics (the rest are the baselines). Without a config they
-#: solve from the cross-fitted M where the statistics can have two halves (`_in_training_defaults`).
-SOLVED_MODES: tuple[str, ...] = ("refactor", "append")
 
 
 def _initialized_weights(
