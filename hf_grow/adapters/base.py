@@ -23,18 +23,23 @@ from .building import GrownModelBuilder
 
 
 
-def split_heads(columns: Tensor, bias: Tensor, num_heads: int) -> Tensor:
-    """(d_e, heads * d_k) projection columns and their bias -> augmented (heads, d_e + 1, d_k)."""
+def split_heads(columns: Tensor, bias: Tensor | None, num_heads: int) -> Tensor:
+    """(d_e, heads * d_k) projection columns and their bias -> augmented (heads, d_e + 1, d_k), the bias as the last
+    row; without a bias (None), (heads, d_e, d_k)."""
     d_e = columns.shape[0]
     weight = columns.reshape(d_e, num_heads, -1).permute(1, 0, 2)
+    if bias is None:
+        return weight
     return torch.cat([weight, bias.reshape(num_heads, 1, -1)], dim=1)
 
 
-def merge_heads(augmented: Tensor) -> tuple[Tensor, Tensor]:
-    """Augmented (heads, d_e + 1, d_k) -> (d_e, heads * d_k) projection columns and their bias."""
-    num_heads, d_aug, qk_dim = augmented.shape
-    weight = augmented[:, :-1, :].permute(1, 0, 2).reshape(d_aug - 1, num_heads * qk_dim)
-    return weight, augmented[:, -1, :].reshape(num_heads * qk_dim)
+def merge_heads(augmented: Tensor, has_bias: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Augmented (heads, d_e + 1, d_k) -> (d_e, heads * d_k) projection columns and their bias; without a bias row
+    (``has_bias`` False: (heads, d_e, d_k)), the columns and None."""
+    num_heads, rows, qk_dim = augmented.shape
+    inputs = rows - 1 if has_bias else rows
+    weight = augmented[:, :inputs, :].permute(1, 0, 2).reshape(inputs, num_heads * qk_dim)
+    return weight, augmented[:, -1, :].reshape(num_heads * qk_dim) if has_bias else None
 
 
 def scale_dims_after_growth(

@@ -45,28 +45,12 @@ from ..models.grown_llama import (
     GrownLlamaModel,
     GrownLlamaPreTrainedModel,
 )
-from .base import ArchitectureAdapter
+from .base import ArchitectureAdapter, merge_heads, split_heads
 from .building import CONFIG_KEYS_NOT_INHERITED, attention_scale_entry
 
 
 def _head_dim(config: PreTrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _split_heads(weight: Tensor, bias: Tensor | None, num_heads: int) -> Tensor:
-    """A Linear's (heads * d_k, d_e) weight and bias -> (heads, d_e [+ 1], d_k), the bias as the last row."""
-    heads = weight.mT.reshape(weight.shape[1], num_heads, -1).permute(1, 0, 2)
-    if bias is None:
-        return heads
-    return torch.cat([heads, bias.reshape(num_heads, 1, -1)], dim=1)
-
-
-def _merge_heads(weights: Tensor, has_bias: bool) -> tuple[Tensor, Tensor | None]:
-    """(heads, d_e [+ 1], d_k) -> a Linear's (heads * d_k, d_e) weight and its bias (None without)."""
-    num_heads, rows, width = weights.shape
-    inputs = rows - 1 if has_bias else rows
-    weight = weights[:, :inputs].permute(1, 0, 2).reshape(inputs, num_heads * width).mT.contiguous()
-    return weight, weights[:, -1].reshape(-1) if has_bias else None
 
 
 class LlamaAdapter(ArchitectureAdapter):
@@ -117,7 +101,7 @@ class LlamaAdapter(ArchitectureAdapter):
         for name, num_heads in heads.items():
             bias = source.get(f"{name}.bias")
             weight = source[f"{name}.weight"].detach().to(torch.float64, copy=True)  # a copy even in float64
-            weights.append(_split_heads(weight, None if bias is None else bias.detach().to(torch.float64), num_heads))
+            weights.append(split_heads(weight.mT, None if bias is None else bias.detach().to(torch.float64), num_heads))
         return weights[0], weights[1]
 
     def qk_parameters(
@@ -127,8 +111,8 @@ class LlamaAdapter(ArchitectureAdapter):
         parameters = {}
         for name, weights in (("q_proj", query), ("k_proj", key)):
             has_bias = f"{name}.bias" in source
-            weight, bias = _merge_heads(weights, has_bias)
-            parameters[f"{name}.weight"] = weight.to(source[f"{name}.weight"])
+            columns, bias = merge_heads(weights, has_bias)
+            parameters[f"{name}.weight"] = columns.mT.contiguous().to(source[f"{name}.weight"])
             if has_bias:
                 parameters[f"{name}.bias"] = bias.to(source[f"{name}.bias"])
         return parameters
