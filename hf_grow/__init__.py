@@ -3,12 +3,37 @@
 Importing hf_grow registers the grown model types with the transformers Auto classes.
 """
 
-from . import models
 from .adapters import get_adapter, supported_model_types
 from .config import GrowthConfig
 from .growth import DEFAULT_TRUNCATION, evaluate_loss, grow_model
 from .hub import model_card, push_to_hub
 from .inspection import GrowthInspection, inspect_growth
+# Written out, not built from `hf_grow.models` at import, so that editors and type checkers see them
+# (tests/test_layout.py checks that every grown package's classes are here).
+from .models import (
+    GrownBertConfig,
+    GrownBertForMaskedLM,
+    GrownBertForMultipleChoice,
+    GrownBertForPreTraining,
+    GrownBertForQuestionAnswering,
+    GrownBertForSequenceClassification,
+    GrownBertForTokenClassification,
+    GrownBertLMHeadModel,
+    GrownBertModel,
+    GrownGPT2Config,
+    GrownGPT2DoubleHeadsModel,
+    GrownGPT2ForQuestionAnswering,
+    GrownGPT2ForSequenceClassification,
+    GrownGPT2ForTokenClassification,
+    GrownGPT2LMHeadModel,
+    GrownGPT2Model,
+    GrownLlamaConfig,
+    GrownLlamaForCausalLM,
+    GrownLlamaForQuestionAnswering,
+    GrownLlamaForSequenceClassification,
+    GrownLlamaForTokenClassification,
+    GrownLlamaModel,
+)
 from .report import GrowthReport, load_growth_report
 from .sentence import SentenceLoss
 from .statistics import GrowthStatistics, collect_statistics
@@ -16,11 +41,6 @@ from .training import GROWTH_MODES, GrowthCallback, grow_in_training, resize_qk_
 
 
 __version__ = "0.1.0"
-
-#: The grown config and model classes (`hf_grow.models`' exports but the `*PreTrainedModel` base classes, which
-#: stay in `hf_grow.models`): a new grown model package is exported without edits here.
-_GROWN_CLASSES = [name for name in models.__all__ if not name.endswith("PreTrainedModel")]
-globals().update({name: getattr(models, name) for name in _GROWN_CLASSES})
 
 __all__ = [
     "DEFAULT_TRUNCATION",
@@ -30,7 +50,28 @@ __all__ = [
     "GrowthInspection",
     "GrowthReport",
     "GrowthStatistics",
-    *_GROWN_CLASSES,
+    "GrownBertConfig",
+    "GrownBertForMaskedLM",
+    "GrownBertForMultipleChoice",
+    "GrownBertForPreTraining",
+    "GrownBertForQuestionAnswering",
+    "GrownBertForSequenceClassification",
+    "GrownBertForTokenClassification",
+    "GrownBertLMHeadModel",
+    "GrownBertModel",
+    "GrownGPT2Config",
+    "GrownGPT2DoubleHeadsModel",
+    "GrownGPT2ForQuestionAnswering",
+    "GrownGPT2ForSequenceClassification",
+    "GrownGPT2ForTokenClassification",
+    "GrownGPT2LMHeadModel",
+    "GrownGPT2Model",
+    "GrownLlamaConfig",
+    "GrownLlamaForCausalLM",
+    "GrownLlamaForQuestionAnswering",
+    "GrownLlamaForSequenceClassification",
+    "GrownLlamaForTokenClassification",
+    "GrownLlamaModel",
     "SentenceLoss",
     "collect_statistics",
     "evaluate_loss",

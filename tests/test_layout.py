@@ -192,3 +192,16 @@ def test_options_and_files_import_nothing_that_runs_a_growth(module):
             if name in MODULES:
                 todo.append(name)
     assert not [name for name in reached if name.startswith(layers)]
+
+
+def test_every_grown_class_is_exported_at_the_top_level():
+    """hf_grow's exports are written out (for editors and type checkers): a new grown package's configs and
+    models must be added there, its `*PreTrainedModel` base class stays in hf_grow.models."""
+    import hf_grow
+    from hf_grow import models
+
+    grown = {name for package in models.GROWN_PACKAGES for name in package.__all__
+             if name != "AUTO_MAP" and not name.endswith("PreTrainedModel")}
+    exported = {name for name in hf_grow.__all__ if name.startswith("Grown")}
+    assert exported == grown
+    assert all(getattr(hf_grow, name) is getattr(models, name) for name in grown)

@@ -4,7 +4,8 @@ An adapter converts between a model's own Q/K parameters and the augmented per-h
 `hf_grow.linalg` (shape ``(heads, d_e + 1, d_k)``, the bias as the last row), and builds the grown model
 type. Supporting a new architecture means writing one adapter module (an `ArchitectureAdapter` subclass, which
 registers itself; `hf_grow.adapters` imports the module) and one grown model package under `hf_grow.models`
-(config, modeling and, for decoders, paged-cache files), which registers itself too.
+(config, modeling and, for decoders, paged-cache files), which registers itself too; its classes are then added
+to the names `hf_grow` exports (written out for editors and type checkers; a layout test names any missing).
 """
 
 from __future__ import annotations
