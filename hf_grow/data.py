@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
-from .growth.line_search import held_out_count
+from .option_values import held_out_count
 
 
 #: Held-out tokens read from a separate split, and the most held out of the same text by default.

@@ -60,3 +60,9 @@ def check_statistics_options(
         raise ValueError(
             f"{method_option}='triton' computes in float32: use compute_dtype={float32}, or {method_option}='chunked'."
         )
+
+
+def held_out_count(total: int, eval_fraction: float) -> int:
+    """How many of ``total`` batches are held out for the line search: the last ``eval_fraction``, at least one.
+    The command line holds out as many of its sequences of text the same way."""
+    return max(1, round(eval_fraction * total))

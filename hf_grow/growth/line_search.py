@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter, get_adapter
 from ..distributed import Processes, unwrap_model
+from ..option_values import held_out_count
 from ..statistics import (
     LossFn,
     batch_loss_weight,
@@ -67,12 +68,6 @@ def evaluate_loss(
     if weight == 0:
         raise ValueError(NO_LOSS_TERMS.format(data="the evaluation data"))
     return total / weight, weight
-
-
-def held_out_count(total: int, eval_fraction: float) -> int:
-    """How many of ``total`` batches are held out for the line search: the last ``eval_fraction``, at least one.
-    The command line holds out as many of its sequences of text the same way."""
-    return max(1, round(eval_fraction * total))
 
 
 def split_batches(

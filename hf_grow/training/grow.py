@@ -15,7 +15,7 @@ from ..adapters import ArchitectureAdapter, get_adapter, scale_dims_after_growth
 from ..config import GrowthConfig, resolve_config, training_options
 from ..distributed import Processes, ddp_wrappers, refuse_sharded_training, synchronize_after_growth, unwrap_model
 from ..growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
-from ..growth.line_search import held_out_count
+from ..option_values import held_out_count
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..option_values import SOLVED_MODES
 from ..report import GrowthReport
