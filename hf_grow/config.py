@@ -33,6 +33,11 @@ Some options in more detail:
   ``attention_scale_dims``. Refactored growth gives the same function in other weights; appended growth and the
   baselines keep the old queries (and their optimizer moments) as they were. What it does to training after
   growth depends on the task (BENCHMARKS.md, issue #35).
+- ``rotate_factors``: "refactor" growth writes Z's truncation as its singular directions, one product per column;
+  with this option the factors are written times the orthonormal DCT-II matrix (the same scores, each product
+  spread over every column), which bfloat16 rounds as it rounds trained factors and which trained ahead of the
+  singular-direction form in most runs measured (BENCHMARKS.md, "The step's weight where the inputs hardly
+  vary"). "append" growth keeps the old weights and refuses it.
 - ``cross_fit``: M from a few batches is mostly noise, and the step solved from it fits those batches (issue
   #35). With it, the statistics also sum M over the odd-numbered batches, and the solve keeps each half's
   top directions at the value the other half gives them (`GrowthStatistics.cross_fitted_gradient`).
@@ -190,6 +195,12 @@ class GrowthConfig(JsonConfigMixin):
         metadata={"help": "keep each grown layer's attention scale at its old width's (recorded in the grown config's "
                   "attention_scale_dims) instead of the new width's, folded into the queries: in pretraining by "
                   "GrowthCallback better on text, worse on a retrieval plateau (BENCHMARKS.md)"},
+    )
+    rotate_factors: bool = field(
+        default=False,
+        metadata={"help": "refactor growth: write the Q/K factors times the orthonormal DCT-II matrix (the same "
+                  "scores, each product spread over every column instead of one singular direction per column): "
+                  "bfloat16 serving, training after growth (BENCHMARKS.md)"},
     )
     step_mode: Literal["global", "per_layer", "per_head", "layer_search", "coordinate", "auto"] = field(
         default=DEFAULT_STEP_MODE,
@@ -362,7 +373,7 @@ def _check_options(config: GrowthConfig) -> None:
     )
     if config.offload_dir is not None and (not isinstance(config.offload_dir, str) or not config.offload_dir):
         raise ValueError(f"offload_dir must be a folder's path, got {config.offload_dir!r}")
-    for option in ("keep_attention_scale", "measure_realized_gains", "cross_fit"):
+    for option in ("keep_attention_scale", "rotate_factors", "measure_realized_gains", "cross_fit"):
         if not isinstance(getattr(config, option), bool):  # a string such as "no" would read as True
             raise ValueError(f"{option} must be True or False, got {getattr(config, option)!r}")
 

@@ -17,6 +17,7 @@ All functions expect float64.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,15 @@ def cross_fitted_gradient(
     root = metric.root_diag
     kept = (confirmed[0] + confirmed[1]) / 2 * root[..., :, None] * root[..., None, :]
     return kept if in_basis else metric.from_basis(kept)
+
+
+def dct_rotation(size: int, dtype: torch.dtype = torch.float64, device: torch.device | None = None) -> Tensor:
+    """The orthonormal DCT-II matrix (size, size): factors A, B of Z = A B^T times it give the same Z, each
+    column a mix of all of them."""
+    n = torch.arange(size, dtype=dtype, device=device)
+    rotation = torch.cos(torch.pi * (n[:, None] + 0.5) * n[None, :] / size) * math.sqrt(2 / size)
+    rotation[:, 0] /= math.sqrt(2)
+    return rotation
 
 
 def whitened_norm_sq(matrix: Tensor, metric: Metric) -> Tensor:

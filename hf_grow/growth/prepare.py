@@ -218,6 +218,11 @@ def check_growth(
         raise ValueError(f"mode must be one of {SOLVED_MODES}, got {mode!r}")
     mode = adapter.check_mode(model, mode)
     check_fast_search(config.search, mode, type(model).__name__)
+    if config.rotate_factors and mode != "refactor":
+        raise ValueError(
+            f"rotate_factors rewrites refactored Q/K factors; {type(model).__name__} grows by {mode!r}, which keeps "
+            "the old weights: leave rotate_factors off, or pass mode='refactor' where the architecture grows by it."
+        )
     if config.budget is not None:
         check_budget(config.budget, config.multiple_of, [max_rank - dim for dim in qk_before])
         return mode, None
@@ -314,7 +319,7 @@ def prepare_growth(
             model, adapter, statistics, qk_before if growth is None else qk_after, solved_for, config.rtol,
             config.solver, mode, step_mode, max_dims_after=widest, with_rates=growth is None,
             layers=layers, release=release, cross_fit=config.cross_fit, sharding=sharding,
-            keep_attention_scale=config.keep_attention_scale,
+            keep_attention_scale=config.keep_attention_scale, rotate_factors=config.rotate_factors,
         )
 
     problem: GrowthProblem | None = None

@@ -37,6 +37,8 @@ class StepWeights(StepScaling):
     layers: list[LayerProblem]
     mode: str
     solver: str
+    #: Refactored factors written times the DCT-II matrix (`linalg.dct_rotation`): the same scores.
+    rotate_factors: bool = False
 
     def decomposition(
         self, layer: int, step_size: float, truncation: str, columns: int | None = None
@@ -113,7 +115,11 @@ class StepWeights(StepScaling):
                     decompositions[layer] = decomposition
             factors = target.to_model(decomposition.truncate(width))
             root_scaling = math.sqrt(problem.scaling_after)
-            return factors.left / root_scaling, factors.right / root_scaling
+            query, key = factors.left / root_scaling, factors.right / root_scaling
+            if self.rotate_factors:
+                rotation = linalg.dct_rotation(width, query.dtype, query.device)
+                query, key = query @ rotation, key @ rotation
+            return query, key
 
 
 class GrowthProblem(StepWeights):
@@ -148,6 +154,7 @@ class GrowthProblem(StepWeights):
         cross_fit: bool = False,
         sharding: Sharding | None = None,
         keep_attention_scale: bool = False,
+        rotate_factors: bool = False,
     ):
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode must be one of {STEP_MODES}, got {step_mode!r}")
@@ -167,6 +174,7 @@ class GrowthProblem(StepWeights):
         self._max_dims = list(max_dims_after or qk_dims_after)
         self._qk_dims_after = list(qk_dims_after)
         self.keep_attention_scale = keep_attention_scale
+        self.rotate_factors = rotate_factors
         self._qk_dims_before = adapter.qk_head_dims(model.config)  # before an in-place growth changes the config
         self._scale_dims_before = adapter.attention_scale_dims(model.config)
         self._attentions = adapter.attention_modules(model)
