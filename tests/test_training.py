@@ -237,6 +237,9 @@ def test_clear_errors(trained_gpt2, trained):
     with pytest.raises(TypeError, match=r"unknown growth option\(s\) \['stepsize'\]"):
         GrowthCallback({10: 8}, stepsize=0.1)
     GrowthCallback({10: 8}, loss_fn=lambda model, batch: model(**batch).loss, init_std=0.01, rtol=1e-3)
+    with pytest.raises(ValueError, match="rotate_factors rewrites refactored Q/K factors: pass mode='refactor'"):
+        GrowthCallback({10: 8}, rotate_factors=True)  # the default mode appends
+    GrowthCallback({10: 8}, rotate_factors=True, mode="refactor")
 
 
 def test_a_schedule_with_bad_sizes_or_layers_is_refused_before_training(trained):

@@ -131,8 +131,9 @@ def search_step_size(
 
     The grid steps down until a step beats step 0, then moves by ``factor`` while the loss falls; the
     bracket around the best grid point is then halved ``refinements`` times in log space (geometric means).
-    The walk down stops at a step whose loss is step 0's to the last bit: a smaller step changes the loss by less
-    than its rounding, so it could only "gain" by rounding (9 of 12 steps walked there on a model without gains).
+    The walk down stops at the second step in a row whose loss is step 0's to the last bit: a smaller step changes
+    the loss by less than its rounding, so it could only "gain" by rounding (9 of 12 steps walked there on a model
+    without gains); one tie alone can be a loss curve crossing step 0's level beyond its minimum.
     A non-finite loss (a step that overflows in low precision) counts as +inf, so it is never the best.
     ``known`` losses (e.g. of the step already taken) are not evaluated again.
     """
@@ -144,12 +145,13 @@ def search_step_size(
             losses[step] = value if math.isfinite(value) else math.inf
         return losses[step]
 
-    step = start
+    step, tied = start, False
     for _ in range(max_expansions):
         if loss(step) < loss(0.0):
             break
-        if loss(step) == loss(0.0):
+        if loss(step) == loss(0.0) and tied:
             return losses
+        tied = loss(step) == loss(0.0)
         step /= factor
     else:
         return losses

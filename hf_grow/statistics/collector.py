@@ -143,16 +143,17 @@ class Sums:
         self.second_moments[layer] += product
 
     def add_gradient(self, layer: int, contribution: Tensor) -> None:
-        """M of ``layer`` += one batch's per-head products, added in M's dtype without a converted copy (the
-        copy and a scan of it were 14% of a GPT-2-small pass); their sum is checked, and only a sum that is not
-        finite (NaN and Inf carry into it, or an overflow of finite values) is checked entry by entry."""
+        """M of ``layer`` += one batch's per-head products, by ``add_`` (on a CPU it still converts the product to
+        M's dtype in a temporary; a separate conversion and an entry-by-entry scan were 14% of a GPT-2-small pass);
+        their sum is checked, and only a sum that is not finite (NaN and Inf carry into it, or an overflow of
+        finite values) is checked entry by entry."""
         if not torch.isfinite(contribution.sum()) and not torch.isfinite(contribution).all():
             overflow = " (float16 overflows most easily: load the model in bfloat16 or float32)" if self.float16 else ""
             raise FloatingPointError(
                 f"non-finite score gradients in layer {layer} at batch {self.batch_index}{overflow}: "
                 "check the loss and the data of that batch."
             )
-        self.gradients[layer].add_(contribution)  # computed in M's dtype: the same sums as adding a converted copy
+        self.gradients[layer].add_(contribution)  # the same sums as adding a converted copy (M at least as wide)
         if self.in_half:
             self.half_gradients[layer].add_(contribution)
 

@@ -223,6 +223,9 @@ def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_
     options = resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in fields})
     if (mode or DEFAULT_MODE) in SOLVED_MODES:  # the baselines search no step
         check_fast_search(options.search, mode or DEFAULT_MODE, "the model")
+    if options.rotate_factors and mode != "refactor":
+        raise ValueError(f"rotate_factors rewrites refactored Q/K factors: pass mode='refactor' with it (mode is "
+                         f"{mode or DEFAULT_MODE!r}, which it does not apply to)")
 
 
 def _draw_batches(
