@@ -37,29 +37,28 @@ def attention_inputs(model, batches) -> dict[int, torch.Tensor]:
     return augmented
 
 
-def weight_norms(model) -> torch.Tensor:
-    """(layers, heads): ||scaling W'_Q W'_K^T||_F from ``model``'s weights, the product formed."""
+def layer_forms(model):
+    """Each layer's (index, scaling, augmented queries, keys repeated to one per query head), in float64, from
+    ``model``'s weights: Z of head i = scaling * query[i] @ key[i]^T."""
     adapter = get_adapter(model)
     scale_dims = adapter.attention_scale_dims(model.config)
-    result = []
     for layer, attention in enumerate(adapter.attention_modules(model)):
         query, key = (weight.double() for weight in adapter.read_qk(attention))
         key = key.repeat_interleave(query.shape[0] // key.shape[0], dim=0)
-        scaling = adapter.scaling(model.config, layer, scale_dims[layer])
-        result.append((scaling * query @ key.mT).flatten(1).norm(dim=1))
-    return torch.stack(result)
+        yield layer, adapter.scaling(model.config, layer, scale_dims[layer]), query, key
+
+
+def weight_norms(model) -> torch.Tensor:
+    """(layers, heads): ||scaling W'_Q W'_K^T||_F from ``model``'s weights, the product formed."""
+    return torch.stack([(scaling * query @ key.mT).flatten(1).norm(dim=1) for _, scaling, query, key
+                        in layer_forms(model)])
 
 
 def score_rms(model, inputs: dict[int, torch.Tensor]) -> torch.Tensor:
     """(layers, heads): the root mean square of x'^T Z y' over every pair of the tokens, from ``model``'s weights
     (rotary positions left out: relative position 0)."""
-    adapter = get_adapter(model)
-    scale_dims = adapter.attention_scale_dims(model.config)
     result = []
-    for layer, attention in enumerate(adapter.attention_modules(model)):
-        query, key = (weight.double() for weight in adapter.read_qk(attention))
-        key = key.repeat_interleave(query.shape[0] // key.shape[0], dim=0)
-        scaling = adapter.scaling(model.config, layer, scale_dims[layer])
+    for layer, scaling, query, key in layer_forms(model):
         x = inputs[layer][:, : query.shape[-2]]  # without the ones column where Q/K have no bias (Llama)
         scores = scaling * (x @ query) @ (x @ key).mT  # (heads, tokens, tokens): every pair
         result.append(scores.square().mean(dim=(-2, -1)).sqrt())
