@@ -30,24 +30,12 @@ from transformers.utils import logging as transformers_logging
 
 from bench_candidates import BATCH_SIZE, SEQ_LEN, english_documents, english_model, english_streams
 from bench_train_after_growth import grow, parse_arm
-from bench_train_after_growth_lm import split_documents, windows
+from bench_train_after_growth_lm import bfloat16_errors, split_documents, windows
 
 import hf_grow
 
 ARMS = ["zero", "default", 'x0.25={"step_scale": 0.25}', 'rtol1e-3={"rtol": 1e-3}', 'rtol1e-2={"rtol": 1e-2}',
         'frobenius={"truncation": "frobenius"}', 'dct={"rotate": "dct"}', 'append={"mode": "append"}']
-
-
-def bfloat16_errors(model: PreTrainedModel, batches: list[dict]) -> tuple[float, float]:
-    """(largest, mean) absolute difference of ``model``'s logits and its bfloat16 copy's over ``batches``."""
-    copied = copy.deepcopy(model).to(torch.bfloat16).eval()
-    largest, total = 0.0, 0.0
-    with torch.no_grad():
-        for batch in batches:
-            error = (model.eval()(input_ids=batch["input_ids"]).logits
-                     - copied(input_ids=batch["input_ids"]).logits.float()).abs()
-            largest, total = max(largest, float(error.max())), total + float(error.mean())
-    return largest, total / len(batches)
 
 
 def qk_rounding_error(model: PreTrainedModel, batches: list[dict]) -> float:

@@ -169,9 +169,7 @@ def rotated_factors(model: PreTrainedModel, kind: str) -> PreTrainedModel:
         query, key = adapter.read_qk(attention)
         width = query.shape[-1]
         if kind == "dct":
-            n = torch.arange(width, dtype=query.dtype)
-            rotation = torch.cos(torch.pi * (n[:, None] + 0.5) * n[None, :] / width) * (2 / width) ** 0.5
-            rotation[:, 0] /= 2**0.5
+            rotation = hf_grow.linalg.dct_rotation(width, query.dtype)
         elif kind == "random":
             generator = torch.Generator().manual_seed(0)
             rotation = torch.linalg.qr(torch.randn(width, width, generator=generator, dtype=query.dtype))[0]

@@ -97,16 +97,17 @@ def continue_training(
     return losses
 
 
-def bfloat16_error(model: PreTrainedModel, batches: list[dict]) -> float:
-    """The largest absolute difference between ``model``'s logits and those of its bfloat16 copy on ``batches``:
-    what serving in bfloat16 costs (BENCHMARKS, "The scores' size after the step")."""
+def bfloat16_errors(model: PreTrainedModel, batches: list[dict]) -> tuple[float, float]:
+    """(largest, mean) absolute difference of ``model``'s logits and its bfloat16 copy's over ``batches``: what
+    serving in bfloat16 costs (BENCHMARKS, "The scores' size after the step")."""
     copied = copy.deepcopy(model).to(torch.bfloat16).eval()
+    largest, total = 0.0, 0.0
     with torch.no_grad():
-        return max(
-            float((model.eval()(input_ids=b["input_ids"]).logits - copied(input_ids=b["input_ids"]).logits.float())
-                  .abs().max())
-            for b in batches
-        )
+        for batch in batches:
+            error = (model.eval()(input_ids=batch["input_ids"]).logits
+                     - copied(input_ids=batch["input_ids"]).logits.float()).abs()
+            largest, total = max(largest, float(error.max())), total + float(error.mean())
+    return largest, total / len(batches)
 
 
 def run_model(
@@ -121,7 +122,7 @@ def run_model(
     )
     losses = {name: hf_grow.evaluate_loss(model, batches[name])[0] for name in ("search", "statistics", "other")}
     results, diagnostics = {}, {}
-    base_error = bfloat16_error(model, batches["test"][:2])
+    base_error = bfloat16_errors(model, batches["test"][:2])[0]
     for arm in arms:
         name, options = parse_arm(arm)
         tick = time.perf_counter()
@@ -130,7 +131,7 @@ def run_model(
             start = grow(model, options, batches["statistics"], batches["search"], statistics, p)
             diagnostics[name] = {"step": start.growth_report.step_size} | {
                 text: (before, hf_grow.evaluate_loss(start, batches[text])[0]) for text, before in losses.items()
-            } | {"bf16": (base_error, bfloat16_error(start, batches["test"][:2]))}
+            } | {"bf16": (base_error, bfloat16_errors(start, batches["test"][:2])[0])}
         results[name] = [
             continue_training(copy.deepcopy(start), train_text, batches["test"], at, lr, seed, batch_size, seq_len)
             for seed in range(seeds)
