@@ -210,7 +210,7 @@ def compact_target(
     base_left: Tensor,
     base_right: Tensor,
     step: Tensor,
-    gradient: Tensor,
+    gradient_in_basis: Tensor,
     rank: int,
     metric: linalg.Metric,
     method: str = "eigh",
@@ -220,8 +220,8 @@ def compact_target(
     """Decompose each head's direction once and build its `CompactTarget`.
 
     ``base_left``/``base_right`` (heads, d, a): factors of W; ``step`` (heads, d, d): Q; both whitened by C^1/2 in
-    C's eigenbasis (`linalg.whiten`). ``gradient`` (heads, d, d): M in C's eigenbasis (U^T M U). ``metric``: C's, to
-    un-whiten the bases. ``rank``: s (`compact_rank`); ``method``: how Q is decomposed
+    C's eigenbasis (`linalg.whiten`). ``gradient_in_basis`` (heads, d, d): M in C's eigenbasis (U^T M U), not M.
+    ``metric``: C's, to un-whiten the bases. ``rank``: s (`compact_rank`); ``method``: how Q is decomposed
     (`linalg.decompose_whitened`: "eigh", "svd" or "subspace"). ``width``: the grown width; with it, a full
     decomposition ("eigh", "svd") keeps more than ``rank`` where the certificate asks for it (`certified_rank`).
     ``plain``: also measure the plain tail, the certificate of Frobenius truncation (products of Q with the bases
@@ -255,7 +255,7 @@ def compact_target(
     # whitened coordinates -> C's eigenbasis (diag(1 / root) basis, where M is) -> model coordinates (U times it)
     scale = 1 / metric.root_diag[..., :, None]
     left, right = left * scale, right * scale
-    gradient_core = left.mT @ gradient @ right
+    gradient_core = left.mT @ gradient_in_basis @ right
     left, right = metric.eigenvectors @ left, metric.eigenvectors @ right
     if not exact:  # stored narrower; exact solves (narrow models, square bases) keep theirs as they are
         left, right = left.to(BASIS_DTYPE), right.to(BASIS_DTYPE)
