@@ -195,13 +195,37 @@ def test_options_and_files_import_nothing_that_runs_a_growth(module):
 
 
 def test_every_grown_class_is_exported_at_the_top_level():
-    """hf_grow's exports are written out (for editors and type checkers): a new grown package's configs and
-    models must be added there, its `*PreTrainedModel` base class stays in hf_grow.models."""
+    """hf_grow's and hf_grow.models' exports are written out (for editors and type checkers): a new grown
+    package's classes must be added to both, its `*PreTrainedModel` base class to hf_grow.models only."""
     import hf_grow
     from hf_grow import models
 
-    grown = {name for package in models.GROWN_PACKAGES for name in package.__all__
-             if name != "AUTO_MAP" and not name.endswith("PreTrainedModel")}
+    in_packages = {name for package in models.GROWN_PACKAGES for name in package.__all__ if name != "AUTO_MAP"}
+    assert set(models.__all__) == in_packages
+    grown = {name for name in in_packages if not name.endswith("PreTrainedModel")}
     exported = {name for name in hf_grow.__all__ if name.startswith("Grown")}
     assert exported == grown
     assert all(getattr(hf_grow, name) is getattr(models, name) for name in grown)
+
+
+def test_every_adapter_module_registers_one_adapter_and_intermediates_register_none():
+    """Each module of hf_grow/adapters but the shared ones defines the adapter that is looked up for its model types;
+    a class without model types of its own (an abstract intermediate, a subclass that inherits them) joins
+    nothing."""
+    from abc import ABC
+
+    from hf_grow import adapters
+    from hf_grow.adapters.base import ArchitectureAdapter
+
+    modules = {path.stem for path in (PACKAGE / "adapters").glob("*.py")} - {"__init__", "base", "building"}
+    assert {type(adapter).__module__.rsplit(".", 1)[1] for adapter in adapters.ADAPTERS} == modules
+    assert all(getattr(adapters, type(adapter).__name__) is type(adapter) for adapter in adapters.ADAPTERS)
+    registered = list(ArchitectureAdapter.registered)
+    try:
+        type("Intermediate", (ArchitectureAdapter, ABC), {})
+        type("Variant", (adapters.GPT2Adapter,), {})
+        assert ArchitectureAdapter.registered == registered
+        new = type("NewArchitecture", (adapters.GPT2Adapter,), {"model_types": ("new_architecture",)})
+        assert ArchitectureAdapter.registered == [*registered, new]
+    finally:
+        ArchitectureAdapter.registered[:] = registered

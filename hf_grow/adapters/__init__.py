@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from . import gpt2, bert, llama  # noqa: F401  (imported for their adapters' registration)
+from .gpt2 import GPT2Adapter
+from .bert import BertAdapter
+from .llama import LlamaAdapter
 from .base import ArchitectureAdapter, scale_dims_after_growth
 
 
@@ -33,4 +35,12 @@ def get_adapter(model: PreTrainedModel) -> ArchitectureAdapter:
     )
 
 
-__all__ = ["ArchitectureAdapter", "get_adapter", "scale_dims_after_growth", "supported_model_types"]
+__all__ = [
+    "ArchitectureAdapter",
+    "BertAdapter",
+    "GPT2Adapter",
+    "LlamaAdapter",
+    "get_adapter",
+    "scale_dims_after_growth",
+    "supported_model_types",
+]

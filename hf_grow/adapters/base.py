@@ -66,9 +66,11 @@ class ArchitectureAdapter(GrownModelBuilder, ABC):
     registered: ClassVar[list[type[ArchitectureAdapter]]] = []
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Register each adapter class as it is defined, so that supporting an architecture edits no list."""
+        """Register each adapter class that names its own model types as it is defined, so that supporting an
+        architecture edits no list (an abstract intermediate or a subclass that inherits its types is not one)."""
         super().__init_subclass__(**kwargs)
-        ArchitectureAdapter.registered.append(cls)
+        if cls.__dict__.get("model_types"):
+            ArchitectureAdapter.registered.append(cls)
 
     @abstractmethod
     def attention_modules(self, model: PreTrainedModel) -> list[nn.Module]:
