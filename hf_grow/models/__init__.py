@@ -1,9 +1,10 @@
 """Grown model types, registered with the transformers Auto classes when hf_grow is imported.
 
 Each `grown_*` package here (a self-contained config file, modeling file and, for decoders, paged-cache file) is
-found by name, so that adding a model type edits nothing in this file. Each exports ``AUTO_MAP``, the Auto classes
-its checkpoints declare for `trust_remote_code`; the same table registers them here, so that checkpoints load
-with the plain Auto classes wherever hf_grow is imported. The packages' other exports are re-exported here.
+found by name and registered: each exports ``AUTO_MAP``, the Auto classes its checkpoints declare for
+`trust_remote_code`, and the same table registers them here, so that checkpoints load with the plain Auto classes
+wherever hf_grow is imported. The packages' classes are re-exported here, written out (a new package's must be
+added; tests/test_layout.py names any left out).
 """
 
 import importlib
@@ -11,6 +12,39 @@ import pkgutil
 from types import ModuleType
 
 import transformers
+
+# Written out, not built at import, so that editors and type checkers see them.
+from .grown_bert import (
+    GrownBertConfig,
+    GrownBertForMaskedLM,
+    GrownBertForMultipleChoice,
+    GrownBertForPreTraining,
+    GrownBertForQuestionAnswering,
+    GrownBertForSequenceClassification,
+    GrownBertForTokenClassification,
+    GrownBertLMHeadModel,
+    GrownBertModel,
+    GrownBertPreTrainedModel,
+)
+from .grown_gpt2 import (
+    GrownGPT2Config,
+    GrownGPT2DoubleHeadsModel,
+    GrownGPT2ForQuestionAnswering,
+    GrownGPT2ForSequenceClassification,
+    GrownGPT2ForTokenClassification,
+    GrownGPT2LMHeadModel,
+    GrownGPT2Model,
+    GrownGPT2PreTrainedModel,
+)
+from .grown_llama import (
+    GrownLlamaConfig,
+    GrownLlamaForCausalLM,
+    GrownLlamaForQuestionAnswering,
+    GrownLlamaForSequenceClassification,
+    GrownLlamaForTokenClassification,
+    GrownLlamaModel,
+    GrownLlamaPreTrainedModel,
+)
 
 
 #: The `grown_*` packages, in name order.
@@ -34,9 +68,30 @@ def _register(package: ModuleType) -> None:
 for _package in GROWN_PACKAGES:
     _register(_package)
 
-#: Every package's exports but its ``AUTO_MAP`` (each package has one): configs, models and their base classes.
-_EXPORTS = {
-    name: getattr(package, name) for package in GROWN_PACKAGES for name in package.__all__ if name != "AUTO_MAP"
-}
-globals().update(_EXPORTS)
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "GrownBertConfig",
+    "GrownBertForMaskedLM",
+    "GrownBertForMultipleChoice",
+    "GrownBertForPreTraining",
+    "GrownBertForQuestionAnswering",
+    "GrownBertForSequenceClassification",
+    "GrownBertForTokenClassification",
+    "GrownBertLMHeadModel",
+    "GrownBertModel",
+    "GrownBertPreTrainedModel",
+    "GrownGPT2Config",
+    "GrownGPT2DoubleHeadsModel",
+    "GrownGPT2ForQuestionAnswering",
+    "GrownGPT2ForSequenceClassification",
+    "GrownGPT2ForTokenClassification",
+    "GrownGPT2LMHeadModel",
+    "GrownGPT2Model",
+    "GrownGPT2PreTrainedModel",
+    "GrownLlamaConfig",
+    "GrownLlamaForCausalLM",
+    "GrownLlamaForQuestionAnswering",
+    "GrownLlamaForSequenceClassification",
+    "GrownLlamaForTokenClassification",
+    "GrownLlamaModel",
+    "GrownLlamaPreTrainedModel",
+]
