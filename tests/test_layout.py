@@ -150,6 +150,23 @@ def test_the_modeling_files_refuse_flash_attention_alike():
     assert len(copies) == len(GROWN_PACKAGES) and len(copies[0]) == 13 and all(copy == copies[0] for copy in copies)
 
 
+def saving_code(path: Path) -> list[str]:
+    """A modeling file's copy of ``_PUSH_KWARGS`` and of its pretrained class's `save_pretrained` (the source
+    files, `auto_map` and growth report written beside the weights)."""
+    lines = path.read_text().splitlines()
+    push = [line for line in lines if line.startswith("_PUSH_KWARGS = ")]
+    start = lines.index("    def save_pretrained(")
+    end = next(number for number in range(start + 1, len(lines)) if re.match(r"(class |    def )", lines[number]))
+    return push + [line for line in lines[start:end] if line]
+
+
+def test_the_modeling_files_save_alike():
+    """Each grown modeling file holds its own copy of `save_pretrained` (an exported folder cannot import a
+    shared module): a fix in one must reach the others."""
+    copies = [saving_code(path) for path in sorted((PACKAGE / "models").glob("grown_*/modeling_grown_*.py"))]
+    assert len(copies) == len(GROWN_PACKAGES) and len(copies[0]) > 20 and all(copy == copies[0] for copy in copies)
+
+
 def test_sources_keep_the_style_limits():
     """`ruff check` with pyproject.toml's settings (pycodestyle and pyflakes, lines of at most 120 characters)
     passes on the package, the recipes and the tests."""
