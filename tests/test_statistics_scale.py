@@ -244,3 +244,17 @@ def test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor(stdlib
 
 
 test_the_grouped_solve_frees_each_groups_m_and_keeps_no_square_tensor.peaks = {}
+
+
+def test_float64_products_that_overflow_float32_sums_name_the_layer_and_batch():
+    """Products computed in float64 into M accumulated in float32: finite products beyond float32's range are
+    not let into M as Inf without a word; products within it are added as before."""
+    from hf_grow.statistics.collector import Sums
+
+    sums = Sums(2, 3, 5, [0], False, torch.device("cpu"), float16=False, accumulate_dtype=torch.float32)
+    product = torch.randn(3, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    sums.add_gradient(0, product)
+    torch.testing.assert_close(sums.gradients[0], product.float(), rtol=0, atol=0)
+    sums.batch_index = 4
+    with pytest.raises(FloatingPointError, match="layer 0 overflowed torch.float32 at batch 4: accumulate in float64"):
+        sums.add_gradient(0, torch.full((3, 5, 5), 1e39, dtype=torch.float64))

@@ -146,16 +146,24 @@ class Sums:
         """M of ``layer`` += one batch's per-head products, by ``add_`` (on a CPU it still converts the product to
         M's dtype in a temporary; a separate conversion and an entry-by-entry scan were 14% of a GPT-2-small pass);
         their sum is checked, and only a sum that is not finite (NaN and Inf carry into it, or an overflow of
-        finite values) is checked entry by entry."""
+        finite values) is checked entry by entry. Products wider than M (float64 into float32) can overflow M's
+        range as they are added: M is then checked the same way."""
         if not torch.isfinite(contribution.sum()) and not torch.isfinite(contribution).all():
             overflow = " (float16 overflows most easily: load the model in bfloat16 or float32)" if self.float16 else ""
             raise FloatingPointError(
                 f"non-finite score gradients in layer {layer} at batch {self.batch_index}{overflow}: "
                 "check the loss and the data of that batch."
             )
-        self.gradients[layer].add_(contribution)  # the same sums as adding a converted copy (M at least as wide)
-        if self.in_half:
-            self.half_gradients[layer].add_(contribution)
+        targets = [self.gradients[layer]] + ([self.half_gradients[layer]] if self.in_half else [])
+        for target in targets:
+            target.add_(contribution)
+        if torch.finfo(targets[0].dtype).max >= torch.finfo(contribution.dtype).max:
+            return
+        if any(not torch.isfinite(target.sum()) and not torch.isfinite(target).all() for target in targets):
+            raise FloatingPointError(
+                f"the sum of score gradients of layer {layer} overflowed {targets[0].dtype} at batch "
+                f"{self.batch_index}: accumulate in float64 (accumulate_dtype) or compute in float32 (compute_dtype)."
+            )
 
     def add_batch(self, tokens: int, loss_weight: int, loss: float) -> None:
         """Count a batch whose products were added: its non-padding tokens, loss terms and loss."""
