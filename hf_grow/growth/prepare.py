@@ -157,7 +157,7 @@ def collect_configured_statistics(
         dataloader,
         adapter,
         loss_fn,
-        config.max_batches,
+        max_batches=config.max_batches,
         compute_dtype=config.torch_compute_dtype,
         accumulate_dtype=config.torch_accumulate_dtype,
         progress=progress,

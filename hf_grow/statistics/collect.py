@@ -80,6 +80,7 @@ def collect_statistics(
     dataloader: Iterable[Mapping[str, Tensor]],
     adapter: ArchitectureAdapter,
     loss_fn: LossFn | None = None,
+    *,
     max_batches: int | None = None,
     compute_dtype: torch.dtype = torch.float32,
     progress: bool = False,
@@ -94,7 +95,8 @@ def collect_statistics(
     cross_fit: bool = False,
     owners: Sequence[int] | None = None,
 ) -> GrowthStatistics:
-    """Accumulate C and M over ``dataloader`` (at most ``max_batches``), leaving the model as it was.
+    """Accumulate C and M over ``dataloader`` (at most ``max_batches``), leaving the model as it was. The options
+    after ``loss_fn`` are keyword-only.
 
     ``compute_dtype`` is the precision of the per-batch products (float32 or float64, whatever the model dtype or
     autocast); ``accumulate_dtype`` that of M's sums over batches (float32 halves the largest tensors; BENCHMARKS.md
