@@ -8,7 +8,10 @@ Variants, at p = 8, statistics collected once per model:
 - ``default``: `grow_model`'s defaults, ``step_mode="auto"`` with whitened truncation: per_head and per_layer
   line-searched on 2/3 of the line-search batches, per_layer kept only if it also beats per_head on the other
   third (`hf_grow.growth.candidates`);
-- ``auto`` (with ``--auto``): ``truncation="auto", step_mode="auto"``, the four candidates chosen the same way.
+- ``auto`` (with ``--auto``): ``truncation="auto", step_mode="auto"``, the four candidates chosen the same way;
+- ``--extra NAME=JSON ...``: `grow_model` with those options, e.g. ``'rtol3={"rtol": 1e-3}'`` or
+  ``'rtol3-rot={"rtol": 1e-3, "rotate_factors": true}'`` (a candidate default); ``rotate_factors`` is dropped
+  where the model grows by "append" (the Llama), which refuses it.
 
 Models (``--models``): GPT-2s trained here on English text (the standard library's ``pydoc_data`` topics and its
 docstrings) with a byte vocabulary (``bytes-en``) and with a 2,048-token byte-level BPE vocabulary trained on the
@@ -20,6 +23,7 @@ test two thirds; the table gives each variant's test-loss decrease.
 
     python recipes/benchmarks/bench_candidates.py --cache runs/candidates                  # all models
     python recipes/benchmarks/bench_candidates.py --quick --models bytes-en minilm         # smoke test
+    python recipes/benchmarks/bench_candidates.py --cache runs/candidates --extra 'rtol3={"rtol": 1e-3}'
 """
 
 from __future__ import annotations
@@ -137,7 +141,10 @@ def english_setups(names: list[str], quick: bool, cache: str | None, steps: int)
         yield name, model, stats, pool, None
 
 
-def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int, variants: list[str]) -> list[dict]:
+def run_model(
+    name, model, stats_batches, pool, loss_fn, splits: int, p: int, variants: dict[str, dict]
+) -> list[dict]:
+    appended = "llama" in model.config.model_type  # rotary: grown by "append", which refuses rotate_factors
     tick = time.perf_counter()
     statistics = hf_grow.collect_statistics(model, stats_batches, hf_grow.get_adapter(model), loss_fn)
     print(f"# {name}: statistics {time.perf_counter() - tick:.0f} s", flush=True)
@@ -146,8 +153,9 @@ def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int, va
         eval_batches, test_batches = line_search_and_test(pool, split)
         test_before = hf_grow.evaluate_loss(model, test_batches, loss_fn=loss_fn)[0]
         row = dict(model=name, split=split, decrease={}, seconds={}, passes={})
-        for variant in variants:
-            settings = VARIANTS[variant]
+        for variant, settings in variants.items():
+            if appended:
+                settings = {key: value for key, value in settings.items() if key != "rotate_factors"}
             tick = time.perf_counter()
             grown = hf_grow.grow_model(
                 model, None, p=p, statistics=statistics, eval_dataloader=eval_batches, loss_fn=loss_fn,
@@ -166,7 +174,7 @@ def run_model(name, model, stats_batches, pool, loss_fn, splits: int, p: int, va
     return rows
 
 
-def summarize(rows: list[dict], variants: list[str]) -> None:
+def summarize(rows: list[dict], variants: list[str], extra: list[str]) -> None:
     print("\nTest-loss decrease (nats); in brackets the ratio to the notes' formula; the default's choice:")
     print(f"{'model':<12}{'split':>6}" + "".join(f"{name:>26}" for name in variants) + "  chosen (how)")
     for row in rows:
@@ -184,6 +192,12 @@ def summarize(rows: list[dict], variants: list[str]) -> None:
     print(f"default below the notes' formula on {below}/{len(rows)} rows; default / best single variant "
           f"({best_single}) on average: {means['default'] / means[best_single]:.3f}; default / each row's best: "
           f"{means['default'] / oracle:.3f}")
+    for name in extra:
+        below = sum(row["decrease"][name] < row["decrease"]["notes"] for row in rows)
+        least = min(row["decrease"][name] / row["decrease"]["notes"] for row in rows if row["decrease"]["notes"] > 0)
+        print(f"{name}: below the notes' formula on {below}/{len(rows)} rows (least ratio {least:.2f}); / best "
+              f"single variant on average {means[name] / means[best_single]:.3f}; / each row's best "
+              f"{means[name] / oracle:.3f}; / the default {means[name] / means['default']:.3f}")
     passes = {name: sum(row["passes"][name] for row in rows) / len(rows) for name in variants}
     print("mean held-out passes beyond the one at step 0 (line_search_passes): "
           + ", ".join(f"{name} {value:.1f}" for name, value in passes.items()))
@@ -202,8 +216,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="training steps of the models trained on English text (default "
                         "600, with --quick 40)")
     parser.add_argument("--auto", action="store_true", help="also truncation and step_mode both auto")
+    parser.add_argument("--extra", nargs="*", default=[], metavar="NAME=JSON", help="grow_model with these options")
     args = parser.parse_args()
-    variants = [name for name in VARIANTS if name != "auto" or args.auto]
+    variants = {name: settings for name, settings in VARIANTS.items() if name != "auto" or args.auto}
+    extra = dict(entry.split("=", 1) for entry in args.extra)
+    variants.update((name, json.loads(settings)) for name, settings in extra.items())
     torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message="query/key widths .* are not multiples of 8")
@@ -225,7 +242,7 @@ def main() -> None:
             if args.json:
                 with open(args.json, "w") as handle:
                     json.dump(rows, handle, indent=1)
-    summarize(rows, variants)
+    summarize(rows, list(variants), list(extra))
 
 
 if __name__ == "__main__":
