@@ -34,6 +34,26 @@ def test_readme_has_the_commands():
     assert any("--dataset wikitext" in command for command in commands)
 
 
+def test_the_public_names_table_lists_every_export():
+    """README's table of public names names every name hf_grow exports (the grown classes by their prefixes),
+    and each submodule entry point it names exists."""
+    import importlib
+
+    import hf_grow
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("The public names, all importable from `hf_grow`:")
+    table = readme[start:readme.index("How a model grows is", start)]
+    listed = set(re.findall(r"`(\w+)\*?`", table))
+    prefixes = tuple(name for name in listed if name.startswith("Grown"))
+    missing = [name for name in hf_grow.__all__ if name != "__version__" and name not in listed
+               and not name.startswith(prefixes)]
+    assert missing == []
+    for dotted in re.findall(r"`(hf_grow\.[\w.]+)`", table):
+        module, _, name = dotted.rpartition(".")
+        assert hasattr(importlib.import_module(module), name) or importlib.import_module(dotted)
+
+
 def test_offline_quickstart_commands_run():
     """The recipe, then hf-grow on the model it trained (in order, as a reader would run them)."""
     for command in readme_commands():
