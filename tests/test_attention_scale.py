@@ -1,6 +1,8 @@
 """Growth that keeps the attention scale of the old width (``keep_attention_scale``): the grown config records it,
 the grown models compute with it, and nothing is folded into the old queries or their optimizer moments."""
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, BertModel, LlamaForCausalLM
@@ -160,3 +162,35 @@ def test_the_fast_search_brackets_the_same_step_at_the_old_scale(trained_gpt2, s
     unconstrained = [[point.loss for point in report.line_search if point.kind == "unconstrained"]
                      for report in (kept, folded)]
     assert unconstrained[0] and unconstrained[0] == pytest.approx(unconstrained[1], abs=1e-5)
+
+
+@pytest.mark.parametrize("architecture, flags", [
+    ("gpt2", {}), ("gpt2", {"scale_attn_weights": False}), ("gpt2", {"scale_attn_by_inverse_layer_idx": True}),
+    ("bert", {}), ("llama", {}),
+])
+def test_the_adapters_scaling_rule_is_the_modeling_files(architecture, flags):
+    """The solve and the resize read each layer's scale from its adapter, a grown model built from its config (as
+    `from_pretrained` does) from its modeling file's self-contained copy of the rule: both agree, on the plain
+    model and after growth by 8 at the old scale and at the new one (GPT-2's flags: no scaling, scaling by the
+    inverse layer index)."""
+    from transformers import GPT2LMHeadModel
+
+    from hf_grow import to_grown_model
+
+    from conftest import tiny_gpt2_config
+
+    torch.manual_seed(0)
+    build = {"gpt2": lambda: GPT2LMHeadModel(tiny_gpt2_config(n_layer=3, **flags)),
+             "bert": lambda: BertModel(tiny_bert_config()), "llama": lambda: LlamaForCausalLM(tiny_llama_config())}
+    plain = build[architecture]()
+    adapter = get_adapter(plain)
+    layers = range(len(adapter.attention_modules(plain)))
+    assert scalings(plain) == [adapter.current_scaling(plain.config, layer) for layer in layers]
+    for keep_attention_scale in (False, True):
+        grown = to_grown_model(copy.deepcopy(plain))
+        grow_in_training(grown, None, None, 8, mode="zero", keep_attention_scale=keep_attention_scale)
+        expected = [adapter.current_scaling(grown.config, layer) for layer in layers]
+        assert scalings(grown) == pytest.approx(expected, rel=1e-15)  # set by the adapter at the resize
+        assert scalings(type(grown)(grown.config)) == pytest.approx(expected, rel=1e-15)  # the modeling file's
+        unscaled = not flags.get("scale_attn_weights", True)
+        assert (expected == scalings(plain)) == (keep_attention_scale or unscaled)
