@@ -289,13 +289,19 @@ def test_growing_twice(llama_gqa, stdlib_bytes):
 def test_bfloat16(llama_gqa, stdlib_bytes):
     model = GrownLlamaForCausalLM(get_adapter(llama_gqa).grown_config(llama_gqa.config, [16, 16]))
     model.load_state_dict(llama_gqa.state_dict())
+    reference = copy.deepcopy(model).eval()
     model = model.to(torch.bfloat16).eval()
     batches = lm_batches(stdlib_bytes["stats"], 4)
     evaluation = lm_batches(stdlib_bytes["eval"], 2, seed=11)
     exact = grow_model(model, batches, p=8, step_size=0.0)
     assert next(exact.parameters()).dtype == torch.bfloat16
-    # Up to the rounding of the rescaled queries (scale 16^-1/2 -> 24^-1/2 folded in): bfloat16's own precision.
-    assert (outputs_of(exact, evaluation[0])[1].float() - outputs_of(model, evaluation[0])[1].float()).abs().max() < 0.1
+    # Up to the rounding of the rescaled queries (scale 16^-1/2 -> 24^-1/2 folded in): bfloat16's own precision,
+    # measured as the bfloat16 model's error against float32 (0.12 on a CPU with AMX; kernels round differently).
+    logits = {name: outputs_of(m, evaluation[0])[1].float() for name, m in
+              (("float32", reference), ("bfloat16", model), ("grown", exact))}
+    own_error = (logits["bfloat16"] - logits["float32"]).abs().max()
+    assert (logits["grown"] - logits["bfloat16"]).abs().max() <= 2 * own_error
+    assert (logits["grown"] - logits["float32"]).abs().max() <= 1.5 * own_error
     grown = grow_model(model, batches, p=8, eval_dataloader=evaluation)
     assert grown.growth_report.eval_loss_after <= grown.growth_report.eval_loss_before
 
