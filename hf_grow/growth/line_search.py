@@ -149,9 +149,10 @@ def search_step_size(
     for _ in range(max_expansions):
         if loss(step) < loss(0.0):
             break
-        if loss(step) == loss(0.0) and tied:
+        tie = loss(step) == loss(0.0)
+        if tie and tied:
             return losses
-        tied = loss(step) == loss(0.0)
+        tied = tie
         step /= factor
     else:
         return losses
