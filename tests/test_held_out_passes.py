@@ -53,7 +53,7 @@ def test_realized_gains_replaying_unchanged_blocks_equal_full_passes(gpt2_copy, 
     adapter, unchanged, stepped = _old_and_stepped_weights(grown, gpt2_copy, batches)
     write_weights(adapter, grown, unchanged)
     # the gains are counted from the old function at the grown widths, which can round differently from the
-    # original's (by 8e-8 on a CPU with AMX kernels; bit for bit on others)
+    # original's (by 8e-8 on a CPU with AMX kernels; bit for bit on the CPU of earlier sessions)
     before = evaluate_loss(grown, held_out)[0]
     assert grown.growth_report.eval_loss_before == pytest.approx(before, rel=1e-12)
     assert before == pytest.approx(evaluate_loss(gpt2_copy, held_out)[0], abs=1e-6)

@@ -301,3 +301,16 @@ def test_bench_bf16_serving_prints_its_table_at_its_smallest(tmp_path, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| arm")]
     assert [row.split(" | ")[0] for row in rows] == ["| original", "| zero", "| default", "| dct"]
     assert rows[1].endswith("1.22 / 1.00 |") and len(rows[2].rsplit(" | ", 1)[1].split("  ")) == 4
+
+
+def test_bench_probe_eigh_times_every_method_and_checks_they_agree(monkeypatch, capsys):
+    import bench_probe_eigh
+
+    monkeypatch.setattr(sys, "argv", ["bench_probe_eigh", "--k", "24", "--w", "6", "--heads", "3", "--repeats", "1"])
+    bench_probe_eigh.main()
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.startswith(("torch.", "scipy")) and "(s)" not in line
+                and "within" not in line]) == 3
+    errors = [float(part.split(" ")[0]) for line in out.splitlines() if "within" in line
+              for part in line.split("within ")[1:]]
+    assert len(errors) == 4 and max(errors) < 1e-12
