@@ -160,8 +160,12 @@ def _selection(report: GrowthReport) -> str:
         for c in report.candidates
     )
     table = (
-        "\n\n| truncation | step mode | step size | held-out loss (search) | held-out loss (confirmation) |\n"
-        f"|---|---|---|---|---|\n{rows}" if report.selection != "simplest" else ""
+        "\n\n| truncation | step mode | step size (its search) | held-out loss (search) "
+        "| held-out loss (confirmation) |\n"
+        f"|---|---|---|---|---|\n{rows}\n\nEach candidate's step was searched on part of the held-out batches and "
+        f"confirmed on the rest; the kept one's was then searched again on all of them: step "
+        f"{report.searched_step_size or report.step_size:.4g}."
+        if report.selection != "simplest" else ""
     )
     return f"\n- Candidate: {report.selection_summary()} (`selection` {report.selection}).{table}"
 
@@ -251,7 +255,8 @@ def _card_body(
 
 {grown_from} with the query/key width of its attention heads grown by [hf_grow](https://pypi.org/project/hf_grow/):
 the new query/key weights are solved from first-order loss statistics, so that the grown model starts where the
-old one was and takes one step downhill. At step 0 it computes exactly the old function{step_zero}.
+old one was and takes one step downhill. At step 0 it computes the old function, up to floating-point
+rounding{step_zero}.
 
 ## Growth
 
@@ -317,14 +322,18 @@ def _is_main_process() -> bool:
 
 
 def _pushable(card: ModelCard) -> ModelCard:
-    """The card without metadata the Hub would refuse the commit for: local paths as base model or datasets."""
-    data = card.data
+    """The card without metadata the Hub would refuse the commit for (local paths as base model or datasets), and
+    without the local paths of base models in its text (a folder's own name stays): nothing of this machine's
+    file system is published."""
+    data, text = card.data, card.text
     base_models = [data.base_model] if isinstance(data.base_model, str) else data.base_model or []
+    for local in (name for name in base_models if not _is_hub_id(name)):
+        text = text.replace(f"`{local}`", f"`{Path(local).name}`")
     if not all(map(_is_hub_id, base_models)):
         data.base_model = None
     if data.datasets:
         data.datasets = [name for name in data.datasets if _is_hub_id(name)] or None
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{card.text}")
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
 
 
 def _files_to_push(folder: Path) -> list[Path]:
@@ -404,8 +413,9 @@ def push_to_hub(
         files = _files_to_push(folder)
         if existing is not None:
             card = ModelCard.load(existing)
-            # A card written for the folder (by the CLI, say) loads it by the folder's name, or a grown
-            # SentenceTransformer's by sentence-transformers' placeholder: use the repository's.
+            # A card written for the folder (by the CLI, say) is titled and loads it by the folder's name, or a
+            # grown SentenceTransformer's by sentence-transformers' placeholder: use the repository's.
+            card.text = card.text.replace(f"# {folder.name}\n", f"# {repo_id.split('/')[-1]}\n", 1)
             for old_name in (folder.name, SENTENCE_PLACEHOLDER):
                 for loader in ("from_pretrained(", "SentenceTransformer("):
                     card.text = card.text.replace(f'{loader}"{old_name}"', f'{loader}"{repo_id}"')

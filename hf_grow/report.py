@@ -113,7 +113,8 @@ class CandidateReport:
     truncation: str
     step_mode: str
     step_size: float
-    #: Held-out loss at that step on the batches its step was searched on, and on the confirmation batches.
+    #: Held-out loss at that step on the batches its step was searched on, and on the confirmation batches. (The
+    #: kept candidate's step is then searched again on all the held-out batches: `GrowthReport.step_size`.)
     search_loss: float | None
     confirm_loss: float | None
     #: True where its search stayed coarse (`hf_grow.growth.candidates`): at its best, the loss could not have
@@ -140,8 +141,9 @@ class GrowthReport:
     #: The steps in absolute units of the mean statistics, Z_new = Z - lam * P: the root mean square of the
     #: layers' own (`LayerReport.lam`; one lam for all with ``step_mode="global"``).
     lam: float
-    #: Held-out loss of the grown model at step 0, the old function (in bfloat16/float16 up to the rounding of
-    #: the rescaled query weights); the line search compares every step with it.
+    #: Held-out loss of the grown model at step 0, the old function (in bfloat16/float16 up to the model's own
+    #: rounding: the rescaled query weights, kernels at the new head width); the line search compares every step
+    #: with it.
     eval_loss_before: float | None
     eval_loss_after: float | None
     #: Best held-out loss of the full-rank update (search="fast" with one step mode; None where the default's
@@ -153,8 +155,10 @@ class GrowthReport:
     parameters_before: int
     parameters_after: int
     seconds: dict[str, float]
-    #: Every step the line search evaluated; with "auto" options, the kept candidate's, on its search batches
-    #: (``eval_loss_before`` / ``eval_loss_after`` are over all the held-out batches).
+    #: Every step the line search evaluated, with its loss over all the held-out batches (the step-0 point is
+    #: ``eval_loss_before``, the chosen step's ``eval_loss_after``). With several candidates these are the final
+    #: search's, from the kept candidate's step; each candidate's own search, on part of the batches, is in
+    #: `candidates`.
     line_search: list[LineSearchPoint] = field(default_factory=list)
     layers: list[LayerReport] = field(default_factory=list)
     #: How the truncations were computed (`hf_grow.linalg.DECOMPOSITION_METHODS`, joined by "+" where

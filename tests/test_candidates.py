@@ -110,6 +110,12 @@ def test_report_and_card_name_the_chosen_candidate(chosen, tmp_path):
     assert "`selection` search" in card
     assert "| frobenius | per_layer |" in card  # every candidate's losses
     assert "(coarse search)" in card  # the losing candidates searched coarsely
+    # the table's steps are each candidate's own search; the card says which step the model took
+    assert f"searched again on all of them: step {report.step_size:.4g}." in card
+    # the report's line search is the final search, over all held-out batches: step 0 is the loss before
+    at_zero = [point.loss for point in report.line_search if point.step_size == 0]
+    assert at_zero == [report.eval_loss_before]
+    assert min(point.loss for point in report.line_search) == report.eval_loss_after
 
 
 def test_step_0_is_exact_and_the_simplest_is_kept_without_a_held_out_choice(gpt2_copy, stdlib_bytes):

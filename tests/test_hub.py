@@ -117,16 +117,30 @@ def test_save_pretrained_with_push_to_hub_uploads_a_complete_folder(grown, tmp_p
     uploads = []
 
     def upload(self, working_dir, repo_id, files_timestamps, **kwargs):
-        uploads.append((repo_id, kwargs.get("commit_message"), {path.name for path in Path(working_dir).iterdir()}))
+        written = {path.name for path in Path(working_dir).iterdir()
+                   if path.name not in files_timestamps or path.stat().st_mtime > files_timestamps[path.name]}
+        uploads.append((Path(working_dir), repo_id, kwargs, written))
 
-    api = SimpleNamespace(create_repo=lambda repo_id, **_: SimpleNamespace(repo_id=repo_id))
+    repos = []
+    api = SimpleNamespace(
+        create_repo=lambda repo_id, **options: repos.append(options) or SimpleNamespace(repo_id=repo_id)
+    )
     monkeypatch.setattr(transformers_hub, "hf_api", lambda: api)
     monkeypatch.setattr(transformers_hub, "create_and_tag_model_card", lambda *_, **__: ModelCard("---\n---\ncard"))
     monkeypatch.setattr(transformers_hub.PushToHubMixin, "_upload_modified_files", upload)
     model, _ = grown
-    model.save_pretrained(tmp_path / "out", push_to_hub=True, repo_id="me/grown", commit_message="grown")
-    assert uploads == [("me/grown", "grown", GROWN_FILES)]
-    assert {path.name for path in (tmp_path / "out").iterdir()} == GROWN_FILES - {"README.md"}
+    out = tmp_path / "out"
+    model.save_pretrained(out, push_to_hub=True, repo_id="me/grown", commit_message="grown", private=True)
+    # the folder itself is uploaded, the card transformers makes written there, as transformers' own save does
+    assert uploads == [(out, "me/grown", {"commit_message": "grown", "token": None}, GROWN_FILES)]
+    assert {path.name for path in out.iterdir()} == GROWN_FILES and repos[0]["private"] is True
+    # saved again with the save options (shards): the files this save wrote; a card already there is kept
+    (out / "README.md").write_text("---\n---\nthe grown model's own card")
+    model.save_pretrained(out, push_to_hub=True, repo_id="me/grown", max_shard_size="100KB")
+    shards = {path.name for path in out.glob("model-*.safetensors")}
+    assert len(shards) > 1  # (the first save's model.safetensors stays in the folder, not uploaded again)
+    assert uploads[1][3] == GROWN_FILES - {"model.safetensors"} | shards | {"model.safetensors.index.json"}
+    assert (out / "README.md").read_text().endswith("the grown model's own card")
 
 
 def test_the_card_of_a_step_zero_growth_says_so(model_folder, tmp_path):
@@ -137,7 +151,8 @@ def test_the_card_of_a_step_zero_growth_says_so(model_folder, tmp_path):
                        eval_dataloader=[{"input_ids": ids[1], "labels": ids[1]}], measure_realized_gains=False)
     grown.save_pretrained(tmp_path / "zero")
     card = hub.model_card(tmp_path / "zero", base_model=None)
-    assert "exactly the old function: this model took step 0" in card.text and "- Step: size 0 " in card.text
+    assert "the old function, up to floating-point\nrounding: this model took step 0" in card.text
+    assert "- Step: size 0 " in card.text
 
 
 def test_bad_pushes_are_refused_before_anything(grown, tmp_path, monkeypatch):
@@ -179,10 +194,13 @@ def test_cli_pushes_the_output_folder(model_folder, tmp_path, monkeypatch):
     assert set(api.files) == {path.name for path in output.iterdir()}
     assert GROWN_FILES | TOKENIZER_FILES <= set(api.files)
     local, pushed = ModelCard.load(output / "README.md"), ModelCard(api.files["README.md"].decode())
-    assert local.text == pushed.text and pushed.data.pipeline_tag == "text-generation"
-    # The local card records the local base model; the Hub refuses local paths as metadata, so the pushed one has none.
+    assert pushed.data.pipeline_tag == "text-generation"
+    # The local card records the local base model; the Hub refuses local paths as metadata, so the pushed one has
+    # none, and its text names the folder, not this machine's path; it is titled by the repository
     assert local.data.base_model == str(model_folder.resolve()) and pushed.data.base_model is None
-    assert str(model_folder) in pushed.text and "local text" in pushed.text
+    assert f"`{model_folder.resolve()}` with" in local.text and str(model_folder) not in pushed.text
+    assert f"`{model_folder.name}` with" in pushed.text and "local text" in pushed.text
+    assert pushed.text.replace(f"`{model_folder.name}` with", f"`{model_folder.resolve()}` with") == local.text
     assert 'from_pretrained("me/cli-grown"' in pushed.text
     assert 'tokenizer = AutoTokenizer.from_pretrained("me/cli-grown", trust_remote_code=True)' in pushed.text
 
@@ -199,6 +217,7 @@ def test_a_cli_folder_pushed_later_from_elsewhere(model_folder, tmp_path, monkey
     push_to_hub(tmp_path / "grown", "me/later", api=api)
     card = ModelCard(api.files["README.md"].decode())
     assert card.data.base_model is None and 'from_pretrained("grown"' not in card.text
+    assert card.text.lstrip().startswith("# later\n")  # titled by the repository, not the folder
     assert 'AutoModelForCausalLM.from_pretrained("me/later", trust_remote_code=True)' in card.text
 
 

@@ -42,6 +42,7 @@ from transformers.models.gpt2.modeling_gpt2 import (
     eager_attention_forward,
 )
 from transformers.pytorch_utils import Conv1D
+from transformers.utils import hub as transformers_hub
 from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_grown_gpt2 import GrownGPT2Config
@@ -243,13 +244,15 @@ class GrownGPT2PreTrainedModel(GPT2PreTrainedModel):
 
         The two source files and `auto_map` (for `trust_remote_code`), and `growth_report.json` when the
         model holds the report of the growth that made it (`model.growth_report`, set by hf_grow). With
-        ``push_to_hub``, the folder is complete before `push_to_hub` uploads it (transformers' own upload
-        inside `save_pretrained` would run before these files are written).
+        ``push_to_hub``, the files this save wrote in ``save_directory`` are uploaded once all are written
+        (transformers' own upload inside `save_pretrained` would run before these files are), as transformers
+        uploads them, with a ``README.md`` already there as the card (else transformers' card, written there).
         """
         self.config.auto_map = dict(AUTO_MAP)
         if push_to_hub:
             repo_id = kwargs.pop("repo_id", Path(save_directory).name)
             hub_kwargs = {key: kwargs.pop(key) for key in _PUSH_KWARGS if key in kwargs}
+            before = self._get_files_timestamps(save_directory) if Path(save_directory).is_dir() else {}
         super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
         if not self.should_save_on_this_rank(is_main_process):
             return
@@ -260,7 +263,14 @@ class GrownGPT2PreTrainedModel(GPT2PreTrainedModel):
         if report is not None:
             report.to_json_file(Path(save_directory) / "growth_report.json")
         if push_to_hub:
-            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub_kwargs)
+            token, private, tags = kwargs.get("token"), hub_kwargs.pop("private", None), hub_kwargs.pop("tags", None)
+            api = transformers_hub.hf_api()
+            repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+            card = Path(save_directory) / "README.md"
+            if not card.is_file():
+                transformers_hub.create_and_tag_model_card(repo_id, tags, token=token).save(card)
+            before.pop(card.name, None)  # the card is uploaded whenever it was written
+            self._upload_modified_files(save_directory, repo_id, before, token=token, **hub_kwargs)
 
 
 class GrownGPT2Model(GrownGPT2PreTrainedModel, GPT2Model):
