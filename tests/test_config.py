@@ -128,6 +128,9 @@ def test_a_config_and_its_overrides_grow_as_the_keywords_do(trained_gpt2, stdlib
         assert torch.equal(a, b), name
     report = by_config.growth_report
     assert GrowthConfig.from_dict(report.config) == config.replace(p=8)  # the report records what ran
+    # p left to its default is recorded as the 8 that ran; a budget leaves p out
+    default = grow_model(trained_gpt2, stats, eval_dataloader=held_out, step_size=0.0, measure_realized_gains=False)
+    assert default.growth_report.config["p"] == 8 and default.growth_report.config["budget"] is None
     by_config.save_pretrained(tmp_path / "grown")
     assert load_growth_report(tmp_path / "grown").config == report.config
     card = str(model_card(tmp_path / "grown", base_model="tiny-gpt2"))

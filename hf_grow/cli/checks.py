@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import hub
 from ..adapters import get_adapter
-from ..config import FOR_TRAINING, GrowthConfig
+from ..config import DEFAULT_P, FOR_TRAINING, GrowthConfig
 from ..data import matching_paths
 from ..growth import check_growth, check_statistics, check_weight_sample
 from ..statistics import GrowthStatistics, check_method_runs, check_offload_dir, checkpoint_weight_sample, parse_bytes
@@ -79,7 +79,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.budget is not None and args.p is not None:
         raise CommandError("give either --p or --budget, not both")
     if args.budget is None:
-        args.p = 8 if args.p is None else args.p
+        args.p = DEFAULT_P if args.p is None else args.p
         if args.p <= 0:
             raise CommandError(f"--p must be a positive number of dimensions to add, got {args.p}")
         if args.multiple_of != 1:

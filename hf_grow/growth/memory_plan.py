@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..adapters import ArchitectureAdapter
 from ..compact import compact_rank, rank_ceiling, stored_bytes
-from ..config import COMPUTE_DTYPES, GrowthConfig
+from ..config import COMPUTE_DTYPES, DEFAULT_P, GrowthConfig
 from ..files import SHARD_BYTES
 from ..progress import format_bytes
 from ..statistics import CPU_REFERENCE_MAX_LENGTH, layer_groups, m_copies, statistics_bytes
@@ -303,9 +303,9 @@ def _solved_bytes(
 
 
 def _largest_p(p: int | dict[int, int] | None) -> int:
-    """The most dims any layer gains (`resolve_growth`: 8 when not given)."""
+    """The most dims any layer gains (`DEFAULT_P` when not given)."""
     if p is None:
-        return 8
+        return DEFAULT_P
     return p if isinstance(p, int) else max(p.values(), default=0)
 
 

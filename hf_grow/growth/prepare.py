@@ -226,7 +226,7 @@ def check_growth(
     if config.budget is not None:
         check_budget(config.budget, config.multiple_of, [max_rank - dim for dim in qk_before])
         return mode, None
-    growth = resolve_growth(8 if config.p is None else config.p, len(qk_before))
+    growth = resolve_growth(config.with_default_p().p, len(qk_before))
     qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
     too_wide = {layer: dim for layer, dim in enumerate(qk_after) if dim > max_rank}
     if too_wide:

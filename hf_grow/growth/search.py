@@ -434,7 +434,7 @@ def write_report(
         budget=config.budget,
         step_mode=problem.step_mode,
         line_search_passes=outcome.passes,
-        config=config.to_dict(),
+        config=config.with_default_p().to_dict(),
         candidates=candidates or [],
         selection=selection,
         selection_margin=selection_margin,
