@@ -242,7 +242,8 @@ class GrowthConfig(JsonConfigMixin):
     )
     max_batches: Optional[int] = field(
         default=None,
-        metadata={"help": "use at most this many statistics batches (of each process's own, with several processes)"},
+        metadata={"help": "use at most this many statistics batches (of each process's own, with several processes); "
+                  "without held-out batches, only as many more are read as eval_fraction holds out"},
     )
     measure_realized_gains: bool = field(
         default=True,

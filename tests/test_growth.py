@@ -122,6 +122,25 @@ def test_default_split_holds_out_the_last_batches(trained_gpt2, data):
     assert grown.growth_report.eval_loss_before == pytest.approx(evaluate_loss(trained_gpt2, batches[-1:])[0], abs=1e-5)
 
 
+def test_max_batches_bounds_what_the_default_split_reads(trained_gpt2, data):
+    """With max_batches and no eval_dataloader, only the batches the statistics and their held-out share need are
+    read: an endless dataloader returns."""
+    read = []
+
+    def endless():
+        while True:
+            for batch in data["stats"]:
+                if len(read) == 100:
+                    raise AssertionError("the dataloader was read past what max_batches needs")
+                read.append(batch)
+                yield batch
+
+    grown = grow_model(trained_gpt2, endless(), p=8, max_batches=4, eval_fraction=0.5, measure_realized_gains=False)
+    assert len(read) == 8 and grown.growth_report.statistics_batches == 4  # 8 read, the last 4 held out
+    expected = evaluate_loss(trained_gpt2, data["stats"][4:8])[0]
+    assert grown.growth_report.eval_loss_before == pytest.approx(expected, abs=1e-5)
+
+
 def test_given_step_size_skips_the_search_and_is_deterministic(trained_gpt2, data):
     first = grow_model(trained_gpt2, data["stats"][:4], p=8, step_size=0.05)
     second = grow_model(trained_gpt2, data["stats"][:4], p=8, step_size=0.05)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -76,10 +77,13 @@ def split_batches(
     eval_fraction: float,
     needs_eval: bool,
     allow_empty: bool = False,
+    max_batches: int | None = None,
 ) -> tuple[Iterable, list[dict[str, Tensor]] | None]:
     """Statistics batches and held-out batches (materialized: the line search reads them many times).
     ``allow_empty``: an eval_dataloader without batches is this process's empty share of several processes'
-    (their held-out losses are summed; the caller refuses where all are empty)."""
+    (their held-out losses are summed; the caller refuses where all are empty). ``max_batches``: the statistics'
+    cap; held out from the dataloader, only the fewest batches that leave that many beside the held-out share are
+    read (a long or endless dataloader is not read to its end)."""
     if eval_dataloader is not None:
         eval_batches = list(eval_dataloader)
         if not eval_batches and not allow_empty:
@@ -87,6 +91,8 @@ def split_batches(
         return dataloader, eval_batches
     if not needs_eval:
         return dataloader, None
+    if max_batches is not None:
+        dataloader = itertools.islice(dataloader, batches_read(max_batches, eval_fraction))
     batches = list(dataloader)
     if len(batches) < 2:
         raise ValueError(
@@ -100,6 +106,14 @@ def split_batches(
             "lower eval_fraction, pass more data or an eval_dataloader."
         )
     return batches[:-num_eval], batches[-num_eval:]
+
+
+def batches_read(max_batches: int, eval_fraction: float) -> int:
+    """The fewest batches whose held-out share (`held_out_count`) leaves ``max_batches`` for the statistics."""
+    total = max_batches + 1
+    while total - held_out_count(total, eval_fraction) < max_batches:
+        total += 1
+    return total
 
 
 def can_confirm_a_choice(held_out_batches: int, searched: bool) -> bool:

@@ -287,7 +287,7 @@ def prepare_growth(
     with processes.failing_together():  # a process without data must not leave the others waiting
         statistics_batches, eval_batches = split_batches(
             dataloader, eval_dataloader, config.eval_fraction, config.step_size is None,
-            allow_empty=processes.world_size > 1,
+            allow_empty=processes.world_size > 1, max_batches=config.max_batches,
         )
         weights = [batch_loss_weight(adapter, model, batch, loss_fn) for batch in eval_batches or ()]
     device = next(model.parameters()).device
