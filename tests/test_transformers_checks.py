@@ -20,6 +20,7 @@ from hf_grow import (
     GrownGPT2Model,
     GrownLlamaConfig,
     GrownLlamaForCausalLM,
+    grow_model,
 )
 
 from conftest import tiny_gpt2_config
@@ -157,3 +158,21 @@ def test_grown_bert_as_a_decoder_with_a_cache_matches_the_full_forward(added):
     full = model(torch.cat([prompt, following], dim=1)).last_hidden_state
     step = model(following, cache=past).last_hidden_state
     torch.testing.assert_close(step, full[:, -3:], atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_with_offloaded_weights_is_refused_before_any_data(tmp_path):
+    """device_map with a "disk" entry leaves that layer's weights on the meta device (accelerate loads them per
+    forward): growth builds the grown model from the weights, so it is refused before the statistics pass."""
+    torch.manual_seed(0)
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "model")
+    device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h.0": "cpu",
+                  "transformer.h.1": "disk", "transformer.ln_f": "cpu", "lm_head": "cpu"}
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "model", device_map=device_map,
+                                            offload_folder=str(tmp_path / "offload"))
+
+    def unread():
+        raise AssertionError("the dataloader was read before the weights were checked")
+        yield
+
+    with pytest.raises(ValueError, match=r"parameters are on the meta device \(first: transformer\.h\.1\."):
+        grow_model(model, unread(), p=8)

@@ -237,6 +237,20 @@ def check_growth(
     return mode, growth
 
 
+def check_weights_in_memory(model: PreTrainedModel) -> None:
+    """Refuse a model whose weights are on the meta device (offloaded to disk or the CPU by ``device_map`` or
+    accelerate's ``cpu_offload``, which load them per forward): the grown model is built from the weights
+    themselves, so growth would fail after the statistics pass."""
+    offloaded = [name for name, parameter in model.named_parameters() if parameter.device.type == "meta"]
+    if offloaded:
+        raise ValueError(
+            f"{len(offloaded)} of the model's parameters are on the meta device (first: {offloaded[0]}): weights "
+            "offloaded by device_map or accelerate's cpu_offload cannot be grown. Load the model with every "
+            "module on a device (no 'disk' or offloaded 'cpu' entries in device_map), or pass memory_budget to "
+            "bound the statistics' memory instead."
+        )
+
+
 def prepare_growth(
     model: PreTrainedModel,
     dataloader: Iterable[Mapping[str, Tensor]] | None,
@@ -256,6 +270,7 @@ def prepare_growth(
     qk_before = adapter.qk_head_dims(model.config)
     max_rank = adapter.hidden_size(model.config) + 1
     mode, growth = check_growth(model, adapter, config, mode)
+    check_weights_in_memory(model)
     check_loss_fn(loss_fn)
     # Every process must grow alike: each solves its own layers and takes the same collectives. (The offload
     # folder may be each process's own.)
