@@ -36,10 +36,18 @@ def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.
     (`READ_BYTES`, cut after line ends), read as far as the pieces are taken (`token_windows` takes a file so).
 
     Folders matched by a glob are skipped; a folder named as such, a missing or unreadable file, or one that is
-    not UTF-8 text (`decode_text`, piece by piece) raises `TextFileError`.
+    not UTF-8 text (`decode_text`, piece by piece) raises `TextFileError`. A file named more than once (by two
+    patterns, or by a path and a link to it) is read once, with a warning: the held-out tail must be text the
+    statistics did not see.
     """
+    seen: set[str] = set()
     for pattern in patterns:
         for path in matching_paths(pattern):
+            real = os.path.realpath(path)
+            if real in seen:
+                warn(f"--data names {path!r} more than once: read once")
+                continue
+            seen.add(real)
             if os.path.isdir(path):
                 raise TextFileError(f"--data {path!r} is a folder: pass its text files, e.g. '{path}/*.txt'")
             if not os.path.isfile(path):

@@ -243,3 +243,19 @@ def test_a_few_undecodable_bytes_are_a_warning(model_folder, corpus, tmp_path, c
     error = capsys.readouterr().err
     share = 400 / len(text)
     assert error.strip() == f"hf-grow: warning: {share:.2%} of the bytes of {latin1} are not UTF-8 text: read as U+FFFD"
+
+
+def test_a_file_named_twice_is_read_once(model_folder, corpus, tmp_path, capsys):
+    """Named by a glob and by its path (or a link), a file would put the same text in the statistics and in the
+    held-out tail: it is read once, with a warning, and the split is the one of the file named once."""
+    (tmp_path / "link.txt").symlink_to(corpus)
+    arguments = ["--seq-len", "128", "--step-size", "0", "--quiet"]
+    assert cli.main([str(model_folder), "--data", str(corpus), *arguments, "--output-dir", str(tmp_path / "once")]) == 0
+    capsys.readouterr()
+    twice = [str(model_folder), "--data", str(corpus), str(tmp_path / "link.txt"), str(corpus), *arguments]
+    assert cli.main([*twice, "--output-dir", str(tmp_path / "twice")]) == 0
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert warnings == [f"hf-grow: warning: --data names {str(tmp_path / 'link.txt')!r} more than once: read once",
+                        f"hf-grow: warning: --data names {str(corpus)!r} more than once: read once"]
+    once, twice = load_growth_report(tmp_path / "once"), load_growth_report(tmp_path / "twice")
+    assert twice.statistics_tokens == once.statistics_tokens
