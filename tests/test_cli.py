@@ -97,6 +97,7 @@ def test_refuses_a_non_empty_output_folder(model_folder, tmp_path):
         (["--p", "-4"], "--p must be a positive"),
         (["--data", "/nonexistent/*.txt"], "no text file"),
         (["--data", TEXT_GLOB, "--max-tokens", "10", "--eval-tokens", "10", "--seq-len", "64"], "too short"),
+        (["--seq-len", "1"], "--seq-len must be at least 2 (a token and one to predict), got 1"),
         (["--dataset", "/nonexistent-dataset-folder"], "cannot load dataset"),
         (["--device", "nonsense"], "--device 'nonsense' is not a device"),
         (["--report", "/nonexistent/folder/report.json"], "--report: the folder of /nonexistent/folder"),
@@ -192,6 +193,9 @@ def test_grows_a_masked_lm_on_masked_lm_loss(minilm_path, tmp_path):
     assert type(AutoModelForMaskedLM.from_pretrained(output)).__name__ == "GrownBertForMaskedLM"
     too_long = run_cli(str(folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "out"), "--seq-len", "100")
     assert too_long.returncode == 2 and "exceeds the 64 positions" in too_long.stderr
+    too_short = run_cli(str(folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "out"), "--seq-len", "2")
+    assert too_short.returncode == 2 and "Traceback" not in too_short.stderr
+    assert "--seq-len 2 leaves no text token beside the tokenizer's [CLS] and [SEP]" in too_short.stderr
 
 
 def test_encoder_without_a_masked_lm_head_is_refused(minilm_path, tmp_path):

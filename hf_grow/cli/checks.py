@@ -49,6 +49,8 @@ def check_data_arguments(args: argparse.Namespace) -> None:
     for name in ("seq_len", "batch_size", "max_tokens", "eval_tokens"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise CommandError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.seq_len is not None and args.seq_len < 2:
+        raise CommandError(f"--seq-len must be at least 2 (a token and one to predict), got {args.seq_len}")
     if not 0 < args.mlm_probability < 1:
         raise CommandError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
     if args.data and args.dataset:

@@ -71,6 +71,11 @@ def text_batches(args: argparse.Namespace, tokenizer, objective: str, is_main: b
         if tokenizer.mask_token_id is None:
             raise CommandError(f"the tokenizer of {args.model!r} has no mask token: masked-LM loss needs one")
         window -= (tokenizer.cls_token_id is not None) + (tokenizer.sep_token_id is not None)
+        if window < 1:
+            raise CommandError(
+                f"--seq-len {args.seq_len} leaves no text token beside the tokenizer's [CLS] and [SEP]: pass a "
+                "larger --seq-len"
+            )
     if args.data:
         with as_command_error(TextFileError):
             texts = read_text_files(args.data, warn=_warn if is_main else lambda message: None)
