@@ -181,16 +181,19 @@ def sharded_training_message(found: str) -> str:
 
 
 def ddp_wrappers(model: nn.Module) -> list[nn.parallel.DistributedDataParallel]:
-    """The DistributedDataParallel wrappers in ``model``'s chain of wrappers (``.module``), outermost first.
+    """The DistributedDataParallel wrappers in ``model``'s chain of wrappers (``.module``, and torch.compile's
+    ``_orig_mod``), outermost first.
 
     A wrapper cannot be found from the plain model inside it (nor from accelerate, which records the plain
-    model), so growth during training must be given the wrapped model.
+    model), so growth during training must be given the wrapped model. A compiled wrapper is looked through by
+    what it wraps: its ``.module`` would forward past a DDP inside it (accelerate compiles after wrapping).
     """
     found = []
     while isinstance(model, nn.Module):
         if isinstance(model, nn.parallel.DistributedDataParallel):
             found.append(model)
-        model = getattr(model, "module", None)
+        compiled = model._modules.get("_orig_mod")
+        model = compiled if compiled is not None else getattr(model, "module", None)
     return found
 
 

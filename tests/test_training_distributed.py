@@ -225,6 +225,17 @@ def test_ddp_wrapper_trains_on_after_growth_like_the_plain_model(one_process_gro
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_the_ddp_wrapper_is_found_inside_a_compiled_model(one_process_group):
+    """accelerate compiles after wrapping in DDP: the compiled wrapper's `.module` forwards past the DDP, whose
+    buckets growth must rebuild, so the wrappers are looked through by what they wrap."""
+    from hf_grow.distributed import ddp_wrappers
+
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    assert ddp_wrappers(torch.compile(wrapped)) == [wrapped] and ddp_wrappers(wrapped) == [wrapped]
+    assert ddp_wrappers(torch.compile(model)) == []
+
+
 def test_fsdp_and_deepspeed_are_refused_with_what_works(one_process_group, stdlib_bytes):
     from torch.distributed.fsdp import fully_shard
 
