@@ -432,3 +432,22 @@ def test_a_resize_failing_inside_a_layer_leaves_the_layer_as_it_was(trained_gpt2
     assert model.config.qk_head_dims == [16, 16]
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["zero", "append"])
+def test_a_frozen_qk_parameter_leaves_the_others_state_remapped(stdlib_bytes, mode):
+    """With the fused Q/K/V bias frozen, the optimizer holds state for the weight only: that state follows the new
+    width (it was left at the old one, and the next step failed) and the frozen bias gets none."""
+    torch.manual_seed(0)
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    for block in model.transformer.h:
+        block.attn.c_attn.bias.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    batches = lm_batches(stdlib_bytes["train"], 6, seed=3)
+    train(model, optimizer, batches[:3])
+    grow_in_training(model, optimizer, batches[:2], 8, mode=mode, eval_dataloader=batches[2:3])
+    for block in model.transformer.h:
+        weight, bias = block.attn.c_attn.weight, block.attn.c_attn.bias
+        assert optimizer.state[weight]["exp_avg"].shape == weight.shape == (64, 2 * 16 * 4 + 64)
+        assert bias not in optimizer.state and not bias.requires_grad
+    assert all(math.isfinite(loss) for loss in train(model, optimizer, batches[3:]))

@@ -129,10 +129,14 @@ def resize_qk_(
                 # an interruption): the layer is left as it was, never with some of its parameters resized.
                 new_states: list[tuple[str, str, Tensor]] = []
                 for state_key in {key for state in states for key in state}:
-                    present = [state.get(state_key) for state in states]
-                    if not all(isinstance(value, Tensor) and value.dim() > 0 for value in present):
+                    present = dict(zip(names, (state.get(state_key) for state in states)))
+                    held = {name: value for name, value in present.items() if value is not None}
+                    if not all(isinstance(value, Tensor) and value.dim() > 0 for value in held.values()):
                         continue  # scalars such as the step count are kept
-                    source = dict(zip(names, present))
+                    # a parameter without this entry (frozen, or in another optimizer) reads as zeros and gets none
+                    reference = next(iter(held.values()))
+                    source = {name: held[name] if name in held else reference.new_zeros(parameters[name].shape)
+                              for name in names}
                     old_query, old_key = adapter.read_qk(attention, source)
                     degree = OPTIMIZER_STATE_DEGREES[state_key]
                     if keep_moments:
@@ -145,7 +149,8 @@ def resize_qk_(
                     new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
                     new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
                     for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
-                        new_states.append((name, state_key, value))
+                        if name in held:
+                            new_states.append((name, state_key, value))
                 new_parameters = adapter.qk_parameters(attention, query, key)
                 old_states = [
                     (name, state_key, optimizer.state[parameters[name]][state_key]) for name, state_key, _ in new_states
