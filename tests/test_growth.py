@@ -191,6 +191,7 @@ def test_peft_model_is_merged_into_a_copy(architecture, trained_gpt2, data, capl
         grown = grow_model(peft_model, data["stats"][:2], p=8, step_size=0.0)
     assert "merge_and_unload" in caplog.text
     assert type(grown).__name__.startswith("Grown") and not any("lora" in name for name in grown.state_dict())
+    assert all(parameter.requires_grad for parameter in grown.parameters())  # merged: frozen for LoRA no more
     batch = data["test"][0]
     with torch.no_grad():
         expected, actual = peft_model(**batch).logits, grown(**batch).logits

@@ -184,6 +184,13 @@ def test_to_grown_model_computes_the_same_function(trained_gpt2, stdlib_bytes):
     batch = lm_batches(stdlib_bytes["eval"], 1, seed=12)[0]
     with torch.no_grad():
         torch.testing.assert_close(grown(**batch).logits, trained_gpt2(**batch).logits, rtol=0, atol=0)
+    # what the model was set up with stays: a frozen embedding stays frozen, generation settings stay
+    plain = copy.deepcopy(trained_gpt2)
+    plain.transformer.wpe.weight.requires_grad_(False)
+    plain.generation_config.max_new_tokens = 7
+    converted = to_grown_model(plain)
+    frozen = [name for name, parameter in converted.named_parameters() if not parameter.requires_grad]
+    assert frozen == ["transformer.wpe.weight"] and converted.generation_config.max_new_tokens == 7
 
 
 def test_bert_grows_in_place(stdlib_bytes):
@@ -220,6 +227,10 @@ def test_clear_errors(trained_gpt2, trained):
     with pytest.raises(ValueError, match="cannot remap the Adamax state"):
         grow_in_training(model, adagrad_like, None, 8, mode="zero")
     assert model.config.qk_head_dims == [8, 8]  # refused before any change
+    stray = torch.optim.AdamW(copied(trained)[0].parameters())  # made before a conversion, say: another model's
+    with pytest.raises(ValueError, match="holds none of the model's parameters"):
+        grow_in_training(model, stray, None, 8, mode="zero")
+    assert model.config.qk_head_dims == [8, 8]
     with pytest.raises(ValueError, match="mode must be one of"):
         grow_in_training(model, None, None, 8, mode="widest")
     with pytest.raises(ValueError, match="exactly one of"):

@@ -6,6 +6,7 @@ the Q/K layout through the adapter's own `attention_modules` and `qk_parameters`
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -115,4 +116,10 @@ class GrownModelBuilder:
                 buffer.copy_(source_buffers[name])
         grown.tie_weights()
         grown.train(model.training)
+        # what the model was set up with stays: frozen parameters frozen, its generation settings
+        frozen = {name for name, parameter in model.named_parameters() if not parameter.requires_grad}
+        for name, parameter in grown.named_parameters():
+            parameter.requires_grad_(name not in frozen)
+        if getattr(model, "generation_config", None) is not None and grown.can_generate():
+            grown.generation_config = copy.deepcopy(model.generation_config)
         return grown

@@ -63,7 +63,10 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
         type(model).__name__,
         sorted(model.peft_config),
     )
-    return copy.deepcopy(model).merge_and_unload()
+    merged = copy.deepcopy(model).merge_and_unload()
+    # PEFT froze the base weights for its adapters; merged, they are the model's own weights again (the grown model
+    # keeps its source's requires_grad)
+    return merged.requires_grad_(True)
 
 
 def check_statistics(

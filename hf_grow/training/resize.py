@@ -60,6 +60,12 @@ def check_growable(model: PreTrainedModel, adapter: ArchitectureAdapter, optimiz
         )
     if optimizer is None:
         return
+    held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+    if not any(id(parameter) in held for parameter in model.parameters()):
+        raise ValueError(
+            f"the {type(optimizer).__name__} holds none of the model's parameters, so its steps would not train the "
+            "grown model: create the optimizer from the model being grown (after hf_grow.to_grown_model)."
+        )
     for attention in adapter.attention_modules(model):
         parameters = dict(attention.named_parameters())
         for name in adapter.qk_parameter_names(attention):
