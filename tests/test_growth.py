@@ -310,11 +310,15 @@ def without_labels(batches):
         ({"max_batches": True}, "max_batches must be a positive int"),
         ({"memory_budget": "lots"}, "memory_budget 'lots' is not a size"),
         ({"eval_dataloader": "unlabelled"}, "the held-out data holds no loss terms"),
+        ({"eval_dataloader": "too long"}, "held-out batch 1 holds sequences of 65 tokens, but the model has 64"),
     ],
 )
 def test_bad_arguments_fail_before_any_data_is_read(trained_gpt2, data, arguments, message):
     if arguments.get("eval_dataloader") == "unlabelled":
         arguments = {"eval_dataloader": without_labels(data["eval"][:2])}
+    if arguments.get("eval_dataloader") == "too long":
+        longer = {name: torch.cat([tensor, tensor[:, :1]], dim=1) for name, tensor in data["eval"][1].items()}
+        arguments = {"eval_dataloader": [data["eval"][0], longer]}
     with pytest.raises(ValueError, match=message):
         grow_model(trained_gpt2, unread(), p=8, **arguments)
     if "rtol" in arguments:

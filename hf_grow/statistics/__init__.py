@@ -15,6 +15,7 @@ search see them).
 from .batches import (
     LossFn,
     batch_loss_weight,
+    check_batch,
     check_loss_fn,
     compute_loss,
     describe,
@@ -52,6 +53,7 @@ __all__ = [
     "GrowthStatistics",
     "LossFn",
     "batch_loss_weight",
+    "check_batch",
     "check_loss_fn",
     "check_method_runs",
     "check_statistics_arguments",

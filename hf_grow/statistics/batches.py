@@ -105,27 +105,32 @@ def is_flat(batch: Any) -> bool:
 
 
 def iterate_batches(dataloader: Iterable[Any], model: PreTrainedModel) -> Iterator[Any]:
-    """Batches on the model's device; a clear error for a batch that is not a dict (or a list or tuple of them),
-    for leaves that are not tensors, and for sequences longer than the model's positions (which would otherwise
-    fail deep inside the embedding lookup)."""
+    """Batches on the model's device, each checked first (`check_batch`)."""
     device = next(model.parameters()).device
-    positions = getattr(model.config, "max_position_embeddings", None)
     for index, batch in enumerate(dataloader):
-        if not isinstance(batch, (Mapping, list, tuple)):
-            raise TypeError(
-                f"batch {index} is a {type(batch).__name__}; hf_grow expects dict batches passed as model(**batch), "
-                "e.g. from a DataLoader with transformers' DataCollatorForLanguageModeling (or, for a loss_fn, "
-                "dicts, lists and tuples of them)."
-            )
-        for _ in walk_tensors(batch, f"batch {index}"):
-            pass  # an unhandled leaf is a TypeError naming it, before the model runs
-        lengths = [shape[-1] for shape in token_shapes(batch) if len(shape) >= 2]
-        if positions is not None and lengths and max(lengths) > positions:
-            raise ValueError(
-                f"batch {index} holds sequences of {max(lengths)} tokens, but the model has {positions} positions "
-                "(config.max_position_embeddings): cut the sequences to at most that many tokens."
-            )
+        check_batch(batch, f"batch {index}", model)
         yield map_tensors(batch, lambda tensor: tensor.to(device))
+
+
+def check_batch(batch: Any, name: str, model: PreTrainedModel) -> None:
+    """A clear error, naming the batch (``name``), for a batch that is not a dict (or a list or tuple of them), for
+    leaves that are not tensors, and for sequences longer than the model's positions (which would otherwise fail
+    deep inside the embedding lookup)."""
+    if not isinstance(batch, (Mapping, list, tuple)):
+        raise TypeError(
+            f"{name} is a {type(batch).__name__}; hf_grow expects dict batches passed as model(**batch), "
+            "e.g. from a DataLoader with transformers' DataCollatorForLanguageModeling (or, for a loss_fn, "
+            "dicts, lists and tuples of them)."
+        )
+    for _ in walk_tensors(batch, name):
+        pass  # an unhandled leaf is a TypeError naming it, before the model runs
+    positions = getattr(model.config, "max_position_embeddings", None)
+    lengths = [shape[-1] for shape in token_shapes(batch) if len(shape) >= 2]
+    if positions is not None and lengths and max(lengths) > positions:
+        raise ValueError(
+            f"{name} holds sequences of {max(lengths)} tokens, but the model has {positions} positions "
+            "(config.max_position_embeddings): cut the sequences to at most that many tokens."
+        )
 
 
 def batch_loss_weight(adapter: ArchitectureAdapter, model: PreTrainedModel, batch: Any, loss_fn: LossFn | None) -> int:
