@@ -258,3 +258,12 @@ def test_float64_products_that_overflow_float32_sums_name_the_layer_and_batch():
     sums.batch_index = 4
     with pytest.raises(FloatingPointError, match="layer 0 overflowed torch.float32 at batch 4: accumulate in float64"):
         sums.add_gradient(0, torch.full((3, 5, 5), 1e39, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("option", ["compute_dtype", "accumulate_dtype"])
+def test_a_dtype_given_as_a_string_is_refused_with_the_torch_dtype_to_pass(option, three_layers):
+    """GrowthConfig takes "float64"; collect_statistics takes torch dtypes (it said "got float64")."""
+    model = three_layers
+    with pytest.raises(ValueError, match=rf"{option} must be torch.float32 or torch.float64 \(a torch dtype: "
+                                         r"torch.float64\), got 'float64'"):
+        collect_statistics(model, [], get_adapter(model), **{option: "float64"})

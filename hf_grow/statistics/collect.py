@@ -48,10 +48,10 @@ def check_statistics_arguments(
     tf32: bool | None = None,
 ) -> None:
     """A ValueError, before any work, for arguments `collect_statistics` cannot run with on ``device``."""
-    if compute_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
-    if accumulate_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"accumulate_dtype must be float32 or float64, got {accumulate_dtype}")
+    for name, dtype in (("compute_dtype", compute_dtype), ("accumulate_dtype", accumulate_dtype)):
+        if dtype not in (torch.float32, torch.float64):
+            hint = f" (a torch dtype: torch.{dtype})" if isinstance(dtype, str) else ""
+            raise ValueError(f"{name} must be torch.float32 or torch.float64{hint}, got {dtype!r}")
     check_method_runs(method, device)
     check_statistics_options(method, query_block, max_batches, memory_budget, compute_dtype == torch.float32)
     if method == "triton" and tf32 is False:
