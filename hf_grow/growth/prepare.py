@@ -249,8 +249,7 @@ def check_weights_in_memory(model: PreTrainedModel) -> None:
         raise ValueError(
             f"{len(offloaded)} of the model's parameters are on the meta device (first: {offloaded[0]}): weights "
             "offloaded by device_map or accelerate's cpu_offload cannot be grown. Load the model with every "
-            "module on a device (no 'disk' or offloaded 'cpu' entries in device_map), or pass memory_budget to "
-            "bound the statistics' memory instead."
+            "module on a device (no 'disk' or offloaded 'cpu' entries in device_map)."
         )
 
 
