@@ -131,16 +131,22 @@ class Processes:
 
 
 def unwrap_model(model: nn.Module, accelerator: Accelerator | None = None) -> nn.Module:
-    """The model inside DistributedDataParallel / DataParallel / accelerate wrappers (``.module``).
+    """The model inside DistributedDataParallel / DataParallel / accelerate wrappers (``.module``) and
+    torch.compile's (``_orig_mod``).
 
     hf_grow runs the plain model: its backward reaches only the input embeddings (no parameter gradients to
-    synchronize), and the statistics are summed across processes explicitly.
+    synchronize), and the statistics are summed across processes explicitly. A compiled model follows the plain
+    one's new shapes (it recompiles).
     """
     if accelerator is not None:
         model = accelerator.unwrap_model(model, keep_torch_compile=False)
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return model
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_modules", {}).get("_orig_mod"), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 #: What each refused wrapper or accelerate mode is called in the error message.

@@ -9,6 +9,7 @@ from transformers import (
     AutoModelForCausalLM,
     BertConfig,
     Trainer,
+    TrainerState,
 )
 
 from hf_grow import (
@@ -253,7 +254,7 @@ def test_clear_errors(trained_gpt2, trained):
     GrowthCallback({10: 8}, rotate_factors=True, mode="refactor")
 
 
-def test_a_schedule_with_bad_sizes_or_layers_is_refused_before_training(trained):
+def test_a_schedule_with_bad_sizes_or_layers_is_refused_before_training(trained, tmp_path):
     """grow_at's sizes were checked only at the growth step, in the middle of training, and the layers of both
     schedules too: now the sizes when the callback is made, the layers when training begins."""
     with pytest.raises(ValueError, match=r"grow_at\[10\]: p must be a positive"):
@@ -263,12 +264,12 @@ def test_a_schedule_with_bad_sizes_or_layers_is_refused_before_training(trained)
     with pytest.raises(TypeError, match=r"grow_at\[10\]: p must be an int"):
         GrowthCallback({10: "x"})
     model, optimizer = copied(trained)
-    args = type("Args", (), {"deepspeed": None, "fsdp": None, "world_size": 1})()
+    args, state = trainer_arguments(tmp_path), TrainerState(max_steps=20)
     for callback, message in ((GrowthCallback({10: {5: 8}}), r"grow_at\[10\]: p names layers \[5\]"),
                               (GrowthCallback(qk_dims_at={10: [16, 16, 16]}), r"qk_dims_at\[10\] has 3 widths")):
         with pytest.raises(ValueError, match=message):
-            callback.on_train_begin(args, None, None, model=model, optimizer=optimizer)
-    GrowthCallback({10: {1: 8}}).on_train_begin(args, None, None, model=model, optimizer=optimizer)
+            callback.on_train_begin(args, state, None, model=model, optimizer=optimizer)
+    GrowthCallback({10: {1: 8}}).on_train_begin(args, state, None, model=model, optimizer=optimizer)
 
 
 def test_append_mode_with_the_subspace_solver_matches_eigh(trained, stdlib_bytes):

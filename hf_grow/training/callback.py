@@ -7,9 +7,12 @@ import dataclasses
 import inspect
 import itertools
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import math
+import random
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
+import numpy
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
@@ -21,7 +24,7 @@ from ..distributed import refuse_sharded_training, sharded_training_message
 from ..growth import check_fast_search, resolve_growth
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
-from .grow import DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, resolved_mode, grow_in_training
+from .grow import DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, grow_in_training, model_to_grow, resolved_mode
 from .resize import check_growable, as_torch_optimizer
 
 logger = logging.getLogger("hf_grow")
@@ -31,10 +34,18 @@ class GrowthCallback(TrainerCallback):
     """Grow a model's query/key heads during `transformers.Trainer` training, keeping the optimizer.
 
     At the end of each scheduled optimizer step, draws ``statistics_batches + eval_batches`` batches from the
-    training set (with the Trainer's collator and batch size, from a generator of its own: the training
-    order and the global RNG are untouched), collects statistics on the first ones, line-searches the step on
-    the held-out rest, and resizes the model in place (`grow_in_training`). Training then continues with the
+    training set (with the Trainer's collator and batch size, in an order of its own; the global torch, Python and
+    NumPy generators are restored after the draw, so a random collator such as masked LM's leaves the training
+    order and masks as they were), collects statistics on the first ones, line-searches the step on the
+    held-out rest, and resizes the model in place (`grow_in_training`). Training then continues with the
     same optimizer, step count and LR schedule; checkpoints saved afterwards carry the new ``qk_head_dims``.
+    A training set of fewer batches is shared in the same proportion (at least one held out). An
+    `IterableDataset` is read from its start at every growth: each growth sees the same first batches (pass
+    ``dataloader`` for others). The statistics and the line search use the model's own loss (``outputs.loss``),
+    not a Trainer's ``compute_loss`` or label smoothing: pass ``loss_fn`` for another.
+
+    Checkpoints saved before a growth cannot be loaded into the grown model: with ``load_best_model_at_end`` the
+    best checkpoint is the best of those saved since the last growth (each growth forgets the Trainer's best).
 
     To resume from such a checkpoint, build the model from it (``AutoModelForCausalLM.from_pretrained(
     checkpoint)``) so that its shapes match, then ``trainer.train(resume_from_checkpoint=checkpoint)``;
@@ -64,8 +75,8 @@ class GrowthCallback(TrainerCallback):
             fixed ``dataloader``/``eval_dataloader`` are each process's own shard, as in `grow_model`.
         growth_kwargs: passed to `grow_in_training` (``step_size``, ``truncation``, ``loss_fn``, ...).
 
-    ``reports`` maps each step at which the model grew to its `GrowthReport` (None for the baselines); a
-    summary also goes to ``state.log_history`` (and so to ``trainer_state.json``).
+    ``reports`` maps each step at which the model grew, in the latest ``train()``, to its `GrowthReport` (None
+    for the baselines); a summary also goes to ``state.log_history`` (and so to ``trainer_state.json``).
     One process or DDP; FSDP and DeepSpeed are refused (they shard parameters and optimizer state by shape).
     """
 
@@ -106,7 +117,8 @@ class GrowthCallback(TrainerCallback):
         self.growth_kwargs = growth_kwargs
         self.reports: dict[int, GrowthReport | None] = {}
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
+        self.reports = {}  # each train() (a second one, model_init, hyperparameter_search) grows on its schedule
         if args.deepspeed or args.fsdp:
             raise ValueError(sharded_training_message("DeepSpeed" if args.deepspeed else "FSDP"))
         if args.world_size > 1 and self.trainer is None:
@@ -116,26 +128,22 @@ class GrowthCallback(TrainerCallback):
             )
         if self.trainer is not None:
             refuse_sharded_training(self.trainer.model_wrapped, self.trainer.accelerator)
-        check_growable(_unwrapped(model), get_adapter(_unwrapped(model)), as_torch_optimizer(optimizer))
-        _check_schedule_layers(self.grow_at, self.qk_dims_at, _unwrapped(model))
-
-    def _added_dims(self, step: int, model: PreTrainedModel) -> int | dict[int, int]:
-        if self.grow_at is not None:
-            return self.grow_at[step]
-        current = get_adapter(model).qk_head_dims(model.config)
-        target = self.qk_dims_at[step]
-        targets = [target] * len(current) if isinstance(target, int) else list(target)
-        if len(targets) != len(current):
-            raise ValueError(f"qk_dims_at[{step}] has {len(targets)} widths but the model has {len(current)} layers")
-        return {layer: max(0, want - have) for layer, (want, have) in enumerate(zip(targets, current))}
+        model = model_to_grow(model)
+        check_growable(model, get_adapter(model), as_torch_optimizer(optimizer))
+        _check_schedule_layers(self.grow_at, self.qk_dims_at, model)
+        schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
+        if self.dataloader is None and resolved_mode(model, self.mode) in SOLVED_MODES:
+            eval_count = 0 if self.eval_dataloader is not None else self.eval_batches
+            _check_training_set_size(train_dataloader, args, self.statistics_batches, eval_count)
+        _warn_about_training_settings(schedule, args, state, self.trainer, self.growth_kwargs)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
         step = state.global_step
-        if step not in schedule or step in self.reports:
+        if step not in schedule:
             return
-        model = _unwrapped(model)
-        added = self._added_dims(step, model)
+        model = model_to_grow(model)
+        added = self.grow_at[step] if self.grow_at is not None else _dims_to_reach(self.qk_dims_at[step], model)
         if isinstance(added, dict):
             added = {layer: extra for layer, extra in added.items() if extra}
             if not added:
@@ -163,11 +171,19 @@ class GrowthCallback(TrainerCallback):
             **self.growth_kwargs,
         )
         self.reports[step] = report
+        _forget_best_checkpoint(state)
         entry = {"step": step, "growth_mode": mode, "qk_head_dims": list(model.config.qk_head_dims)}
         if report is not None:
             entry.update(growth_eval_loss_before=report.eval_loss_before, growth_eval_loss_after=report.eval_loss_after)
         state.log_history.append(entry)
         logger.info("step %d: grew query/key heads to %s (%s)", step, model.config.qk_head_dims, mode)
+
+
+def _dims_to_reach(target: int | Sequence[int], model: PreTrainedModel) -> dict[int, int]:
+    """The dims each layer adds to reach ``target`` (a width for every layer, or one per layer)."""
+    current = get_adapter(model).qk_head_dims(model.config)
+    targets = [target] * len(current) if isinstance(target, int) else list(target)
+    return {layer: max(0, want - have) for layer, (want, have) in enumerate(zip(targets, current))}
 
 
 def _check_schedule(
@@ -220,7 +236,16 @@ def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_
     unknown = sorted(set(growth_kwargs) - fields - set(inspect.signature(grow_in_training).parameters))
     if unknown:
         raise TypeError(f"unknown growth option(s) {unknown}: GrowthConfig's fields or grow_in_training's keywords")
+    owned = sorted(set(growth_kwargs) & _SET_BY_THE_CALLBACK)
+    if owned:
+        raise TypeError(
+            f"GrowthCallback sets {owned} itself: the dims added come from the schedule (grow_at or qk_dims_at), the "
+            "model, optimizer and accelerator from the Trainer (with several processes pass trainer=trainer), and "
+            "the statistics are collected at each growth (pass dataloader= for fixed batches)"
+        )
     options = resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in fields})
+    if options.budget is not None:
+        raise ValueError("growth in training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
     if (mode or DEFAULT_MODE) in SOLVED_MODES:  # the baselines search no step
         check_fast_search(options.search, mode or DEFAULT_MODE, "the model")
     if options.rotate_factors and mode != "refactor":
@@ -228,26 +253,110 @@ def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_
                          f"{mode or DEFAULT_MODE!r}, which it does not apply to)")
 
 
+#: `grow_in_training`'s arguments that the callback passes itself.
+_SET_BY_THE_CALLBACK = frozenset({"model", "optimizer", "dataloader", "p", "accelerator", "statistics"})
+
+
+def _split_counts(available: int, statistics_batches: int, eval_batches: int) -> tuple[int, int]:
+    """The statistics and held-out batches that ``available`` batches per process give: those asked for where
+    there are enough, else ``available`` shared in their proportion, at least one held out (when any is asked)."""
+    if available >= statistics_batches + eval_batches or eval_batches == 0:
+        return min(available, statistics_batches), eval_batches
+    held_out = max(1, round(available * eval_batches / (statistics_batches + eval_batches)))
+    return available - held_out, held_out
+
+
+def _check_training_set_size(train_dataloader: DataLoader | None, args, statistics_batches: int,
+                             eval_batches: int) -> None:
+    """Refuse, before training, a training set too small to draw a growth's batches from; say how a small one is
+    shared (a set of known length: an IterableDataset is found short at the growth step)."""
+    dataset = getattr(train_dataloader, "dataset", None)
+    if not isinstance(dataset, Sized) or isinstance(dataset, IterableDataset):
+        return
+    batch_size = args.per_device_train_batch_size
+    available = math.ceil(len(dataset) / batch_size) // args.world_size
+    statistics, held_out = _split_counts(available, statistics_batches, eval_batches)
+    if statistics < 1:
+        raise ValueError(
+            f"the training set gives {available} batch(es) of {batch_size} per process: a growth needs one for the "
+            f"statistics{' and one held out' if eval_batches else ''}. Pass dataloader= (and eval_dataloader=) with "
+            "batches of your own, or a larger training set."
+        )
+    if (statistics, held_out) != (statistics_batches, eval_batches):
+        logger.warning(
+            "the training set gives %d batches of %d per process: each growth uses %d for the statistics and %d held "
+            "out (asked: %d and %d).", available, batch_size, statistics, held_out, statistics_batches, eval_batches
+        )
+
+
+def _warn_about_training_settings(schedule: Mapping[int, Any], args, state, trainer: Any | None,
+                                  growth_kwargs: Mapping[str, Any]) -> None:
+    """Warn, before training, about settings under which a growth does not do what the Trainer would."""
+    late = sorted(step for step in schedule if step > state.max_steps)
+    if late:
+        logger.warning("growth steps %s come after the last training step (%d): those growths do not happen "
+                       "(the schedule counts optimizer steps, not batches).", late, state.max_steps)
+    if args.load_best_model_at_end:
+        logger.warning("load_best_model_at_end: checkpoints saved before a growth cannot be loaded into the grown "
+                       "model, so the best checkpoint is the best of those saved since the last growth.")
+    if "loss_fn" in growth_kwargs:
+        return
+    custom_loss = False
+    if trainer is not None:
+        from transformers import Trainer  # imported by the Trainer given
+
+        custom_loss = (type(trainer).compute_loss is not Trainer.compute_loss
+                       or getattr(trainer, "compute_loss_func", None) is not None)
+    if custom_loss or args.label_smoothing_factor:
+        logger.warning("the growths' statistics and line search use the model's own loss (outputs.loss), not the "
+                       "Trainer's compute_loss or label smoothing: pass GrowthCallback(..., loss_fn=...) for its loss.")
+
+
+def _forget_best_checkpoint(state) -> None:
+    """Forget the Trainer's best metric and checkpoint after a growth: a checkpoint saved before it cannot be
+    loaded into the grown model (``load_best_model_at_end`` would fail at the end of training)."""
+    for name in ("best_metric", "best_global_step", "best_model_checkpoint"):
+        if getattr(state, name, None) is not None:
+            setattr(state, name, None)
+
+
+@contextlib.contextmanager
+def _global_generators_restored(seed: int) -> Iterator[None]:
+    """The global torch (CPU), Python and NumPy generators seeded with ``seed`` inside the block and restored after
+    it: a collator that draws from them (masked LM's masking) draws the same in training as without the growth."""
+    python_state, numpy_state = random.getstate(), numpy.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        random.seed(seed)
+        numpy.random.seed(seed % 2**32)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            numpy.random.set_state(numpy_state)
+
+
 def _draw_batches(
     train_dataloader: DataLoader, args, seed: int, statistics_batches: int, eval_batches: int
 ) -> tuple[list, list]:
     """This process's statistics and held-out batches, from the training set through the Trainer's collator,
-    in an order of their own (``seed``): every process draws the same batches and takes every world_size-th."""
+    in an order of their own (``seed``): every process draws the same batches and takes every world_size-th (as
+    many on each; a small training set is shared as `_split_counts` says)."""
     count = (statistics_batches + eval_batches) * args.world_size
     dataset, collate_fn = train_dataloader.dataset, train_dataloader.collate_fn
     batch_size = args.per_device_train_batch_size
+    generator = torch.Generator().manual_seed(seed)
     if isinstance(dataset, IterableDataset):
-        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn)
+        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, generator=generator)
     else:
-        generator = torch.Generator().manual_seed(seed)
         sampler = RandomSampler(dataset, generator=generator)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator)
-    drawn = list(itertools.islice(loader, count))[args.process_index :: args.world_size]
-    return drawn[:statistics_batches], drawn[statistics_batches:]
+    with _global_generators_restored(seed):
+        drawn = list(itertools.islice(loader, count))
+    drawn = drawn[: len(drawn) // args.world_size * args.world_size][args.process_index :: args.world_size]
+    statistics, held_out = _split_counts(len(drawn), statistics_batches, eval_batches)
+    if statistics < 1:
+        raise ValueError(f"the training set gave {len(drawn)} batch(es) per process: a growth needs one for the "
+                         f"statistics{' and one held out' if eval_batches else ''} (pass dataloader=)")
+    return drawn[:statistics], drawn[statistics : statistics + held_out]
 
-
-def _unwrapped(model: torch.nn.Module) -> PreTrainedModel:
-    """The model inside a torch wrapper such as DataParallel (``.module``)."""
-    while not isinstance(model, PreTrainedModel) and hasattr(model, "module"):
-        model = model.module
-    return model

@@ -127,6 +127,15 @@ def _in_training_defaults(
     return {**defaults, "cross_fit": halves}
 
 
+def model_to_grow(model: torch.nn.Module, accelerator: Accelerator | None = None) -> PreTrainedModel:
+    """The model whose Q/K grow in place, inside DDP, accelerate and torch.compile wrappers (`unwrap_model`) and a
+    PEFT ``PeftModel`` (its base model, which holds the adapters: those on Q/K are refused by `check_growable`)."""
+    model = unwrap_model(model, accelerator)
+    while not isinstance(model, PreTrainedModel) and callable(getattr(model, "get_base_model", None)):
+        model = unwrap_model(model.get_base_model())
+    return model
+
+
 def resolved_mode(model: PreTrainedModel, mode: str | None) -> str:
     """``mode``, or for None `DEFAULT_MODE` where the architecture supports it, else its own default."""
     if mode is not None:
@@ -155,9 +164,11 @@ def grow_in_training(
 ) -> GrowthReport | None:
     """Grow ``model``'s query/key heads by ``p`` in place, mid-training, and remap ``optimizer``'s state.
 
-    Unlike `grow_model` this modifies ``model`` (a grown model type; see `to_grown_model`): its Parameters are
+    Unlike `grow_model` this modifies ``model`` (a grown model type, see `to_grown_model`; or a torch.compile or
+    PEFT wrapper around one, whose adapters are not on Q/K: merge those first): its Parameters are
     resized in place, so ``optimizer`` (a torch optimizer or accelerate's wrapper around one), the LR schedule
-    and a `transformers.Trainer` carry on. Call it between optimizer steps (after ``zero_grad``).
+    and a `transformers.Trainer` carry on. Call it between optimizer steps: the Q/K Parameters' ``.grad`` is
+    cleared (in the middle of a gradient accumulation, their share so far would be lost; the others' kept).
 
     With several processes (DDP: torchrun, ``accelerate launch``), call it on every process with that process's
     own shard of the batches and the ``accelerator``, passing the DDP-wrapped model (what ``accelerator.prepare``
@@ -197,14 +208,15 @@ def grow_in_training(
 
     Returns:
         The `GrowthReport` of the solved modes (also set as ``model.growth_report``, so that checkpoints carry
-        it), None for the baselines.
+        it), None for the baselines (which clear ``model.growth_report``: an earlier report no longer describes
+        the model).
     """
     if mode is not None and mode not in GROWTH_MODES:
         raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
     check_new_moments(new_moments)
     overrides = overrides if p is None else {**overrides, "p": p}
     refuse_sharded_training(model, accelerator)
-    wrappers, model, processes = ddp_wrappers(model), unwrap_model(model, accelerator), Processes(accelerator)
+    wrappers, model, processes = ddp_wrappers(model), model_to_grow(model, accelerator), Processes(accelerator)
     is_main = processes.is_main
     adapter = get_adapter(model)
     mode = resolved_mode(model, mode)
@@ -234,6 +246,7 @@ def grow_in_training(
             keep_attention_scale=config.keep_attention_scale,
         )
         synchronize_after_growth(_qk_parameters(model, adapter, weights), wrappers, accelerator)
+        model.growth_report = None  # the report of an earlier growth no longer describes the model
         return None
 
     started = time.perf_counter()
@@ -276,3 +289,4 @@ def _qk_parameters(model: PreTrainedModel, adapter: ArchitectureAdapter, layers:
         for layer in layers
         for name in adapter.qk_parameter_names(attentions[layer])
     ]
+

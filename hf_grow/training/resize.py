@@ -28,6 +28,10 @@ OPTIMIZER_STATE_DEGREES: dict[str, int] = {
     "grad_avg": 1,
 }
 
+#: Optimizers known to keep factored second moments, refused by class: their state is created at the first step,
+#: after the checks before training (transformers' and torch's Adafactor).
+FACTORED_OPTIMIZERS = frozenset({"Adafactor"})
+
 
 def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
     """``model`` as its grown type, computing exactly the same function, ready to grow during training.
@@ -42,10 +46,12 @@ def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def as_torch_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside an accelerate ``AcceleratedOptimizer`` (or the optimizer itself)."""
-    while (
-        optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer")
-    ):
+    """The torch optimizer inside an accelerate ``AcceleratedOptimizer`` (or the optimizer itself).
+
+    accelerate's wrapper subclasses `torch.optim.Optimizer` too: unwrapped wherever it holds one, so that messages
+    name the optimizer that holds the state.
+    """
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
 
@@ -58,8 +64,24 @@ def check_growable(model: PreTrainedModel, adapter: ArchitectureAdapter, optimiz
             "from a grown config (e.g. hf_grow.GrownGPT2Config(qk_head_dims=...)) or convert it once with "
             "hf_grow.to_grown_model(model) before creating the optimizer."
         )
+    for layer, attention in enumerate(adapter.attention_modules(model)):
+        parameters = dict(attention.named_parameters())
+        missing = [name for name in adapter.qk_parameter_names(attention) if name not in parameters]
+        if missing:
+            raise ValueError(
+                f"layer {layer}'s query/key parameters {missing} are not where {type(model).__name__} keeps them "
+                f"(its attention holds {sorted(parameters)}): a wrapped module, such as a PEFT LoRA layer, cannot be "
+                "resized in place. Merge the adapters into the model first (peft_model.merge_and_unload()), or put "
+                "them on other modules (the values, the MLP)."
+            )
     if optimizer is None:
         return
+    if type(optimizer).__name__ in FACTORED_OPTIMIZERS:
+        raise ValueError(
+            f"cannot remap the state of {type(optimizer).__name__}: its second moments are factored into row and "
+            f"column statistics of each weight. Supported: optimizers whose state entries are "
+            f"{sorted(OPTIMIZER_STATE_DEGREES)} (Adam/AdamW, SGD, Adagrad, RMSprop, NAdam, RAdam) and scalars."
+        )
     held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
     if not any(id(parameter) in held for parameter in model.parameters()):
         raise ValueError(

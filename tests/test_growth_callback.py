@@ -1,0 +1,161 @@
+"""GrowthCallback inside a real `transformers.Trainer`: what it refuses before training, small and streamed
+training sets, a reused callback, the best checkpoint across a growth, and the generators it leaves alone."""
+
+import logging
+import random
+
+import numpy
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import Trainer, TrainerState, TrainingArguments
+
+from hf_grow import GrowthCallback, GrownGPT2Config, GrownGPT2LMHeadModel
+
+from conftest import tiny_gpt2_config, trainer_arguments, trainer_dataset
+
+
+def grown_model(seed: int = 0) -> GrownGPT2LMHeadModel:
+    torch.manual_seed(seed)
+    return GrownGPT2LMHeadModel(GrownGPT2Config(**tiny_gpt2_config().to_dict() | {"qk_head_dims": [8, 8]}))
+
+
+def test_a_reused_callback_grows_in_every_training_run(stdlib_bytes, tmp_path):
+    """A second train() (model_init, hyperparameter_search) grew nothing: the callback remembered the first run's
+    growth steps and skipped them."""
+    dataset = trainer_dataset(stdlib_bytes, 64, seed=11)
+    callback = GrowthCallback({3: 8}, mode="zero")
+    for run in range(2):
+        trainer = Trainer(model=grown_model(run), args=trainer_arguments(tmp_path / str(run)), train_dataset=dataset,
+                          callbacks=[callback])
+        trainer.train()
+        assert trainer.model.config.qk_head_dims == [16, 16], run
+        assert callback.reports == {3: None}
+
+
+def test_a_small_training_set_is_shared_and_one_too_small_refused_before_training(stdlib_bytes, tmp_path, caplog):
+    """5 batches against the default 8 + 4: the growth failed mid-training ("eval_dataloader yielded no batches").
+    Now shared in proportion (3 + 2); a single batch is refused before the first step."""
+    dataset = trainer_dataset(stdlib_bytes, 20, seed=11)  # 5 batches of 4
+    callback = GrowthCallback({3: 8}, mode="append")
+    trainer = Trainer(model=grown_model(), args=trainer_arguments(tmp_path), train_dataset=dataset,
+                      callbacks=[callback])
+    with caplog.at_level(logging.WARNING, logger="hf_grow"):
+        trainer.train()
+    assert "each growth uses 3 for the statistics and 2 held out (asked: 8 and 4)" in caplog.text
+    assert trainer.model.config.qk_head_dims == [16, 16]
+    report = callback.reports[3]
+    assert report.statistics_batches == 3 and report.eval_loss_after <= report.eval_loss_before
+
+    tiny = Trainer(model=grown_model(), args=trainer_arguments(tmp_path / "tiny"),
+                   train_dataset=dataset[:4], callbacks=[GrowthCallback({3: 8}, mode="append")])
+    with pytest.raises(ValueError, match=r"gives 1 batch\(es\) of 4 per process: a growth needs one for the "
+                                         "statistics and one held out"):
+        tiny.train()
+    assert tiny.state.global_step == 0
+
+
+def test_options_the_callback_sets_itself_are_refused_when_it_is_made():
+    """p, accelerator and budget passed the option check and failed at the growth step ("got multiple values for
+    argument 'p'")."""
+    for option in ({"p": 8}, {"accelerator": object()}, {"statistics": object()}):
+        with pytest.raises(TypeError, match="GrowthCallback sets"):
+            GrowthCallback({3: 8}, **option)
+    with pytest.raises(ValueError, match="budget allocation is grow_model's"):
+        GrowthCallback({3: 8}, budget=16)
+
+
+def test_adafactor_is_refused_before_training(stdlib_bytes, tmp_path):
+    """Adafactor creates its (factored) state at the first step, so the state check before training saw nothing and
+    the refusal came at the growth step, naming accelerate's wrapper instead of the optimizer."""
+    arguments = trainer_arguments(tmp_path)
+    arguments.optim = "adafactor"
+    trainer = Trainer(model=grown_model(), args=arguments, train_dataset=trainer_dataset(stdlib_bytes, 32, seed=11),
+                      callbacks=[GrowthCallback({3: 8}, mode="zero")])
+    with pytest.raises(ValueError, match="cannot remap the state of Adafactor: its second moments are factored"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_load_best_model_at_end_picks_a_checkpoint_saved_after_the_growth(stdlib_bytes, tmp_path, caplog):
+    """The best checkpoint (here by the highest eval loss: the earliest) predated the growth, and loading it at the
+    end of training failed on the Q/K shapes. Each growth now forgets the Trainer's best."""
+    dataset = trainer_dataset(stdlib_bytes, 64, seed=11)
+    arguments = trainer_arguments(tmp_path)
+    arguments.eval_strategy = arguments.save_strategy = "steps"
+    arguments.eval_steps = arguments.save_steps = 2
+    arguments.load_best_model_at_end, arguments.metric_for_best_model = True, "eval_loss"
+    arguments.greater_is_better = True
+    trainer = Trainer(model=grown_model(), args=arguments, train_dataset=dataset, eval_dataset=dataset[:8],
+                      callbacks=[GrowthCallback({3: 8}, mode="zero")])
+    with caplog.at_level(logging.WARNING, logger="hf_grow"):
+        trainer.train()
+    assert "the best checkpoint is the best of those saved since the last growth" in caplog.text
+    eval_losses = {entry["step"]: entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry}
+    assert eval_losses[2] > max(eval_losses[4], eval_losses[6])  # without the growth, checkpoint-2 would be the best
+    best = 4 if eval_losses[4] > eval_losses[6] else 6
+    assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best}")
+    assert trainer.model.config.qk_head_dims == [16, 16]
+
+
+def test_settings_under_which_growth_differs_from_training_are_warned_about_before_training(tmp_path, caplog):
+    """A growth past the last step never happens; a custom compute_loss or label smoothing is not the loss the
+    growth uses. Both were silent."""
+    model = grown_model()
+
+    class OwnLoss(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    plain = trainer_arguments(tmp_path)
+    smoothed = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, label_smoothing_factor=0.1)
+    own_loss = OwnLoss(model=model, args=plain)
+    state = TrainerState(max_steps=10)
+    for callback, args, expected in (
+        (GrowthCallback({5: 8, 12: 8}, mode="zero"), plain, "growth steps [12] come after the last training step"),
+        (GrowthCallback({5: 8}, mode="zero"), smoothed, "not the Trainer's compute_loss or label smoothing"),
+        (GrowthCallback({5: 8}, mode="zero", trainer=own_loss), plain, "not the Trainer's compute_loss"),
+        (GrowthCallback({5: 8}, mode="zero", trainer=own_loss, loss_fn=lambda model, batch: model(**batch).loss),
+         smoothed, None),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_grow"):
+            callback.on_train_begin(args, state, None, model=model, optimizer=None)
+        assert (expected in caplog.text) if expected else caplog.text == ""
+
+
+class Stream(IterableDataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["map-style", "iterable"])
+def test_the_draw_leaves_the_global_generators_as_they_were(stdlib_bytes, monkeypatch, streamed):
+    """A collator drawing from the global generators (masked LM's masking) and an IterableDataset's loader (its base
+    seed) changed the global torch RNG, so training after a growth differed from training without it."""
+    from hf_grow.training import callback as callback_module
+
+    drawn = []
+    monkeypatch.setattr(callback_module, "grow_in_training", lambda model, optimizer, batches, added, **kwargs:
+                        drawn.append(torch.cat([batch["input_ids"] for batch in batches])))
+    monkeypatch.setattr(callback_module, "resolved_mode", lambda model, mode: "append")
+    rows = [row["input_ids"] for row in trainer_dataset(stdlib_bytes, 24, seed=3)]
+
+    def noisy_collate(batch):  # masks a random position with all three generators
+        ids = torch.stack(batch)
+        ids[:, random.randrange(ids.shape[1])] = int(numpy.random.randint(256))
+        return {"input_ids": torch.where(torch.rand(ids.shape) < 0.1, 0, ids)}
+
+    loader = DataLoader(Stream(rows) if streamed else rows, batch_size=4, collate_fn=noisy_collate)
+    callback = GrowthCallback({2: 8}, statistics_batches=2, eval_batches=1)
+    args = type("Args", (), {"per_device_train_batch_size": 4, "world_size": 1, "process_index": 0})()
+    state, model = TrainerState(global_step=2), grown_model()
+    torch.manual_seed(1), random.seed(1), numpy.random.seed(1)
+    before = torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].copy()
+    callback.on_step_end(args, state, None, model=model, optimizer=None, train_dataloader=loader)
+    assert len(drawn) == 1 and drawn[0].shape[0] == 8
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert numpy.array_equal(numpy.random.get_state()[1], before[2])

@@ -1,0 +1,77 @@
+"""Growth in training through the wrappers a training script puts around a model (PEFT adapters, torch.compile),
+and what a baseline growth leaves of an earlier growth's report."""
+
+import pytest
+import torch
+
+from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel, grow_in_training
+
+from conftest import lm_batches, tiny_gpt2_config, train
+
+
+@pytest.fixture
+def model(stdlib_bytes) -> GrownGPT2LMHeadModel:
+    torch.manual_seed(0)
+    model = GrownGPT2LMHeadModel(GrownGPT2Config(**tiny_gpt2_config().to_dict() | {"qk_head_dims": [8, 8]}))
+    train(model, torch.optim.AdamW(model.parameters(), lr=3e-3), lm_batches(stdlib_bytes["train"], 20, seed=1))
+    return model.eval()
+
+
+def test_a_peft_model_grows_in_place_unless_its_adapters_are_on_query_key(model, stdlib_bytes):
+    """A PeftModel was refused as "PeftModel cannot be grown", its base model with LoRA on Q/K with a bare
+    KeyError: now LoRA elsewhere grows in place and trains on, LoRA on Q/K is refused with what to do."""
+    from peft import LoraConfig, get_peft_model
+
+    batch = lm_batches(stdlib_bytes["eval"], 1, seed=5)[0]
+    on_qk = get_peft_model(_copy(model), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    with pytest.raises(ValueError, match=r"layer 0's query/key parameters \['c_attn.weight', 'c_attn.bias'\] are "
+                                         r"not where .*merge_and_unload"):
+        grow_in_training(on_qk, None, None, 8, mode="zero")
+    assert on_qk.get_base_model().config.qk_head_dims == [8, 8]
+
+    on_mlp = get_peft_model(_copy(model), LoraConfig(r=4, target_modules=["c_fc"], fan_in_fan_out=True,
+                                                     init_lora_weights=False))
+    optimizer = torch.optim.AdamW([p for p in on_mlp.parameters() if p.requires_grad], lr=1e-3)
+    train(on_mlp, optimizer, lm_batches(stdlib_bytes["train"], 2, seed=2))
+    on_mlp.eval()
+    with torch.no_grad():
+        before = on_mlp(**batch).logits
+    grow_in_training(on_mlp, optimizer, None, 8, mode="zero")
+    assert on_mlp.get_base_model().config.qk_head_dims == [16, 16]
+    with torch.no_grad():
+        torch.testing.assert_close(on_mlp(**batch).logits, before, rtol=0, atol=1e-5)
+    losses = train(on_mlp, optimizer, lm_batches(stdlib_bytes["train"], 2, seed=3))
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_compiled_model_grows_in_place(model, stdlib_bytes):
+    """torch.compile's wrapper was refused as "OptimizedModule cannot be grown"; the model inside it grows, and the
+    compiled module follows the new widths."""
+    batch = lm_batches(stdlib_bytes["eval"], 1, seed=5)[0]
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        before = compiled(**batch).logits
+    grow_in_training(compiled, None, None, 8, mode="zero")
+    assert model.config.qk_head_dims == [16, 16]
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**batch).logits, before, rtol=0, atol=1e-5)
+
+
+def test_a_baseline_growth_drops_the_report_of_an_earlier_growth(model, stdlib_bytes, tmp_path):
+    """After a solved growth and a zero growth, the model and its saved growth_report.json described the first
+    growth (Q/K 8 -> 16) while the config said 24."""
+    batches = lm_batches(stdlib_bytes["stats"], 4, seed=2)
+    assert grow_in_training(model, None, batches, 8, mode="append") is not None and model.growth_report is not None
+    (tmp_path / "solved").mkdir()
+    model.save_pretrained(tmp_path / "solved")
+    assert (tmp_path / "solved" / "growth_report.json").exists()
+    grow_in_training(model, None, None, 8, mode="zero")
+    assert model.config.qk_head_dims == [24, 24] and model.growth_report is None
+    model.save_pretrained(tmp_path / "zero")
+    assert not (tmp_path / "zero" / "growth_report.json").exists()
+
+
+def _copy(model: GrownGPT2LMHeadModel) -> GrownGPT2LMHeadModel:
+    copy = GrownGPT2LMHeadModel(model.config)
+    copy.load_state_dict(model.state_dict())
+    return copy
