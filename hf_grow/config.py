@@ -355,9 +355,10 @@ def _check_options(config: GrowthConfig) -> None:
     _choose("step_mode", config.step_mode, (*STEP_MODES, "auto"))
     if not 0 < config.confirm_fraction < 1:
         raise ValueError(f"confirm_fraction must be in (0, 1), got {config.confirm_fraction}")
-    if config.step_size is not None and (not math.isfinite(config.step_size) or config.step_size < 0):
-        raise ValueError(f"step_size must be a finite number >= 0, got {config.step_size}")
-    if not (isinstance(config.step_scale, (int, float)) and math.isfinite(config.step_scale)
+    if config.step_size is not None and (not _is_number(config.step_size) or not math.isfinite(config.step_size)
+                                         or config.step_size < 0):
+        raise ValueError(f"step_size must be a finite number >= 0, got {config.step_size!r}")
+    if not (_is_number(config.step_scale) and math.isfinite(config.step_scale)
             and 0 < config.step_scale <= 1):
         raise ValueError(f"step_scale must be in (0, 1], a fraction of the searched step; got {config.step_scale!r}")
     if config.step_scale != 1 and config.step_size is not None:
@@ -367,7 +368,8 @@ def _check_options(config: GrowthConfig) -> None:
             "step_scale shrinks one searched step, and step_mode='coordinate' refines each layer's own: use "
             "step_mode 'per_layer', 'per_head', 'global', 'layer_search' or 'auto' with it."
         )
-    if not (math.isfinite(config.initial_step_size) and config.initial_step_size > 0):
+    if not (_is_number(config.initial_step_size) and math.isfinite(config.initial_step_size)
+            and config.initial_step_size > 0):
         raise ValueError(
             f"initial_step_size must be a finite number > 0 (the first step tried), got {config.initial_step_size}"
         )
@@ -385,6 +387,11 @@ def _check_options(config: GrowthConfig) -> None:
     for option in ("keep_attention_scale", "rotate_factors", "measure_realized_gains", "cross_fit"):
         if not isinstance(getattr(config, option), bool):  # a string such as "no" would read as True
             raise ValueError(f"{option} must be True or False, got {getattr(config, option)!r}")
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float, not a bool (True would read as 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def training_options(overrides: Mapping[str, Any]) -> dict[str, Any]:

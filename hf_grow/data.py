@@ -38,7 +38,8 @@ def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.
     Folders matched by a glob are skipped; a folder named as such, a missing or unreadable file, or one that is
     not UTF-8 text (`decode_text`, piece by piece) raises `TextFileError`. A file named more than once (by two
     patterns, or by a path and a link to it) is read once, with a warning: the held-out tail must be text the
-    statistics did not see.
+    statistics did not see. A ``.json``/``.jsonl`` file is read as text too, with a warning saying how to read a
+    field of its records instead.
     """
     seen: set[str] = set()
     for pattern in patterns:
@@ -52,6 +53,10 @@ def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.
                 raise TextFileError(f"--data {path!r} is a folder: pass its text files, e.g. '{path}/*.txt'")
             if not os.path.isfile(path):
                 raise TextFileError(f"no text file at {path!r}: --data takes text files or globs")
+            if path.endswith((".json", ".jsonl")):
+                warn(f"--data {path!r} is read as plain text, JSON syntax and keys included: to read one field of its "
+                     "records, put the file in a folder of its own and pass --dataset FOLDER --text-column FIELD "
+                     "--eval-split train")
             yield _text_pieces(path, warn)
 
 

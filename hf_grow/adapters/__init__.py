@@ -6,7 +6,7 @@ import order is the lookup order and the order the supported model types are lis
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from .gpt2 import GPT2Adapter
 from .bert import BertAdapter
@@ -20,6 +20,14 @@ ADAPTERS: tuple[ArchitectureAdapter, ...] = tuple(adapter() for adapter in Archi
 def supported_model_types() -> list[str]:
     """The `config.model_type` values some adapter handles, in lookup order (for error messages)."""
     return [model_type for adapter in ADAPTERS for model_type in adapter.model_types]
+
+
+def position_limit(config: PreTrainedConfig) -> int | None:
+    """The longest sequence a model of ``config`` can embed (`ArchitectureAdapter.position_limit`; None: any)."""
+    for adapter in ADAPTERS:
+        if config.model_type in adapter.model_types:
+            return adapter.position_limit(config)
+    return getattr(config, "max_position_embeddings", None)
 
 
 def get_adapter(model: PreTrainedModel) -> ArchitectureAdapter:
@@ -41,6 +49,7 @@ __all__ = [
     "GPT2Adapter",
     "LlamaAdapter",
     "get_adapter",
+    "position_limit",
     "scale_dims_after_growth",
     "supported_model_types",
 ]

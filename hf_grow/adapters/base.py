@@ -168,6 +168,11 @@ class ArchitectureAdapter(GrownModelBuilder, ABC):
         """Whether the model's loss predicts token t+1 from position t (causal language modelling)."""
         return False
 
+    def position_limit(self, config: PreTrainedConfig) -> int | None:
+        """The longest sequence the model can embed: the size of a learned position table
+        (``config.max_position_embeddings``); None where positions are computed for any length (rotary)."""
+        return getattr(config, "max_position_embeddings", None)
+
     def check_supported(self, model: PreTrainedModel) -> None:
         """Raise a ValueError, before any work, for configurations of the architecture that cannot grow."""
         if getattr(model.config, "add_cross_attention", False):

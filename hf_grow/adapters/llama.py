@@ -80,6 +80,11 @@ class LlamaAdapter(ArchitectureAdapter):
         "position-free bilinear form to rewrite"
     )
 
+    def position_limit(self, config: PreTrainedConfig) -> None:
+        """Rotary positions are computed for any length: ``max_position_embeddings`` is the trained context, not a
+        table's size (and rope scaling exists to run past it)."""
+        return None
+
     def attention_modules(self, model: PreTrainedModel) -> list[nn.Module]:
         return [layer.self_attn for layer in model.base_model.layers]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..adapters import supported_model_types
+from ..adapters import position_limit, supported_model_types
 from ..statistics import GrowthStatistics
 from .checks import CommandError
 
@@ -57,10 +57,10 @@ def model_objective(args: argparse.Namespace) -> str:
             f"supported model types: {', '.join(supported_model_types())}"
         )
     _check_local_weights(args.model)
-    positions = getattr(config, "max_position_embeddings", None)
+    positions = position_limit(config)  # None for rotary models: any length
     args.vocab_size = getattr(config, "vocab_size", None)  # for the tokenizer's ids (`_check_token_ids`)
     if args.seq_len is None:
-        args.seq_len = min(512, positions or 512)
+        args.seq_len = min(512, getattr(config, "max_position_embeddings", None) or 512)
     elif positions is not None and args.seq_len > positions:
         raise CommandError(f"--seq-len {args.seq_len} exceeds the {positions} positions of {args.model!r}")
     if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False):

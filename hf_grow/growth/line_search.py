@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-NO_LOSS_TERMS = "{data} holds no loss terms (no batches, or every label is -100): pass batches with labels."
+NO_LOSS_TERMS = ("{data} holds no loss terms (no batches, every label is -100, or for a causal LM sequences of one "
+                 "token): pass batches with labels.")
 
 
 def evaluate_loss(

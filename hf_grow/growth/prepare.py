@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import logging
 import sys
 import time
@@ -135,8 +136,18 @@ def warn_unaligned(qk_after: list[int], growth: list[int]) -> None:
         warnings.warn(
             f"query/key widths {unaligned} are not multiples of 8; fused attention kernels are fastest with "
             "multiples of 8.",
-            stacklevel=3,
+            stacklevel=_user_stacklevel(),
         )
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` in the caller that names the first frame outside hf_grow (the
+    user's line), however deep in the library the warning is raised."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def collect_configured_statistics(

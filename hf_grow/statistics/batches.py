@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ..adapters import ArchitectureAdapter
+from ..adapters import ArchitectureAdapter, position_limit
 
 
 LossFn = Callable[[PreTrainedModel, Any], Tensor]
@@ -124,13 +124,47 @@ def check_batch(batch: Any, name: str, model: PreTrainedModel) -> None:
         )
     for _ in walk_tensors(batch, name):
         pass  # an unhandled leaf is a TypeError naming it, before the model runs
-    positions = getattr(model.config, "max_position_embeddings", None)
-    lengths = [shape[-1] for shape in token_shapes(batch) if len(shape) >= 2]
+    for path, key, value in _model_inputs(batch, name):
+        _check_model_input(path, key, value)
+    shapes = token_shapes(batch)
+    if any(len(shape) < 2 for shape in shapes):
+        raise ValueError(
+            f"{name} holds token inputs without a batch dimension (shape {tuple(min(shapes, key=len))}): these look "
+            "like rows of a dataset; batch them with a DataLoader and a collator, e.g. DataLoader(dataset, "
+            "batch_size=8, collate_fn=DataCollatorWithPadding(tokenizer))."
+        )
+    positions = position_limit(model.config)
+    lengths = [shape[-1] for shape in shapes]
     if positions is not None and lengths and max(lengths) > positions:
         raise ValueError(
             f"{name} holds sequences of {max(lengths)} tokens, but the model has {positions} positions "
             "(config.max_position_embeddings): cut the sequences to at most that many tokens."
         )
+
+
+def _model_inputs(batch: Any, path: str) -> Iterator[tuple[str, str, Any]]:
+    """``(path, key, value)`` of every entry of the dicts in a nested batch."""
+    if isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield f"{path}[{key!r}]", key, value
+            yield from _model_inputs(value, f"{path}[{key!r}]")
+    elif isinstance(batch, (list, tuple)):
+        for index, value in enumerate(batch):
+            yield from _model_inputs(value, f"{path}[{index}]")
+
+
+def _check_model_input(path: str, key: str, value: Any) -> None:
+    """Inputs that would fail inside the model, or mislead the statistics, refused with what to pass instead."""
+    if key in (*_TOKEN_KEYS, "attention_mask") and isinstance(value, (list, tuple)):
+        raise TypeError(f"{path} is a {type(value).__name__}, not a tensor: call the tokenizer with "
+                        "return_tensors='pt', or batch rows with a DataLoader and a collator.")
+    if key == "attention_mask" and isinstance(value, Tensor) and value.dim() > 2:
+        raise ValueError(
+            f"{path} has shape {tuple(value.shape)}: hf_grow counts tokens with a (batch, sequence) padding mask, "
+            "and a 4-D mask (packed sequences) is not supported: pass the sequences unpacked, padded, with a 2-D mask."
+        )
+    if key == "return_dict" and value is False:
+        raise ValueError(f"{path} is False: hf_grow reads the model's outputs.loss; leave return_dict out.")
 
 
 def batch_loss_weight(adapter: ArchitectureAdapter, model: PreTrainedModel, batch: Any, loss_fn: LossFn | None) -> int:

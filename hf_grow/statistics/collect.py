@@ -252,8 +252,8 @@ def _checked_statistics(
         )
     if num_batches == 0 and skipped:
         raise ValueError(
-            f"none of the {skipped} batches has a loss term (every label is -100): nothing to learn from. "
-            "Use longer sequences or fewer masked labels."
+            f"none of the {skipped} batches has a loss term (every label is -100, or for a causal LM sequences of "
+            "one token, which predict nothing): nothing to learn from. Use longer sequences or fewer masked labels."
         )
     if num_batches == 0:
         raise ValueError("the dataloader yielded no batches: statistics need at least one batch of data.")

@@ -1,0 +1,96 @@
+"""Batches that are nearly right, and small API edges: each refused before the model runs, with what to pass instead
+(they failed deep inside transformers, or with advice that did not fit)."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from hf_grow import GrowthConfig, GrownGPT2Config, GrownGPT2LMHeadModel, grow_in_training, grow_model
+from hf_grow.data import read_text_files
+
+from conftest import lm_batches, tiny_gpt2_config
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(tiny_gpt2_config()).eval()
+
+
+def test_nearly_right_batches_are_refused_with_what_to_pass(model, stdlib_bytes):
+    batch = lm_batches(stdlib_bytes["stats"], 1, batch_size=2, seq_len=12)[0]
+    ids = batch["input_ids"]
+    cases = [
+        ({"input_ids": ids.tolist(), "labels": ids}, TypeError,
+         r"batch 0\['input_ids'\] is a list, not a tensor: call the tokenizer with return_tensors='pt'"),
+        ({"input_ids": ids[0], "labels": ids[0]}, ValueError,
+         r"batch 0 holds token inputs without a batch dimension \(shape \(12,\)\): these look like rows of a dataset"),
+        ({**batch, "attention_mask": torch.ones(2, 1, 12, 12)}, ValueError,
+         r"batch 0\['attention_mask'\] has shape \(2, 1, 12, 12\).* a 4-D mask \(packed sequences\) is not supported"),
+        ({**batch, "return_dict": False}, ValueError,
+         r"batch 0\['return_dict'\] is False: hf_grow reads the model's outputs.loss"),
+    ]
+    for bad, error, message in cases:
+        with pytest.raises(error, match=message):
+            grow_model(model, [bad], p=8, eval_dataloader=[batch])
+        with pytest.raises(error, match=message.replace("batch 0", "held-out batch 0")):
+            grow_model(model, [batch], p=8, eval_dataloader=[bad])
+
+
+def test_one_token_sequences_are_named_in_the_error(model, stdlib_bytes):
+    """Only one-token sequences (a causal LM: nothing to predict) were refused with "every label is -100" though no
+    label was: in the statistics' batches and in the held-out ones."""
+    batch = {"input_ids": torch.ones(4, 1, dtype=torch.long), "labels": torch.ones(4, 1, dtype=torch.long)}
+    held_out = lm_batches(stdlib_bytes["eval"], 1, batch_size=2, seq_len=12)
+    with pytest.raises(ValueError, match="none of the 2 batches has a loss term .* or for a causal LM sequences of one "
+                                         "token, which predict nothing"):
+        grow_model(model, [batch, batch], p=8, eval_dataloader=held_out)
+    with pytest.raises(ValueError, match="the held-out data holds no loss terms .* or for a causal LM sequences of"):
+        grow_model(model, [batch, batch], p=8)
+
+
+def test_rotary_models_take_sequences_past_max_position_embeddings(stdlib_bytes):
+    """A Llama with 16 positions runs 48-token sequences (its positions are computed, not a table): they were
+    refused as too long. GPT-2's learned table still refuses them (tests/test_statistics.py)."""
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        head_dim=16, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )).eval()
+    batches = lm_batches(stdlib_bytes["stats"], 3, batch_size=2, seq_len=48)
+    grown = grow_model(llama, batches[:2], p=8, eval_dataloader=batches[2:], step_size=0.0)
+    with torch.no_grad():
+        torch.testing.assert_close(grown(**batches[2]).logits, llama(**batches[2]).logits, rtol=0, atol=1e-5)
+
+
+def test_the_unaligned_width_warning_points_at_the_callers_line(model, stdlib_bytes):
+    """It pointed into hf_grow (growth/api.py) instead of the line that called grow_model."""
+    batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=2, seq_len=16)
+    grown_type = GrownGPT2LMHeadModel(GrownGPT2Config(**tiny_gpt2_config().to_dict() | {"qk_head_dims": [16, 16]}))
+    for grow in (lambda: grow_model(model, batches, p=3, step_size=0.0),
+                 lambda: grow_in_training(grown_type, None, batches, 3, step_size=0.0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            grow()
+        unaligned = [warning for warning in caught if "not multiples of 8" in str(warning.message)]
+        assert unaligned and unaligned[0].filename == __file__
+
+
+def test_booleans_are_not_steps():
+    """step_size=True was taken as a step of 1 (p=True and max_batches=True were refused)."""
+    for option in ("step_size", "step_scale", "initial_step_size"):
+        with pytest.raises(ValueError, match=f"{option} must be"):
+            GrowthConfig(**{option: True})
+
+
+def test_a_json_lines_file_to_data_is_read_as_text_with_a_warning(tmp_path):
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"text": "hello"}\n')
+    said = []
+    texts = ["".join(pieces) for pieces in read_text_files([str(records)], warn=said.append)]
+    assert texts == ['{"text": "hello"}\n']
+    assert said == [f"--data {str(records)!r} is read as plain text, JSON syntax and keys included: to read one field "
+                    "of its records, put the file in a folder of its own and pass --dataset FOLDER --text-column FIELD "
+                    "--eval-split train"]
