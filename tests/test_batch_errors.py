@@ -94,3 +94,23 @@ def test_a_json_lines_file_to_data_is_read_as_text_with_a_warning(tmp_path):
     assert said == [f"--data {str(records)!r} is read as plain text, JSON syntax and keys included: to read one field "
                     "of its records, put the file in a folder of its own and pass --dataset FOLDER --text-column FIELD "
                     "--eval-split train"]
+
+
+def test_held_out_batches_without_labels_or_with_foreign_token_ids_are_refused_first(model, stdlib_bytes):
+    """Both were found in the line search, after the statistics pass and the solve (a foreign id on a GPU: a
+    device-side assert that ends the CUDA context)."""
+    batch = lm_batches(stdlib_bytes["stats"], 1, batch_size=2, seq_len=12)[0]
+
+    def statistics_batches():
+        raise AssertionError("the statistics pass began")
+        yield batch
+
+    foreign = {**batch, "input_ids": batch["input_ids"].clone().index_fill_(1, torch.tensor([3]), 300)}
+    for bad, message in (({"input_ids": batch["input_ids"]}, r"held-out batch 1 holds no labels, so the model computes "
+                                                               "no loss from it"),
+                         (foreign, r"held-out batch 1\['input_ids'\] holds token id 300, outside the model's 256 "
+                                   "embeddings")):
+        with pytest.raises(ValueError, match=message):
+            grow_model(model, statistics_batches(), p=8, eval_dataloader=[batch, bad])
+    with pytest.raises(ValueError, match=r"batch 0\['input_ids'\] holds token id 300"):
+        grow_model(model, [foreign], p=8, eval_dataloader=[batch])

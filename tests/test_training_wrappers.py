@@ -4,7 +4,7 @@ and what a baseline growth leaves of an earlier growth's report."""
 import pytest
 import torch
 
-from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel, grow_in_training
+from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel, grow_in_training, to_grown_model
 
 from conftest import lm_batches, tiny_gpt2_config, train
 
@@ -75,3 +75,30 @@ def _copy(model: GrownGPT2LMHeadModel) -> GrownGPT2LMHeadModel:
     copy = GrownGPT2LMHeadModel(model.config)
     copy.load_state_dict(model.state_dict())
     return copy
+
+
+def test_to_grown_model_keeps_activation_checkpointing(trained_gpt2, stdlib_bytes):
+    """It was off on the converted model (the memory a training script counted on), and is kept layer by layer:
+    which layers recompute, and the checkpoint function they call."""
+    import copy
+
+    plain = copy.deepcopy(trained_gpt2).train()
+    plain.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=2)
+    calls = []
+
+    def counted(run):
+        def checkpoint(*args, **kwargs):
+            calls.append(1)
+            return run(*args, **kwargs)
+        return checkpoint
+
+    for layer in plain.transformer.h:
+        layer._gradient_checkpointing_func = counted(layer._gradient_checkpointing_func)
+    grown = to_grown_model(plain)
+    assert [layer.gradient_checkpointing for layer in grown.transformer.h] == [True, False]
+    batch = lm_batches(stdlib_bytes["eval"], 1, seed=12)[0]
+    grown(**batch).loss.backward()
+    plain(**batch).loss.backward()
+    assert len(calls) == 2  # layer 0 of each model recomputed through the same function
+    torch.testing.assert_close(grown.transformer.h[1].mlp.c_fc.weight.grad, plain.transformer.h[1].mlp.c_fc.weight.grad,
+                               rtol=0, atol=1e-6)

@@ -122,4 +122,18 @@ class GrownModelBuilder:
             parameter.requires_grad_(name not in frozen)
         if getattr(model, "generation_config", None) is not None and grown.can_generate():
             grown.generation_config = copy.deepcopy(model.generation_config)
+        _copy_activation_checkpointing(model, grown)
         return grown
+
+
+def _copy_activation_checkpointing(model: PreTrainedModel, grown: PreTrainedModel) -> None:
+    """The source's activation (gradient) checkpointing on the grown model, module by module: which layers recompute
+    (``every_n_layers``), with its checkpoint function (its kwargs, offloading), and the input-gradient hook that
+    reentrant checkpointing and PEFT need."""
+    modules = dict(grown.named_modules())
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) and name in modules:
+            modules[name].gradient_checkpointing = True
+            modules[name]._gradient_checkpointing_func = module._gradient_checkpointing_func
+    if getattr(model, "_require_grads_hook", None) is not None:
+        grown.enable_input_require_grads()

@@ -23,7 +23,7 @@ from ..distributed import Processes
 from ..progress import stage
 from ..option_values import SOLVED_MODES
 from ..statistics import (
-    GrowthStatistics, LossFn, batch_loss_weight, check_batch, check_loss_fn, check_statistics_arguments,
+    GrowthStatistics, LossFn, batch_loss_weight, check_batch, check_labels, check_loss_fn, check_statistics_arguments,
     collect_statistics, return_free_memory, weight_sample,
 )
 from .line_search import NO_LOSS_TERMS, confirmation_split, split_batches
@@ -319,6 +319,7 @@ def prepare_growth(
         )
         for index, batch in enumerate(eval_batches or ()):  # before the statistics pass, not in the line search
             check_batch(batch, f"held-out batch {index}", model)
+            check_labels(batch, f"held-out batch {index}", model, loss_fn)
         weights = [batch_loss_weight(adapter, model, batch, loss_fn) for batch in eval_batches or ()]
     device = next(model.parameters()).device
     if eval_batches is not None:  # found now, not after the statistics pass

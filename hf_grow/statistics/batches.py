@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
+from transformers.utils import find_labels
 
 from ..adapters import ArchitectureAdapter, position_limit
 
@@ -133,12 +134,43 @@ def check_batch(batch: Any, name: str, model: PreTrainedModel) -> None:
             "like rows of a dataset; batch them with a DataLoader and a collator, e.g. DataLoader(dataset, "
             "batch_size=8, collate_fn=DataCollatorWithPadding(tokenizer))."
         )
+    _check_token_ids(batch, name, model)
     positions = position_limit(model.config)
     lengths = [shape[-1] for shape in shapes]
     if positions is not None and lengths and max(lengths) > positions:
         raise ValueError(
             f"{name} holds sequences of {max(lengths)} tokens, but the model has {positions} positions "
             "(config.max_position_embeddings): cut the sequences to at most that many tokens."
+        )
+
+
+def _check_token_ids(batch: Any, name: str, model: PreTrainedModel) -> None:
+    """Token ids outside the model's embedding table (another model's tokenizer): an IndexError on the CPU, a
+    device-side assert that ends the process's CUDA context on a GPU."""
+    embeddings = model.get_input_embeddings()
+    vocabulary = getattr(embeddings, "num_embeddings", None)
+    for path, key, value in _model_inputs(batch, name):
+        if key == "input_ids" and isinstance(value, Tensor) and value.numel() and vocabulary is not None:
+            low, high = int(value.min()), int(value.max())
+            if low < 0 or high >= vocabulary:
+                raise ValueError(
+                    f"{path} holds token id {high if high >= vocabulary else low}, outside the model's {vocabulary} "
+                    "embeddings: tokenize with the model's own tokenizer."
+                )
+
+
+def check_labels(batch: Any, name: str, model: PreTrainedModel, loss_fn: LossFn | None) -> None:
+    """Without a ``loss_fn``, a flat batch must hold what the model computes its loss from (``labels``, or a
+    question-answering head's ``start_positions``...): found before the statistics pass, not in the line search."""
+    if loss_fn is not None or not is_flat(batch):
+        return
+    names = find_labels(type(model))
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no loss head: pass loss_fn(model, batch) -> scalar Tensor.")
+    if not any(label in batch for label in names):
+        raise ValueError(
+            f"{name} holds no {' or '.join(names)}, so the model computes no loss from it: put labels in the "
+            "batches (e.g. labels=input_ids for a causal LM, with DataCollatorForLanguageModeling), or pass loss_fn."
         )
 
 

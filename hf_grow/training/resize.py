@@ -37,7 +37,8 @@ def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
     """``model`` as its grown type, computing exactly the same function, ready to grow during training.
 
     A plain model (e.g. `GPT2LMHeadModel`) becomes a new grown model (e.g. `GrownGPT2LMHeadModel`) with the
-    same weights; a model already of a grown type is returned as is. Convert before creating the optimizer.
+    same weights and setup (frozen parameters, training mode, generation config, activation checkpointing); a
+    model already of a grown type is returned as is. Convert before creating the optimizer.
     """
     adapter = get_adapter(model)
     if isinstance(model, adapter.grown_base_class):
