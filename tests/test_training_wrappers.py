@@ -1,5 +1,5 @@
-"""Growth in training through the wrappers a training script puts around a model (PEFT adapters, torch.compile),
-and what a baseline growth leaves of an earlier growth's report."""
+"""Growth in training with what a training script sets up around a model (PEFT adapters, torch.compile, several
+optimizers, activation checkpointing), and what a baseline growth leaves of an earlier growth's report."""
 
 import pytest
 import torch
@@ -102,3 +102,58 @@ def test_to_grown_model_keeps_activation_checkpointing(trained_gpt2, stdlib_byte
     assert len(calls) == 2  # layer 0 of each model recomputed through the same function
     torch.testing.assert_close(grown.transformer.h[1].mlp.c_fc.weight.grad, plain.transformer.h[1].mlp.c_fc.weight.grad,
                                rtol=0, atol=1e-6)
+
+
+def test_several_optimizers_each_have_their_state_remapped(model, stdlib_bytes):
+    """Muon for the weight matrices beside AdamW for the rest (a common split): only one optimizer was taken, so
+    the other's Q/K state stayed at the old width and its next step failed."""
+    from hf_grow.adapters import get_adapter
+
+    matrices = [p for name, p in model.named_parameters() if p.dim() == 2 and "wte" not in name and "wpe" not in name]
+    others = [p for p in model.parameters() if all(p is not matrix for matrix in matrices)]
+    muon, adamw = torch.optim.Muon(matrices, lr=1e-3), torch.optim.AdamW(others, lr=1e-3)
+    model.train()
+    for batch in lm_batches(stdlib_bytes["train"], 3, seed=2):
+        model(**batch).loss.backward()
+        muon.step(), adamw.step(), muon.zero_grad(), adamw.zero_grad()
+    attention = model.transformer.h[0].attn
+
+    def query_moments() -> dict[str, torch.Tensor]:
+        """Layer 0's query entries of Muon's momentum of c_attn.weight and AdamW's exp_avg_sq of c_attn.bias."""
+        weight, bias = attention.c_attn.weight, attention.c_attn.bias
+        read = get_adapter(model).read_qk
+        return {
+            "momentum": read(attention, {"c_attn.weight": muon.state[weight]["momentum_buffer"],
+                                         "c_attn.bias": torch.zeros_like(bias)})[0],
+            "exp_avg_sq": read(attention, {"c_attn.weight": torch.zeros_like(weight),
+                                           "c_attn.bias": adamw.state[bias]["exp_avg_sq"]})[0],
+        }
+
+    before = query_moments()
+    grow_in_training(model, [muon, adamw], None, 8, mode="zero")
+    after = query_moments()
+    for key in before:  # the old dims' moments kept (the scale is kept: nothing folded), the new ones zero
+        torch.testing.assert_close(after[key][..., :8], before[key], rtol=0, atol=0)
+        assert not after[key][..., 8:].any()
+    for optimizer in (muon, adamw):
+        for parameter, state in optimizer.state.items():
+            assert all(value.shape == parameter.shape for value in state.values() if value.dim() > 0)
+    losses = train(model, _Both(muon, adamw), lm_batches(stdlib_bytes["train"], 2, seed=3))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    with pytest.raises(ValueError, match="the AdamW holds none of the model's parameters"):
+        grow_in_training(model, [muon, torch.optim.AdamW(_copy(model).parameters())], None, 8, mode="zero")
+
+
+class _Both:
+    """Two optimizers stepped as one, for `train`."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    def zero_grad(self):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer.step()

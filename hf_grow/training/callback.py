@@ -25,7 +25,7 @@ from ..growth import check_fast_search, resolve_growth
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
 from .grow import DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, grow_in_training, model_to_grow, resolved_mode
-from .resize import check_growable, as_torch_optimizer
+from .resize import check_growable, torch_optimizers
 
 logger = logging.getLogger("hf_grow")
 
@@ -129,7 +129,7 @@ class GrowthCallback(TrainerCallback):
         if self.trainer is not None:
             refuse_sharded_training(self.trainer.model_wrapped, self.trainer.accelerator)
         model = model_to_grow(model)
-        check_growable(model, get_adapter(model), as_torch_optimizer(optimizer))
+        check_growable(model, get_adapter(model), torch_optimizers(optimizer))
         _check_schedule_layers(self.grow_at, self.qk_dims_at, model)
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
         if self.dataloader is None and resolved_mode(model, self.mode) in SOLVED_MODES:

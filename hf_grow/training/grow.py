@@ -20,7 +20,7 @@ from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..option_values import SOLVED_MODES
 from ..report import GrowthReport
 from ..statistics import GrowthStatistics, LossFn
-from .resize import check_growable, as_torch_optimizer, resize_qk_
+from .resize import Optimizers, check_growable, resize_qk_, torch_optimizers
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -146,7 +146,7 @@ def resolved_mode(model: PreTrainedModel, mode: str | None) -> str:
 
 def grow_in_training(
     model: PreTrainedModel,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizers,
     dataloader: Iterable[Mapping[str, Tensor]] | None,
     p: int | Mapping[int, int] | None,
     *,
@@ -165,10 +165,12 @@ def grow_in_training(
     """Grow ``model``'s query/key heads by ``p`` in place, mid-training, and remap ``optimizer``'s state.
 
     Unlike `grow_model` this modifies ``model`` (a grown model type, see `to_grown_model`; or a torch.compile or
-    PEFT wrapper around one, whose adapters are not on Q/K: merge those first): its Parameters are
-    resized in place, so ``optimizer`` (a torch optimizer or accelerate's wrapper around one), the LR schedule
-    and a `transformers.Trainer` carry on. Call it between optimizer steps: the Q/K Parameters' ``.grad`` is
-    cleared (in the middle of a gradient accumulation, their share so far would be lost; the others' kept).
+    PEFT wrapper around one, whose adapters are not on Q/K: merge those first): its Parameters are resized in
+    place, so ``optimizer`` (a torch optimizer or accelerate's wrapper around one; or a list of optimizers that share
+    the model's parameters, e.g. Muon for the matrices and AdamW for the rest: each one's state is remapped), the
+    LR schedule and a `transformers.Trainer` carry on. Call it between optimizer steps: the Q/K Parameters'
+    ``.grad`` is cleared (in the middle of a gradient accumulation, their share so far would be lost; the others'
+    kept).
 
     With several processes (DDP: torchrun, ``accelerate launch``), call it on every process with that process's
     own shard of the batches and the ``accelerator``, passing the DDP-wrapped model (what ``accelerator.prepare``
@@ -233,8 +235,8 @@ def grow_in_training(
             "the model is wrapped by DistributedDataParallel: pass accelerator=accelerate.Accelerator() on every "
             "process, so that the statistics are summed across processes and every process grows the same way."
         )
-    torch_optimizer = as_torch_optimizer(optimizer)
-    check_growable(model, adapter, torch_optimizer)
+    optimizers = torch_optimizers(optimizer)
+    check_growable(model, adapter, optimizers)
     if mode in ("zero", "random"):
         added = resolve_growth(config.p, len(adapter.attention_modules(model)))
         std = getattr(model.config, "initializer_range", 0.02) if init_std is None else init_std
@@ -242,7 +244,7 @@ def grow_in_training(
             raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
         weights = _initialized_weights(model, adapter, added, mode, std, seed, config.keep_attention_scale)
         resize_qk_(
-            model, weights, torch_optimizer, keep_moments=True, new_moments=new_moments,
+            model, weights, optimizers, keep_moments=True, new_moments=new_moments,
             keep_attention_scale=config.keep_attention_scale,
         )
         synchronize_after_growth(_qk_parameters(model, adapter, weights), wrappers, accelerator)
@@ -265,7 +267,7 @@ def grow_in_training(
     if mode == "append":  # layers that do not grow keep their weights and moments untouched
         at_zero = {layer: w for layer, w in at_zero.items() if prepared.qk_after[layer] > prepared.qk_before[layer]}
     resize_qk_(
-        model, at_zero, torch_optimizer, keep_moments=mode == "append", new_moments=new_moments,
+        model, at_zero, optimizers, keep_moments=mode == "append", new_moments=new_moments,
         keep_attention_scale=config.keep_attention_scale,
     )
     try:

@@ -7,6 +7,9 @@ others start as `hf_grow.optimizer_state` says.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Union
+
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -28,6 +31,8 @@ OPTIMIZER_STATE_DEGREES: dict[str, int] = {
     "grad_avg": 1,
 }
 
+#: Optimizers whose state entries are all in `OPTIMIZER_STATE_DEGREES` (for messages).
+SUPPORTED_OPTIMIZERS = "Adam/AdamW, SGD, Adagrad, RMSprop, NAdam, RAdam, Muon"
 #: Optimizers known to keep factored second moments, refused by class: their state is created at the first step,
 #: after the checks before training (transformers' and torch's Adafactor).
 FACTORED_OPTIMIZERS = frozenset({"Adafactor"})
@@ -46,25 +51,36 @@ def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
     return adapter.build_grown_model(model, adapter.qk_head_dims(model.config), {})
 
 
-def as_torch_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside an accelerate ``AcceleratedOptimizer`` (or the optimizer itself).
-
-    accelerate's wrapper subclasses `torch.optim.Optimizer` too: unwrapped wherever it holds one, so that messages
-    name the optimizer that holds the state.
-    """
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
+#: One optimizer, or several that share the model's parameters (e.g. Muon for the weight matrices, AdamW for the
+#: biases and embeddings); each may be accelerate's ``AcceleratedOptimizer``.
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
 
 
-def check_growable(model: PreTrainedModel, adapter: ArchitectureAdapter, optimizer: torch.optim.Optimizer | None):
-    """Refuse, before any work, a model that is not of a grown type or optimizer state that cannot be remapped."""
+def torch_optimizers(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
+    """The optimizers given, as a list, each unwrapped from accelerate's ``AcceleratedOptimizer`` (which subclasses
+    `torch.optim.Optimizer` too: unwrapped wherever it holds one, so that messages name the optimizer that holds
+    the state)."""
+    listed = [] if optimizers is None else list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    unwrapped = []
+    for optimizer in listed:
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
+        if not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
+            raise TypeError(f"expected torch optimizers (param_groups and state), got {type(optimizer).__name__}")
+        unwrapped.append(optimizer)
+    return unwrapped
+
+
+def check_growable(model: PreTrainedModel, adapter: ArchitectureAdapter, optimizers: Sequence[torch.optim.Optimizer]):
+    """Refuse, before any work, a model that is not of a grown type, Q/K inside wrapped modules, or optimizers whose
+    state cannot be remapped or that hold none of the model's parameters."""
     if not isinstance(model, adapter.grown_base_class):
         raise ValueError(
             f"{type(model).__name__} is not of a grown model type, so its Q/K cannot be resized in place: build it "
             "from a grown config (e.g. hf_grow.GrownGPT2Config(qk_head_dims=...)) or convert it once with "
             "hf_grow.to_grown_model(model) before creating the optimizer."
         )
+    qk_parameters = []
     for layer, attention in enumerate(adapter.attention_modules(model)):
         parameters = dict(attention.named_parameters())
         missing = [name for name in adapter.qk_parameter_names(attention) if name not in parameters]
@@ -75,34 +91,35 @@ def check_growable(model: PreTrainedModel, adapter: ArchitectureAdapter, optimiz
                 "resized in place. Merge the adapters into the model first (peft_model.merge_and_unload()), or put "
                 "them on other modules (the values, the MLP)."
             )
-    if optimizer is None:
-        return
-    if type(optimizer).__name__ in FACTORED_OPTIMIZERS:
+        qk_parameters += [(name, parameters[name]) for name in adapter.qk_parameter_names(attention)]
+    model_parameters = {id(parameter) for parameter in model.parameters()}
+    for optimizer in optimizers:
+        _check_optimizer(optimizer, model_parameters, qk_parameters)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, model_parameters: set[int],
+                     qk_parameters: list[tuple[str, Tensor]]) -> None:
+    name = type(optimizer).__name__
+    if name in FACTORED_OPTIMIZERS:
         raise ValueError(
-            f"cannot remap the state of {type(optimizer).__name__}: its second moments are factored into row and "
-            f"column statistics of each weight. Supported: optimizers whose state entries are "
-            f"{sorted(OPTIMIZER_STATE_DEGREES)} (Adam/AdamW, SGD, Adagrad, RMSprop, NAdam, RAdam) and scalars."
+            f"cannot remap the state of {name}: its second moments are factored into row and column statistics of "
+            f"each weight. Supported: optimizers whose state entries are {sorted(OPTIMIZER_STATE_DEGREES)} "
+            f"({SUPPORTED_OPTIMIZERS}) and scalars."
         )
-    held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
-    if not any(id(parameter) in held for parameter in model.parameters()):
+    if not any(id(parameter) in model_parameters for group in optimizer.param_groups for parameter in group["params"]):
         raise ValueError(
-            f"the {type(optimizer).__name__} holds none of the model's parameters, so its steps would not train the "
-            "grown model: create the optimizer from the model being grown (after hf_grow.to_grown_model)."
+            f"the {name} holds none of the model's parameters, so its steps would not train the grown model: "
+            "create the optimizer from the model being grown (after hf_grow.to_grown_model)."
         )
-    for attention in adapter.attention_modules(model):
-        parameters = dict(attention.named_parameters())
-        for name in adapter.qk_parameter_names(attention):
-            state = optimizer.state.get(parameters[name], {})
-            unknown = sorted(
-                key
-                for key, value in state.items()
-                if isinstance(value, Tensor) and value.dim() > 0 and key not in OPTIMIZER_STATE_DEGREES
+    for parameter_name, parameter in qk_parameters:
+        state = optimizer.state.get(parameter, {})
+        unknown = sorted(key for key, value in state.items()
+                         if isinstance(value, Tensor) and value.dim() > 0 and key not in OPTIMIZER_STATE_DEGREES)
+        if unknown:
+            raise ValueError(
+                f"cannot remap the {name} state {unknown} of {parameter_name}: supported state entries are "
+                f"{sorted(OPTIMIZER_STATE_DEGREES)} ({SUPPORTED_OPTIMIZERS}) and scalars."
             )
-            if unknown:
-                raise ValueError(
-                    f"cannot remap the {type(optimizer).__name__} state {unknown} of {name}: supported state entries "
-                    f"are {sorted(OPTIMIZER_STATE_DEGREES)} (Adam/AdamW, SGD, Adagrad, RMSprop) and scalars."
-                )
 
 
 def _pad(tensor: Tensor, width: int) -> Tensor:
@@ -112,7 +129,7 @@ def _pad(tensor: Tensor, width: int) -> Tensor:
 def resize_qk_(
     model: PreTrainedModel,
     weights: QKWeights,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers = None,
     *,
     keep_moments: bool,
     new_moments: str = "zero",
@@ -122,6 +139,7 @@ def resize_qk_(
 
     ``weights[layer]`` is ``(query, key)`` of shape ``(heads, d_e + 1, qk_dim)``. The Parameter objects stay,
     their ``.grad`` is cleared, ``model.config.qk_head_dims`` and the attention modules follow the new width.
+    ``optimizer`` may be several (`Optimizers`): each one's state of the parameters it holds is remapped.
     The attention scale of a grown layer follows its new width, or with ``keep_attention_scale`` stays (the
     config's ``attention_scale_dims`` records it). With ``keep_moments`` the optimizer state of the old Q/K
     dimensions is kept, the queries' rescaled by the change of attention scale (the weights must then hold the
@@ -131,8 +149,8 @@ def resize_qk_(
     Q/K (GPT-2's fused values) and scalars (``step``) are kept.
     """
     adapter = get_adapter(model)
-    optimizer = as_torch_optimizer(optimizer)
-    check_growable(model, adapter, optimizer)
+    optimizers = torch_optimizers(optimizer)
+    check_growable(model, adapter, optimizers)
     config = model.config
     dims = adapter.qk_head_dims(config)
     widths = [weights[layer][0].shape[-1] if layer in weights else dim for layer, dim in enumerate(dims)]
@@ -150,49 +168,25 @@ def resize_qk_(
                         f"layer {layer} has {dims[layer]} query/key dims: growth cannot shrink it to {new_dim}"
                     )
                 parameters = dict(attention.named_parameters())
-                names = adapter.qk_parameter_names(attention)
                 scaling_after = adapter.scaling(config, layer, scale_dims_after[layer])
                 fold = adapter.scaling(config, layer, scale_dims[layer]) / scaling_after
-                states = [] if optimizer is None else [optimizer.state.get(parameters[name], {}) for name in names]
                 # Every new tensor of the layer first, then all are put in place, undone if that fails (out of memory,
                 # an interruption): the layer is left as it was, never with some of its parameters resized.
-                new_states: list[tuple[str, str, Tensor]] = []
-                for state_key in {key for state in states for key in state}:
-                    present = dict(zip(names, (state.get(state_key) for state in states)))
-                    held = {name: value for name, value in present.items() if value is not None}
-                    if not all(isinstance(value, Tensor) and value.dim() > 0 for value in held.values()):
-                        continue  # scalars such as the step count are kept
-                    # a parameter without this entry (frozen, or in another optimizer) reads as zeros and gets none
-                    reference = next(iter(held.values()))
-                    source = {name: held[name] if name in held else reference.new_zeros(parameters[name].shape)
-                              for name in names}
-                    old_query, old_key = adapter.read_qk(attention, source)
-                    degree = OPTIMIZER_STATE_DEGREES[state_key]
-                    if keep_moments:
-                        old_query = old_query * fold**-degree
-                        new_query, new_key = _pad(old_query, new_dim), _pad(old_key, new_dim)
-                    else:
-                        new_query = old_query.new_zeros(*old_query.shape[:-1], new_dim)
-                        new_key = old_key.new_zeros(*old_key.shape[:-1], new_dim)
-                    start = dims[layer] if keep_moments else 0
-                    new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
-                    new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
-                    for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
-                        if name in held:
-                            new_states.append((name, state_key, value))
+                new_states = _new_states(
+                    adapter, attention, optimizers, fold, dims[layer], new_dim, keep_moments, new_moments
+                )
                 new_parameters = adapter.qk_parameters(attention, query, key)
-                old_states = [
-                    (name, state_key, optimizer.state[parameters[name]][state_key]) for name, state_key, _ in new_states
-                ]
+                old_states = [(owner, name, state_key, owner.state[parameters[name]][state_key])
+                              for owner, name, state_key, _ in new_states]
                 old_parameters = {name: parameters[name].data for name in new_parameters}
                 try:
-                    for name, state_key, value in new_states:
-                        optimizer.state[parameters[name]][state_key] = value
+                    for owner, name, state_key, value in new_states:
+                        owner.state[parameters[name]][state_key] = value
                     for name, value in new_parameters.items():
                         _resize_parameter(parameters[name], value)
                 except BaseException:
-                    for name, state_key, value in old_states:
-                        optimizer.state[parameters[name]][state_key] = value
+                    for owner, name, state_key, value in old_states:
+                        owner.state[parameters[name]][state_key] = value
                     for name, value in old_parameters.items():
                         _resize_parameter(parameters[name], value)
                     raise
@@ -201,6 +195,49 @@ def resize_qk_(
     finally:
         config.qk_head_dims = dims
         config.attention_scale_dims = attention_scale_entry(dims, scales)
+
+
+def _new_states(
+    adapter: ArchitectureAdapter,
+    attention: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    fold: float,
+    old_dim: int,
+    new_dim: int,
+    keep_moments: bool,
+    new_moments: str,
+) -> list[tuple[torch.optim.Optimizer, str, str, Tensor]]:
+    """``(optimizer, parameter name, state key, new value)`` of every state entry of the layer's Q/K parameters at
+    the new width (see `resize_qk_`), of each optimizer that holds one."""
+    parameters = dict(attention.named_parameters())
+    names = adapter.qk_parameter_names(attention)
+    new_states = []
+    for optimizer in optimizers:
+        states = [optimizer.state.get(parameters[name], {}) for name in names]
+        for state_key in {key for state in states for key in state}:
+            present = dict(zip(names, (state.get(state_key) for state in states)))
+            held = {name: value for name, value in present.items() if value is not None}
+            if not all(isinstance(value, Tensor) and value.dim() > 0 for value in held.values()):
+                continue  # scalars such as the step count are kept
+            # a parameter without this entry (frozen, or in another optimizer) reads as zeros and gets none
+            reference = next(iter(held.values()))
+            source = {name: held[name] if name in held else reference.new_zeros(parameters[name].shape)
+                      for name in names}
+            old_query, old_key = adapter.read_qk(attention, source)
+            degree = OPTIMIZER_STATE_DEGREES[state_key]
+            if keep_moments:
+                old_query = old_query * fold**-degree
+                new_query, new_key = _pad(old_query, new_dim), _pad(old_key, new_dim)
+            else:
+                new_query = old_query.new_zeros(*old_query.shape[:-1], new_dim)
+                new_key = old_key.new_zeros(*old_key.shape[:-1], new_dim)
+            start = old_dim if keep_moments else 0
+            new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
+            new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
+            for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
+                if name in held:
+                    new_states.append((optimizer, name, state_key, value))
+    return new_states
 
 
 def _resize_parameter(parameter: torch.nn.Parameter, value: Tensor) -> None:
