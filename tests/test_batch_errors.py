@@ -28,7 +28,8 @@ def test_nearly_right_batches_are_refused_with_what_to_pass(model, stdlib_bytes)
         ({"input_ids": ids[0], "labels": ids[0]}, ValueError,
          r"batch 0 holds token inputs without a batch dimension \(shape \(12,\)\): these look like rows of a dataset"),
         ({**batch, "attention_mask": torch.ones(2, 1, 12, 12)}, ValueError,
-         r"batch 0\['attention_mask'\] has shape \(2, 1, 12, 12\).* a 4-D mask \(packed sequences\) is not supported"),
+         r"batch 0\['attention_mask'\] has shape \(2, 1, 12, 12\) against the tokens' \(2, 12\).* a 4-D mask "
+         r"\(packed sequences, custom attention\) is not supported"),
         ({**batch, "return_dict": False}, ValueError,
          r"batch 0\['return_dict'\] is False: hf_grow reads the model's outputs.loss"),
     ]

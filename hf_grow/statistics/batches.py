@@ -125,6 +125,8 @@ def check_batch(batch: Any, name: str, model: PreTrainedModel) -> None:
         )
     for _ in walk_tensors(batch, name):
         pass  # an unhandled leaf is a TypeError naming it, before the model runs
+    if isinstance(batch, Mapping):
+        _check_padding_mask(name, batch)
     for path, key, value in _model_inputs(batch, name):
         _check_model_input(path, key, value)
     shapes = token_shapes(batch)
@@ -190,13 +192,23 @@ def _check_model_input(path: str, key: str, value: Any) -> None:
     if key in (*_TOKEN_KEYS, "attention_mask") and isinstance(value, (list, tuple)):
         raise TypeError(f"{path} is a {type(value).__name__}, not a tensor: call the tokenizer with "
                         "return_tensors='pt', or batch rows with a DataLoader and a collator.")
-    if key == "attention_mask" and isinstance(value, Tensor) and value.dim() > 2:
-        raise ValueError(
-            f"{path} has shape {tuple(value.shape)}: hf_grow counts tokens with a (batch, sequence) padding mask, "
-            "and a 4-D mask (packed sequences) is not supported: pass the sequences unpacked, padded, with a 2-D mask."
-        )
     if key == "return_dict" and value is False:
         raise ValueError(f"{path} is False: hf_grow reads the model's outputs.loss; leave return_dict out.")
+    if isinstance(value, Mapping):
+        _check_padding_mask(path, value)
+
+
+def _check_padding_mask(path: str, inputs: Mapping[str, Any]) -> None:
+    """An ``attention_mask`` beside token inputs must have their shape (a padding mask): hf_grow counts tokens with
+    it. (A multiple-choice mask is (batch, choices, sequence), as its tokens.)"""
+    mask = inputs.get("attention_mask")
+    tokens = token_shapes({key: inputs[key] for key in _TOKEN_KEYS if key in inputs})
+    if isinstance(mask, Tensor) and tokens and mask.shape != tokens[0]:
+        raise ValueError(
+            f"{path}['attention_mask'] has shape {tuple(mask.shape)} against the tokens' {tuple(tokens[0])}: hf_grow "
+            "counts tokens with a padding mask of the tokens' shape, and a 4-D mask (packed sequences, custom "
+            "attention) is not supported: pass the sequences unpacked, padded, with a padding mask."
+        )
 
 
 def batch_loss_weight(adapter: ArchitectureAdapter, model: PreTrainedModel, batch: Any, loss_fn: LossFn | None) -> int:
