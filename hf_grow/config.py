@@ -49,11 +49,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, TypeVar
 
+import numpy
 import torch
 
 from . import linalg
@@ -390,8 +392,8 @@ def _check_options(config: GrowthConfig) -> None:
 
 
 def _is_number(value: Any) -> bool:
-    """An int or float, not a bool (True would read as 1)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (NumPy's too), not a bool (True would read as 1)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, numpy.bool_))
 
 
 def training_options(overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -80,10 +80,33 @@ def test_the_unaligned_width_warning_points_at_the_callers_line(model, stdlib_by
 
 
 def test_booleans_are_not_steps():
-    """step_size=True was taken as a step of 1 (p=True and max_batches=True were refused)."""
+    """step_size=True was taken as a step of 1 (p=True and max_batches=True were refused); NumPy numbers are steps."""
+    import numpy
+
     for option in ("step_size", "step_scale", "initial_step_size"):
         with pytest.raises(ValueError, match=f"{option} must be"):
             GrowthConfig(**{option: True})
+        assert GrowthConfig(**{option: numpy.float32(0.5)}).replace() is not None
+
+
+def test_batches_that_were_right_stay_accepted(model, stdlib_bytes):
+    """A model whose forward takes **kwargs (no label names to read), and a loss_fn's batch holding lists of
+    tensors, were refused by the new checks (the review of 2026-11-29)."""
+
+    class Wrapped(GPT2LMHeadModel):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    wrapped = Wrapped(model.config)
+    wrapped.load_state_dict(model.state_dict())
+    batches = lm_batches(stdlib_bytes["stats"], 3, batch_size=2, seq_len=12)
+    grow_model(wrapped.eval(), batches[:2], p=8, eval_dataloader=batches[2:], step_size=0.0)
+
+    def per_sequence(model, batch):
+        return sum(model(input_ids=ids, labels=ids).loss for ids in batch["input_ids"]) / len(batch["input_ids"])
+
+    listed = [{"input_ids": [batch["input_ids"][:1], batch["input_ids"][1:]]} for batch in batches]
+    grow_model(model, listed[:2], p=8, eval_dataloader=listed[2:], loss_fn=per_sequence, step_size=0.0)
 
 
 def test_a_json_lines_file_to_data_is_read_as_text_with_a_warning(tmp_path):

@@ -144,12 +144,18 @@ def test_the_draw_leaves_the_global_generators_as_they_were(stdlib_bytes, monkey
     monkeypatch.setattr(callback_module, "resolved_mode", lambda model, mode: "append")
     rows = [row["input_ids"] for row in trainer_dataset(stdlib_bytes, 24, seed=3)]
 
-    def noisy_collate(batch):  # masks a random position with all three generators
-        ids = torch.stack(batch)
-        ids[:, random.randrange(ids.shape[1])] = int(numpy.random.randint(256))
-        return {"input_ids": torch.where(torch.rand(ids.shape) < 0.1, 0, ids)}
+    class NoisyCollator:  # masks random positions with the three global generators and one of its own
+        generator = torch.Generator().manual_seed(7)
 
-    loader = DataLoader(Stream(rows) if streamed else rows, batch_size=4, collate_fn=noisy_collate)
+        def __call__(self, batch):
+            ids = torch.stack(batch)
+            ids[:, random.randrange(ids.shape[1])] = int(numpy.random.randint(256))
+            ids = torch.where(torch.rand(ids.shape, generator=self.generator) < 0.1, 1, ids)
+            return {"input_ids": torch.where(torch.rand(ids.shape) < 0.1, 0, ids)}
+
+    collator = NoisyCollator()
+    loader = DataLoader(Stream(rows) if streamed else rows, batch_size=4, collate_fn=collator)
+    own = collator.generator.get_state()
     callback = GrowthCallback({2: 8}, statistics_batches=2, eval_batches=1)
     args = type("Args", (), {"per_device_train_batch_size": 4, "world_size": 1, "process_index": 0})()
     state, model = TrainerState(global_step=2), grown_model()
@@ -159,3 +165,12 @@ def test_the_draw_leaves_the_global_generators_as_they_were(stdlib_bytes, monkey
     assert len(drawn) == 1 and drawn[0].shape[0] == 8
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
     assert numpy.array_equal(numpy.random.get_state()[1], before[2])
+    assert torch.equal(collator.generator.get_state(), own)  # DataCollatorForLanguageModeling(seed=...)'s kind
+
+
+def test_a_small_draw_leaves_a_batch_for_the_statistics():
+    """2 batches against 1 + 3 gave (0, 2): no statistics batch."""
+    from hf_grow.training.callback import _split_counts
+
+    assert _split_counts(2, 1, 3) == (1, 1) and _split_counts(5, 8, 4) == (3, 2) and _split_counts(20, 8, 4) == (8, 4)
+    assert _split_counts(3, 8, 0) == (3, 0) and _split_counts(1, 8, 4) == (0, 0)

@@ -157,3 +157,21 @@ class _Both:
     def step(self):
         for optimizer in self.optimizers:
             optimizer.step()
+
+
+def test_lora_on_a_llama_query_is_refused_before_any_change():
+    """peft's default targets for Llama (q_proj, v_proj) passed the check (the adapter listed only the Q/K
+    parameters it found) and failed later with a bare KeyError, in a Trainer at the growth step."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = to_grown_model(LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        head_dim=16, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )))
+    peft_model = get_peft_model(llama, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"layer 0's query/key parameters \['q_proj.weight'\] are not where .*"
+                                         r"merge_and_unload"):
+        grow_in_training(peft_model, None, None, 8, mode="zero")
+    assert llama.config.qk_head_dims == [16, 16]

@@ -123,9 +123,14 @@ class LlamaAdapter(ArchitectureAdapter):
         return parameters
 
     def qk_parameter_names(self, attention: nn.Module) -> list[str]:
-        names = ["q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias"]
-        parameters = dict(attention.named_parameters())
-        return [name for name in names if name in parameters]
+        # the weights always (a wrapped projection, e.g. PEFT's LoRA, lacks them: refused by name), biases where the
+        # projections have them (Qwen2, attention_bias=True)
+        return [
+            name
+            for projection in ("q_proj", "k_proj")
+            for name in (f"{projection}.weight", f"{projection}.bias")
+            if name.endswith("weight") or getattr(getattr(attention, projection), "bias", None) is not None
+        ]
 
     def set_qk_head_dim(
         self, attention: nn.Module, config: PreTrainedConfig, layer: int, qk_head_dim: int, scale_dim: int

@@ -166,10 +166,8 @@ def check_labels(batch: Any, name: str, model: PreTrainedModel, loss_fn: LossFn 
     question-answering head's ``start_positions``...): found before the statistics pass, not in the line search."""
     if loss_fn is not None or not is_flat(batch):
         return
-    names = find_labels(type(model))
-    if not names:
-        raise ValueError(f"{type(model).__name__} has no loss head: pass loss_fn(model, batch) -> scalar Tensor.")
-    if not any(label in batch for label in names):
+    names = find_labels(type(model))  # none where forward does not name them (**kwargs): the line search decides
+    if names and not any(label in batch for label in names):
         raise ValueError(
             f"{name} holds no {' or '.join(names)}, so the model computes no loss from it: put labels in the "
             "batches (e.g. labels=input_ids for a causal LM, with DataCollatorForLanguageModeling), or pass loss_fn."
@@ -189,7 +187,8 @@ def _model_inputs(batch: Any, path: str) -> Iterator[tuple[str, str, Any]]:
 
 def _check_model_input(path: str, key: str, value: Any) -> None:
     """Inputs that would fail inside the model, or mislead the statistics, refused with what to pass instead."""
-    if key in (*_TOKEN_KEYS, "attention_mask") and isinstance(value, (list, tuple)):
+    if (key in (*_TOKEN_KEYS, "attention_mask") and isinstance(value, (list, tuple))
+            and not any(isinstance(item, Tensor) for item in value)):  # a loss_fn's batch may hold lists of tensors
         raise TypeError(f"{path} is a {type(value).__name__}, not a tensor: call the tokenizer with "
                         "return_tensors='pt', or batch rows with a DataLoader and a collator.")
     if key == "return_dict" and value is False:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import itertools
@@ -35,9 +36,9 @@ class GrowthCallback(TrainerCallback):
 
     At the end of each scheduled optimizer step, draws ``statistics_batches + eval_batches`` batches from the
     training set (with the Trainer's collator and batch size, in an order of its own; the global torch, Python and
-    NumPy generators are restored after the draw, so a random collator such as masked LM's leaves the training
-    order and masks as they were), collects statistics on the first ones, line-searches the step on the
-    held-out rest, and resizes the model in place (`grow_in_training`). Training then continues with the
+    NumPy generators and a collator's own are restored after the draw, so a random collator such as masked LM's
+    leaves the training order and masks as they were), collects statistics on the first ones, line-searches the
+    step on the held-out rest, and resizes the model in place (`grow_in_training`). Training then continues with the
     same optimizer, step count and LR schedule; checkpoints saved afterwards carry the new ``qk_head_dims``.
     A training set of fewer batches is shared in the same proportion (at least one held out). An
     `IterableDataset` is read from its start at every growth: each growth sees the same first batches (pass
@@ -259,10 +260,13 @@ _SET_BY_THE_CALLBACK = frozenset({"model", "optimizer", "dataloader", "p", "acce
 
 def _split_counts(available: int, statistics_batches: int, eval_batches: int) -> tuple[int, int]:
     """The statistics and held-out batches that ``available`` batches per process give: those asked for where
-    there are enough, else ``available`` shared in their proportion, at least one held out (when any is asked)."""
+    there are enough, else ``available`` shared in their proportion, at least one of each (when any is held out;
+    none at all from fewer than two batches)."""
     if available >= statistics_batches + eval_batches or eval_batches == 0:
         return min(available, statistics_batches), eval_batches
-    held_out = max(1, round(available * eval_batches / (statistics_batches + eval_batches)))
+    if available < 2:
+        return 0, 0  # no statistics batch beside a held-out one: refused by the callers
+    held_out = min(available - 1, max(1, round(available * eval_batches / (statistics_batches + eval_batches))))
     return available - held_out, held_out
 
 
@@ -321,9 +325,13 @@ def _forget_best_checkpoint(state) -> None:
 
 
 @contextlib.contextmanager
-def _global_generators_restored(seed: int) -> Iterator[None]:
-    """The global torch (CPU), Python and NumPy generators seeded with ``seed`` inside the block and restored after
-    it: a collator that draws from them (masked LM's masking) draws the same in training as without the growth."""
+def _generators_restored(seed: int, collate_fn: Any) -> Iterator[None]:
+    """The global torch (CPU), Python and NumPy generators seeded with ``seed`` inside the block, and they and a
+    collator's own generator (``DataCollatorForLanguageModeling(seed=...)``) restored after it: a collator that
+    draws from them (masked LM's masking) draws the same in training as without the growth."""
+    collator = getattr(collate_fn, "data_collator", collate_fn)  # inside the Trainer's RemoveColumnsCollator
+    own = getattr(collator, "generator", None)
+    own_state = own.get_state() if isinstance(own, torch.Generator) else copy.deepcopy(own)  # NumPy's, or None
     python_state, numpy_state = random.getstate(), numpy.random.get_state()
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
@@ -334,6 +342,11 @@ def _global_generators_restored(seed: int) -> Iterator[None]:
         finally:
             random.setstate(python_state)
             numpy.random.set_state(numpy_state)
+            if isinstance(own, torch.Generator):
+                own.set_state(own_state)
+                collator.generator = own
+            elif hasattr(collator, "generator"):
+                collator.generator = own_state  # None: made again at its seed when training next collates
 
 
 def _draw_batches(
@@ -351,7 +364,7 @@ def _draw_batches(
     else:
         sampler = RandomSampler(dataset, generator=generator)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator)
-    with _global_generators_restored(seed):
+    with _generators_restored(seed, collate_fn):
         drawn = list(itertools.islice(loader, count))
     drawn = drawn[: len(drawn) // args.world_size * args.world_size][args.process_index :: args.world_size]
     statistics, held_out = _split_counts(len(drawn), statistics_batches, eval_batches)
