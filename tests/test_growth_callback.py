@@ -174,3 +174,23 @@ def test_a_small_draw_leaves_a_batch_for_the_statistics():
 
     assert _split_counts(2, 1, 3) == (1, 1) and _split_counts(5, 8, 4) == (3, 2) and _split_counts(20, 8, 4) == (8, 4)
     assert _split_counts(3, 8, 0) == (3, 0) and _split_counts(1, 8, 4) == (0, 0)
+
+
+def test_each_growth_takes_its_own_batches_of_an_iterable_dataset(stdlib_bytes, monkeypatch):
+    """Read from its start at every growth, an IterableDataset gave every growth the same first batches."""
+    from hf_grow.training import callback as callback_module
+
+    drawn = []
+    monkeypatch.setattr(callback_module, "grow_in_training", lambda model, optimizer, batches, added, **kwargs:
+                        drawn.append(torch.cat([batch["input_ids"] for batch in batches])))
+    monkeypatch.setattr(callback_module, "resolved_mode", lambda model, mode: "append")
+    rows = [row["input_ids"] for row in trainer_dataset(stdlib_bytes, 40, seed=3)]  # 10 batches of 4
+    loader = DataLoader(Stream(rows), batch_size=4, collate_fn=lambda batch: {"input_ids": torch.stack(batch)})
+    callback = GrowthCallback({2: 8, 4: 8, 6: 8}, statistics_batches=2, eval_batches=1)
+    args = type("Args", (), {"per_device_train_batch_size": 4, "world_size": 1, "process_index": 0})()
+    model = grown_model()
+    for step in (2, 4, 6):
+        callback.on_step_end(args, TrainerState(global_step=step), None, model=model, optimizer=None,
+                             train_dataloader=loader)
+    for growth, statistics_rows in enumerate(drawn):  # 3 batches of 4 rows a growth, the first 2 for statistics
+        assert torch.equal(statistics_rows, torch.stack(rows[12 * growth : 12 * growth + 8])), growth

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -41,9 +42,9 @@ class GrowthCallback(TrainerCallback):
     step on the held-out rest, and resizes the model in place (`grow_in_training`). Training then continues with the
     same optimizer, step count and LR schedule; checkpoints saved afterwards carry the new ``qk_head_dims``.
     A training set of fewer batches is shared in the same proportion (at least one held out). An
-    `IterableDataset` is read from its start at every growth: each growth sees the same first batches (pass
-    ``dataloader`` for others). The statistics and the line search use the model's own loss (``outputs.loss``),
-    not a Trainer's ``compute_loss`` or label smoothing: pass ``loss_fn`` for another.
+    `IterableDataset` is read from its start at every growth, the k-th growth of the schedule taking the k-th run
+    of batches (reading the runs before it). The statistics and the line search use the model's own loss
+    (``outputs.loss``), not a Trainer's ``compute_loss`` or label smoothing: pass ``loss_fn`` for another.
 
     Checkpoints saved before a growth cannot be loaded into the grown model: with ``load_best_model_at_end`` the
     best checkpoint is the best of those saved since the last growth (each growth forgets the Trainer's best).
@@ -154,9 +155,8 @@ class GrowthCallback(TrainerCallback):
         mode = resolved_mode(model, self.mode)
         if batches is None and mode in SOLVED_MODES:  # the baselines need no data
             eval_count = 0 if self.eval_dataloader is not None else self.eval_batches
-            batches, drawn_eval = _draw_batches(
-                train_dataloader, args, self.seed + step, self.statistics_batches, eval_count
-            )
+            batches, drawn_eval = _draw_batches(train_dataloader, args, self.seed + step, self.statistics_batches,
+                                                eval_count, growth_index=sorted(schedule).index(step))
             eval_dataloader = drawn_eval if eval_dataloader is None else eval_dataloader
         report = grow_in_training(
             model if self.trainer is None else self.trainer.model_wrapped,
@@ -350,11 +350,13 @@ def _generators_restored(seed: int, collate_fn: Any) -> Iterator[None]:
 
 
 def _draw_batches(
-    train_dataloader: DataLoader, args, seed: int, statistics_batches: int, eval_batches: int
+    train_dataloader: DataLoader, args, seed: int, statistics_batches: int, eval_batches: int, growth_index: int
 ) -> tuple[list, list]:
     """This process's statistics and held-out batches, from the training set through the Trainer's collator,
     in an order of their own (``seed``): every process draws the same batches and takes every world_size-th (as
-    many on each; a small training set is shared as `_split_counts` says)."""
+    many on each; a small training set is shared as `_split_counts` says). An IterableDataset, read from its start,
+    gives the ``growth_index``-th run of batches (the last ones where it ends sooner), so that each growth of a
+    schedule sees batches of its own."""
     count = (statistics_batches + eval_batches) * args.world_size
     dataset, collate_fn = train_dataloader.dataset, train_dataloader.collate_fn
     batch_size = args.per_device_train_batch_size
@@ -364,8 +366,9 @@ def _draw_batches(
     else:
         sampler = RandomSampler(dataset, generator=generator)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator)
+    skipped = growth_index * count if isinstance(dataset, IterableDataset) else 0
     with _generators_restored(seed, collate_fn):
-        drawn = list(itertools.islice(loader, count))
+        drawn = list(collections.deque(itertools.islice(loader, skipped + count), maxlen=count))
     drawn = drawn[: len(drawn) // args.world_size * args.world_size][args.process_index :: args.world_size]
     statistics, held_out = _split_counts(len(drawn), statistics_batches, eval_batches)
     if statistics < 1:
