@@ -1,5 +1,6 @@
-"""Grown GPT-2 and Llama on transformers' pre-allocated caches: static caches with chunked prefill, the ExecuTorch
-export recipe, continuous batching, and the per-layer key widths a saved config gives those caches.
+"""Grown GPT-2 and Llama (and a BERT decoder) on transformers' pre-allocated caches: static caches with chunked
+prefill, the ExecuTorch export recipe, continuous batching, and the per-layer key widths a saved config gives those
+caches.
 
 Tiny random models at +0 and +8 query/key dims per head and with a width of their own per layer ("mixed"); every
 path must generate the tokens plain `generate` does (ported from transformers' generation and export tests).
@@ -7,14 +8,21 @@ path must generate the tokens plain `generate` does (ported from transformers' g
 
 import pytest
 import torch
-from transformers import AutoConfig, ContinuousBatchingConfig, GenerationConfig
+from transformers import AutoConfig, BertConfig, ContinuousBatchingConfig, GenerationConfig
 from transformers.cache_utils import StaticCache
 from transformers.integrations.executorch import (
     TorchExportableModuleWithStaticCache,
     convert_and_export_with_cache,
 )
 
-from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel, GrownLlamaConfig, GrownLlamaForCausalLM
+from hf_grow import (
+    GrownBertConfig,
+    GrownBertLMHeadModel,
+    GrownGPT2Config,
+    GrownGPT2LMHeadModel,
+    GrownLlamaConfig,
+    GrownLlamaForCausalLM,
+)
 
 from conftest import tiny_gpt2_config
 from test_grown_llama import tiny_llama_config
@@ -36,8 +44,22 @@ def grown_llama(added: list[int], **overrides) -> GrownLlamaForCausalLM:
     return GrownLlamaForCausalLM(GrownLlamaConfig(**settings | {"qk_nope_dims": added})).eval()
 
 
+def grown_bert_decoder(added: list[int]) -> GrownBertLMHeadModel:
+    torch.manual_seed(0)
+    settings = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=128, max_position_embeddings=64, is_decoder=True, pad_token_id=0).to_dict()
+    return GrownBertLMHeadModel(GrownBertConfig(**settings | {"qk_head_dims": [16 + dim for dim in added]})).eval()
+
+
 @pytest.fixture(params=[grown_gpt2, grown_llama], ids=["gpt2", "llama"])
 def build(request):
+    return request.param
+
+
+@pytest.fixture(params=[grown_gpt2, grown_llama, grown_bert_decoder], ids=["gpt2", "llama", "bert-decoder"])
+def static_build(request):
+    """Also a BERT decoder: its static cache allocated ahead of time held keys at the value width (no per-layer
+    cache types in its config), and the first write of the wider grown keys failed."""
     return request.param
 
 
@@ -53,19 +75,19 @@ def prompts(batch_size: int = 2, length: int = 10) -> torch.Tensor:
 SETTINGS = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
 
 
-def test_static_cache_with_chunked_prefill_matches_generate(build, added):
+def test_static_cache_with_chunked_prefill_matches_generate(static_build, added):
     """`prefill_chunk_size` initializes the static cache up front (from `config.head_dim` before this fix)."""
-    model, prompt = build(added), prompts()
+    model, prompt = static_build(added), prompts()
     expected = model.generate(prompt, **SETTINGS)
     static = model.generate(prompt, cache_implementation="static", prefill_chunk_size=4, **SETTINGS)
     assert torch.equal(static, expected)
 
 
-def test_executorch_export_runs_and_matches_the_model(build, added):
+def test_executorch_export_runs_and_matches_the_model(static_build, added):
     """transformers' ExecuTorch recipe: a static-cache wrapper initialized up front, exported with torch.export.
     Fed a prompt one token at a time, the program gives the model's logits at every position (so its cache holds
     the keys and values of the earlier tokens), and its own greedy loop runs."""
-    model, prompt = build(added), prompts(batch_size=1)
+    model, prompt = static_build(added), prompts(batch_size=1)
     model.generation_config.cache_implementation = "static"
     model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
     program = convert_and_export_with_cache(model).module()
@@ -142,3 +164,10 @@ def test_saved_config_gives_caches_each_layers_key_width(build, tmp_path):
     assert [layer.keys.shape[-1] for layer in cache.layers] == [24, 20]
     assert [layer.values.shape[-1] for layer in cache.layers] == [16, 16]
     assert build(GROWTHS["plus0"]).config.layer_types == ["full_attention", "full_attention"]
+
+
+def test_continuous_batching_of_a_grown_bert_decoder_is_refused():
+    """Its paged cache holds keys at the value width: requests failed in the manager's thread with an
+    AttributeError logged, and generate_batch returned."""
+    with pytest.raises(NotImplementedError, match="keys wider than values, which continuous batching's paged cache"):
+        grown_bert_decoder([8, 8]).generate_batch([[1, 2, 3]], generation_config=GenerationConfig(**GREEDY))

@@ -1,12 +1,45 @@
 # Copyright 2026 The hf_grow authors. Licensed under the Apache License, Version 2.0.
 """Configuration of a BERT whose attention heads have their own query/key width.
 
-This file is self-contained (transformers and its own dependency huggingface_hub only) so that it can be
+This file is self-contained (torch, transformers and its dependency huggingface_hub only) so that it can be
 copied next to a checkpoint and loaded with `trust_remote_code=True` where hf_grow is not installed.
 """
 
+import torch
 from huggingface_hub.dataclasses import strict
 from transformers import BertConfig
+from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, DynamicLayer, StaticLayer
+
+
+class GrownStaticLayer(StaticLayer):
+    """A `StaticLayer` whose keys are `key_head_dim` wide, whatever width it is first initialized with.
+
+    transformers allocates static caches ahead of time (`early_initialization`, for chunked prefill and for
+    `torch.export`) from one head width for keys and values, the value width; grown keys are wider.
+    """
+
+    key_head_dim: int
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        key_states = key_states.new_empty((*key_states.shape[:-1], self.key_head_dim))
+        super().lazy_initialization(key_states, value_states)
+
+
+def cache_layer_type(key_head_dim: int, value_head_dim: int) -> str:
+    """The layer type from which transformers' caches build the cache of a layer with these key and value widths.
+
+    `full_attention` where they are equal; else `grown_attention_qk{key_head_dim}`, whose static and dynamic cache
+    layer classes are registered here on first use (`CacheLayerMixin` files subclasses that set `_layer_type` in
+    transformers' layer type mappings).
+    """
+    if key_head_dim == value_head_dim:
+        return "full_attention"
+    layer_type = f"grown_attention_qk{key_head_dim}"
+    if layer_type not in STATIC_LAYER_TYPE_MAPPING:
+        attributes = {"_layer_type": layer_type, "key_head_dim": key_head_dim}
+        type(f"GrownStaticLayerQK{key_head_dim}", (GrownStaticLayer,), attributes)
+        type(f"GrownDynamicLayerQK{key_head_dim}", (DynamicLayer,), {"_layer_type": layer_type})
+    return layer_type
 
 
 @strict
@@ -54,6 +87,16 @@ class GrownBertConfig(BertConfig):
                 "GrownBertConfig does not support add_cross_attention=True: grown BERT layers are self-attention only. "
                 "Leave add_cross_attention False, or use a plain BertConfig for a decoder that attends to an encoder."
             )
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Each layer's cache layer type (`cache_layer_type`): how transformers' caches learn its key width (a
+        decoder's, `is_decoder=True`)."""
+        return [cache_layer_type(dim, self.hidden_size // self.num_attention_heads) for dim in self.qk_head_dims]
+
+    def validate_layer_type(self):
+        """Part of `@strict` validation, replaced: `layer_types` is derived from the widths, so it is valid, but
+        transformers' check allows only its own layer types and would refuse the grown ones."""
 
     def attention_scale_dim(self, layer: int) -> int:
         """The width whose attention scale `layer` takes: `attention_scale_dims[layer]`, else its query/key width."""

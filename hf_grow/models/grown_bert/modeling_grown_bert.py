@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.configuration_utils import PreTrainedConfig
 from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import (
@@ -186,6 +188,41 @@ class GrownBertPreTrainedModel(BertPreTrainedModel):
 
     def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
         raise ValueError(_UNSUPPORTED_ATTENTION.format(type(self).__name__, "flex_attention"))
+
+    @staticmethod
+    def create_masks_for_generate(
+        config: PreTrainedConfig,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        position_ids: torch.Tensor | None = None,
+        block_sequence_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor | None:
+        """The mask `generate` prepares for a decoder's static caches: one causal mask, as for a plain BERT.
+
+        transformers' default would read `config.layer_types` (the cache layer types of wider keys) and build a
+        mask per layer type (or pass the 2D mask on for the grown ones), which BERT's `forward` does not expect.
+        """
+        return create_causal_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+            block_sequence_ids=block_sequence_ids,
+        )
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused where some layer's keys are wider than its values: the paged cache of continuous batching
+        (`generate_batch`, `transformers serve`) holds one width for keys and values, and only the grown GPT-2 and
+        Llama models have a view that pads them to it."""
+        if any(kind != "full_attention" for kind in self.config.layer_types):
+            raise NotImplementedError(
+                f"{type(self).__name__} has keys wider than values, which continuous batching's paged cache cannot "
+                "hold: generate with generate() (dynamic or static cache) instead."
+            )
+        return super().init_continuous_batching(*args, **kwargs)
 
     def save_pretrained(
         self, save_directory, is_main_process: bool = True, *args, push_to_hub: bool = False, **kwargs
