@@ -300,6 +300,10 @@ class GrowthConfig(JsonConfigMixin):
             self.p = dict(self.p)  # a plain dict: to_dict copies it
         if isinstance(self.offload_dir, os.PathLike):
             self.offload_dir = os.fspath(self.offload_dir)  # a string: to_json_file writes it
+        for option in ("step_size", "step_scale", "initial_step_size"):
+            value = getattr(self, option)
+            if _is_number(value) and not isinstance(value, (int, float)):
+                setattr(self, option, float(value))  # a NumPy number: a Python float, which to_json_file writes
         _check_options(self)
 
     def with_default_p(self) -> GrowthConfig:

@@ -1,6 +1,7 @@
 """Batches that are nearly right, and small API edges: each refused before the model runs, with what to pass instead
 (they failed deep inside transformers, or with advice that did not fit)."""
 
+import json
 import warnings
 
 import pytest
@@ -33,6 +34,9 @@ def test_nearly_right_batches_are_refused_with_what_to_pass(model, stdlib_bytes)
         ({**batch, "return_dict": False}, ValueError,
          r"batch 0\['return_dict'\] is False: hf_grow reads the model's outputs.loss"),
     ]
+    rows = {"input_ids": list(ids), "labels": ids}  # rows left unstacked
+    with pytest.raises(TypeError, match=r"stack \['input_ids'\] into tensors \(a DataLoader with a collator does\)"):
+        grow_model(model, [rows], p=8, eval_dataloader=[batch])
     for bad, error, message in cases:
         with pytest.raises(error, match=message):
             grow_model(model, [bad], p=8, eval_dataloader=[batch])
@@ -86,7 +90,8 @@ def test_booleans_are_not_steps():
     for option in ("step_size", "step_scale", "initial_step_size"):
         with pytest.raises(ValueError, match=f"{option} must be"):
             GrowthConfig(**{option: True})
-        assert GrowthConfig(**{option: numpy.float32(0.5)}).replace() is not None
+        config = GrowthConfig(**{option: numpy.float32(0.5)})  # a Python float: the report's JSON writes it
+        assert type(getattr(config, option)) is float and json.loads(json.dumps(config.to_dict()))[option] == 0.5
 
 
 def test_batches_that_were_right_stay_accepted(model, stdlib_bytes):

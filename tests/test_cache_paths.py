@@ -166,8 +166,9 @@ def test_saved_config_gives_caches_each_layers_key_width(build, tmp_path):
     assert build(GROWTHS["plus0"]).config.layer_types == ["full_attention", "full_attention"]
 
 
-def test_continuous_batching_of_a_grown_bert_decoder_is_refused():
-    """Its paged cache holds keys at the value width: requests failed in the manager's thread with an
-    AttributeError logged, and generate_batch returned."""
-    with pytest.raises(NotImplementedError, match="keys wider than values, which continuous batching's paged cache"):
-        grown_bert_decoder([8, 8]).generate_batch([[1, 2, 3]], generation_config=GenerationConfig(**GREEDY))
+@pytest.mark.parametrize("added", [[8, 8], [0, 0]], ids=["plus8", "plus0"])
+def test_continuous_batching_of_a_grown_bert_decoder_is_refused(added):
+    """Requests failed in the manager's thread with an AttributeError logged (a plain BertLMHeadModel's too), and
+    generate_batch returned empty outputs."""
+    with pytest.raises(NotImplementedError, match="cannot generate with continuous batching"):
+        grown_bert_decoder(added).generate_batch([[1, 2, 3]], generation_config=GenerationConfig(**GREEDY))

@@ -216,8 +216,11 @@ def batch_loss_weight(adapter: ArchitectureAdapter, model: PreTrainedModel, batc
     in the batch (depth first; for a batch of text columns, the rows every column shares)."""
     if loss_fn is None:
         if not is_flat(batch):
+            listed = sorted(key for key, value in batch.items() if isinstance(value, (list, tuple))) if isinstance(
+                batch, Mapping) else []
+            stack = f"stack {listed} into tensors (a DataLoader with a collator does), or " if listed else ""
             raise TypeError(
-                f"a batch of {describe(batch)} cannot be passed as model(**batch): pass loss_fn(model, batch), "
+                f"a batch of {describe(batch)} cannot be passed as model(**batch): {stack}pass loss_fn(model, batch), "
                 "which runs the model on each part (e.g. hf_grow.SentenceLoss for a sentence-transformers loss)."
             )
         return adapter.loss_weight(model, batch)

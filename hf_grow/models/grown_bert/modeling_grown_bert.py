@@ -214,15 +214,12 @@ class GrownBertPreTrainedModel(BertPreTrainedModel):
         )
 
     def init_continuous_batching(self, *args, **kwargs):
-        """Refused where some layer's keys are wider than its values: the paged cache of continuous batching
-        (`generate_batch`, `transformers serve`) holds one width for keys and values, and only the grown GPT-2 and
-        Llama models have a view that pads them to it."""
-        if any(kind != "full_attention" for kind in self.config.layer_types):
-            raise NotImplementedError(
-                f"{type(self).__name__} has keys wider than values, which continuous batching's paged cache cannot "
-                "hold: generate with generate() (dynamic or static cache) instead."
-            )
-        return super().init_continuous_batching(*args, **kwargs)
+        """Refused: continuous batching (`generate_batch`, `transformers serve`) does not run BERT (a plain
+        `BertLMHeadModel`'s requests fail in the manager's thread, and generate_batch returns empty outputs)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot generate with continuous batching (transformers' paged cache does not run "
+            "BERT, grown or not): generate with generate() (dynamic or static cache) instead."
+        )
 
     def save_pretrained(
         self, save_directory, is_main_process: bool = True, *args, push_to_hub: bool = False, **kwargs
