@@ -375,4 +375,3 @@ def _draw_batches(
         raise ValueError(f"the training set gave {len(drawn)} batch(es) per process: a growth needs one for the "
                          f"statistics{' and one held out' if eval_batches else ''} (pass dataloader=)")
     return drawn[:statistics], drawn[statistics : statistics + held_out]
-

@@ -291,4 +291,3 @@ def _qk_parameters(model: PreTrainedModel, adapter: ArchitectureAdapter, layers:
         for layer in layers
         for name in adapter.qk_parameter_names(attentions[layer])
     ]
-
