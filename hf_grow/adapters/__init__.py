@@ -22,25 +22,28 @@ def supported_model_types() -> list[str]:
     return [model_type for adapter in ADAPTERS for model_type in adapter.model_types]
 
 
+def _adapter_for(model_type: str | None) -> ArchitectureAdapter | None:
+    """The first adapter that handles ``model_type`` (lookup order), or None."""
+    return next((adapter for adapter in ADAPTERS if model_type in adapter.model_types), None)
+
+
 def position_limit(config: PreTrainedConfig) -> int | None:
     """The longest sequence a model of ``config`` can embed (`ArchitectureAdapter.position_limit`; None: any)."""
-    for adapter in ADAPTERS:
-        if config.model_type in adapter.model_types:
-            return adapter.position_limit(config)
-    return getattr(config, "max_position_embeddings", None)
+    adapter = _adapter_for(config.model_type)
+    return getattr(config, "max_position_embeddings", None) if adapter is None else adapter.position_limit(config)
 
 
 def get_adapter(model: PreTrainedModel) -> ArchitectureAdapter:
     """The adapter for ``model``, or a ValueError naming the supported architectures."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for adapter in ADAPTERS:
-        if model_type in adapter.model_types:
-            adapter.check_supported(model)
-            return adapter
-    raise ValueError(
-        f"hf_grow cannot grow {type(model).__name__} (model_type={model_type!r}); "
-        f"supported model types: {', '.join(supported_model_types())}."
-    )
+    adapter = _adapter_for(model_type)
+    if adapter is None:
+        raise ValueError(
+            f"hf_grow cannot grow {type(model).__name__} (model_type={model_type!r}); "
+            f"supported model types: {', '.join(supported_model_types())}."
+        )
+    adapter.check_supported(model)
+    return adapter
 
 
 __all__ = [
