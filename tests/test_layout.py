@@ -142,19 +142,20 @@ def test_copies_in_the_grown_model_folders_stay_the_same(first_copy, other_copy,
 
 def attention_checks(path: Path) -> list[str]:
     """A modeling file's copy of the attention refusal (`_UNSUPPORTED_ATTENTION`) and of its pretrained class's
-    methods from ``post_init`` to ``_flex_attn_can_dispatch`` (the model tags, flash and flex refused)."""
+    methods from ``post_init`` to the end of ``create_masks_for_generate`` (the model tags, flash and flex refused,
+    one causal mask for static caches)."""
     lines = path.read_text().splitlines()
     constant = lines.index("_UNSUPPORTED_ATTENTION = (")
     start = lines.index("    def post_init(self):")
-    flex = next(number for number, line in enumerate(lines) if line.startswith("    def _flex_attn_can_dispatch("))
-    return lines[constant : lines.index(")", constant) + 1] + lines[start : flex + 2]
+    masks = lines.index("    def create_masks_for_generate(")
+    return lines[constant : lines.index(")", constant) + 1] + lines[start : lines.index("        )", masks) + 1]
 
 
 def test_the_modeling_files_refuse_flash_attention_alike():
-    """Each grown modeling file holds its own copy of the attention refusal and the tags (an exported folder
-    cannot import a shared module): a fix in one must reach the others."""
+    """Each grown modeling file holds its own copy of the attention refusal, the tags and the static caches' mask
+    (an exported folder cannot import a shared module): a fix in one must reach the others."""
     copies = [attention_checks(path) for path in sorted((PACKAGE / "models").glob("grown_*/modeling_grown_*.py"))]
-    assert len(copies) == len(GROWN_PACKAGES) and len(copies[0]) == 13 and all(copy == copies[0] for copy in copies)
+    assert len(copies) == len(GROWN_PACKAGES) and len(copies[0]) == 37 and all(copy == copies[0] for copy in copies)
 
 
 def saving_code(path: Path) -> list[str]:

@@ -199,10 +199,10 @@ class GrownBertPreTrainedModel(BertPreTrainedModel):
         block_sequence_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor | None:
-        """The mask `generate` prepares for a decoder's static caches: one causal mask, as for a plain BERT.
+        """The mask `generate` prepares for static caches: one causal mask, since every layer attends causally.
 
-        transformers' default would read `config.layer_types` (the cache layer types of wider keys) and build a
-        mask per layer type (or pass the 2D mask on for the grown ones), which BERT's `forward` does not expect.
+        transformers' default would read `config.layer_types` and build a mask per layer type (or pass the 2D
+        mask on for the grown ones), which the inherited `forward` does not expect.
         """
         return create_causal_mask(
             config=config,
