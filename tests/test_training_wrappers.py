@@ -1,6 +1,8 @@
 """Growth in training with what a training script sets up around a model (PEFT adapters, torch.compile, several
 optimizers, activation checkpointing), and what a baseline growth leaves of an earlier growth's report."""
 
+import copy
+
 import pytest
 import torch
 
@@ -23,13 +25,13 @@ def test_a_peft_model_grows_in_place_unless_its_adapters_are_on_query_key(model,
     from peft import LoraConfig, get_peft_model
 
     batch = lm_batches(stdlib_bytes["eval"], 1, seed=5)[0]
-    on_qk = get_peft_model(_copy(model), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    on_qk = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
     with pytest.raises(ValueError, match=r"layer 0's query/key parameters \['c_attn.weight', 'c_attn.bias'\] are "
                                          r"not where .*merge_and_unload"):
         grow_in_training(on_qk, None, None, 8, mode="zero")
     assert on_qk.get_base_model().config.qk_head_dims == [8, 8]
 
-    on_mlp = get_peft_model(_copy(model), LoraConfig(r=4, target_modules=["c_fc"], fan_in_fan_out=True,
+    on_mlp = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["c_fc"], fan_in_fan_out=True,
                                                      init_lora_weights=False))
     optimizer = torch.optim.AdamW([p for p in on_mlp.parameters() if p.requires_grad], lr=1e-3)
     train(on_mlp, optimizer, lm_batches(stdlib_bytes["train"], 2, seed=2))
@@ -71,17 +73,9 @@ def test_a_baseline_growth_drops_the_report_of_an_earlier_growth(model, stdlib_b
     assert not (tmp_path / "zero" / "growth_report.json").exists()
 
 
-def _copy(model: GrownGPT2LMHeadModel) -> GrownGPT2LMHeadModel:
-    copy = GrownGPT2LMHeadModel(model.config)
-    copy.load_state_dict(model.state_dict())
-    return copy
-
-
 def test_to_grown_model_keeps_activation_checkpointing(trained_gpt2, stdlib_bytes):
     """It was off on the converted model (the memory a training script counted on), and is kept layer by layer:
     which layers recompute, and the checkpoint function they call."""
-    import copy
-
     plain = copy.deepcopy(trained_gpt2).train()
     plain.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=2)
     calls = []
@@ -141,7 +135,7 @@ def test_several_optimizers_each_have_their_state_remapped(model, stdlib_bytes):
     losses = train(model, _Both(muon, adamw), lm_batches(stdlib_bytes["train"], 2, seed=3))
     assert all(torch.isfinite(torch.tensor(losses)))
     with pytest.raises(ValueError, match="the AdamW holds none of the model's parameters"):
-        grow_in_training(model, [muon, torch.optim.AdamW(_copy(model).parameters())], None, 8, mode="zero")
+        grow_in_training(model, [muon, torch.optim.AdamW(copy.deepcopy(model).parameters())], None, 8, mode="zero")
 
 
 class _Both:
