@@ -451,3 +451,14 @@ def test_on_a_gpu_the_host_keeps_the_cuda_process_and_one_shard_of_the_written_m
                                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
     small_plan = plan_memory(small, get_adapter(small), GrowthConfig(p=8), device="cuda", **shape)
     assert small_plan.stages[0].host == CUDA_PROCESS_BASELINE_BYTES  # a small file: the CUDA libraries outweigh it
+
+
+def test_a_memory_budget_below_one_layer_is_refused_in_one_line(model_folder, tmp_path, capsys):  # noqa: F811
+    output = tmp_path / "grown"
+    arguments = [str(model_folder), "--p", "8", "--data", TEXT_GLOB, "--memory-budget", "40KB", "--quiet",
+                 "--device", "cpu"]
+    for run in (["--dry-run"], ["--output-dir", str(output)]):
+        assert cli.main([*arguments, *run]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and "--memory-budget 40KB: memory_budget 40,000 bytes is below" in error
+    assert not output.exists()

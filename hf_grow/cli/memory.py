@@ -45,7 +45,10 @@ def check_memory(
     plan_with, model = _planner(args, objective)
     local = objective != "pairs" and Path(args.model).is_dir()  # a SentenceTransformer's model: checked when loaded
     check_model_growth(model, args.config, statistics, checkpoint=args.model if local else None)
-    plan = plan_with({})
+    try:
+        plan = plan_with({})
+    except ValueError as error:  # a budget below one layer's statistics (`layer_groups`)
+        raise CommandError(f"--memory-budget {args.config.memory_budget}: {error}") from None
     if args.dry_run:
         print(plan.table())
     elif show_progress:
