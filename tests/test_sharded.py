@@ -170,6 +170,18 @@ def sharded_worker(rank: int, world_size: int, grow_state: dict, count_state: di
                             "eigh", sharding=sharding)
     solved_on = [sorted({tensor.device.type for tensor in layer_tensors(part)}) for part in problem.layers]
     solved_weights = problem.weights(0.5)
+    # Growth from those statistics (each process holds its own layers' M), and from statistics whose owners are
+    # not those growth solves on: refused on every process, before any solve.
+    from_shares = grow_model(counted, None, statistics=statistics, eval_dataloader=eval_shard, accelerator=accelerator,
+                             p=8, step_size=0.5, **ONE_CANDIDATE)
+    others = collect_statistics(counted, shard, get_adapter(counted), accelerator=accelerator,
+                                owners=[(owner + 1) % world_size for owner in owners])
+    try:
+        grow_model(counted, None, statistics=others, eval_dataloader=eval_shard, accelerator=accelerator, p=8,
+                   step_size=0.5, **ONE_CANDIDATE)
+        other_owners = None
+    except (ValueError, OtherProcessFailed) as error:
+        other_owners = f"{type(error).__name__}: {error}"
 
     calls = []
 
@@ -189,7 +201,8 @@ def sharded_worker(rank: int, world_size: int, grow_state: dict, count_state: di
     torch.save({"state_dict": grown.state_dict(), "report": grown.growth_report.to_dict(), "peak": peak,
                 "held": held, "failure": failure, "summed": statistics.gradients,
                 "halves": (statistics.half_gradients, statistics.half_loss_weight), "solved_on": solved_on,
-                "solved_weights": solved_weights}, f"{folder}/rank{rank}.pt")
+                "solved_weights": solved_weights, "from_shares": from_shares.state_dict(),
+                "other_owners": other_owners}, f"{folder}/rank{rank}.pt")
     accelerator.end_training()
 
 
@@ -296,6 +309,17 @@ def test_processes_sharing_the_layers_grow_like_one_and_hold_a_share_of_m(sharde
             expected_form = query @ key.mT
             torch.testing.assert_close(found_query @ found_key.mT, expected_form, rtol=0,
                                        atol=torch.finfo(torch.float32).eps * float(expected_form.abs().max()))
+
+    # Grown from the shares: the model grown from one process's statistics, on every process.
+    from_all = grow_model(counted, None, statistics=alone_statistics, eval_dataloader=data["eval"], p=8, step_size=0.5,
+                          **ONE_CANDIDATE).state_dict()
+    for rank, result in enumerate(results):
+        for name, tensor in from_all.items():
+            assert torch.equal(result["from_shares"][name], results[0]["from_shares"][name]), name
+            torch.testing.assert_close(result["from_shares"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        # Shares of other owners: each process lacks the M of the layers it would solve.
+        assert result["other_owners"].startswith("ValueError: the statistics hold no M for layers ["), result
+        assert f"plan_owners([1.0] * {COUNT['n_layer']}, {world_size})" in result["other_owners"]
 
     # A process failing in the second pass: it raises its error, the others one clear error, none waits forever.
     failures = [result["failure"] for result in results]

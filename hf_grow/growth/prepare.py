@@ -71,10 +71,12 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def check_statistics(
-    statistics: GrowthStatistics, model: PreTrainedModel, adapter: ArchitectureAdapter, cross_fit: bool = False
+    statistics: GrowthStatistics, model: PreTrainedModel, adapter: ArchitectureAdapter, cross_fit: bool = False,
+    sharding: Sharding | None = None,
 ) -> None:
-    """Refuse statistics whose layers, heads or input width do not match ``model``, that are not finite, or that
-    lack the halves ``cross_fit`` solves from."""
+    """Refuse statistics whose layers, heads or input width do not match ``model``, that are not finite, that
+    lack the halves ``cross_fit`` solves from, or the M of a layer this process solves (all of them, or with
+    ``sharding`` the ones it owns)."""
     config = model.config
     if cross_fit and statistics.half_gradients is None:
         raise ValueError(
@@ -89,11 +91,23 @@ def check_statistics(
     layers, heads = len(adapter.attention_modules(model)), adapter.num_heads(config)
     width = adapter.hidden_size(config) + 1
     expected = (layers, (heads, width, width))
-    found = (len(statistics.gradients), tuple(statistics.gradients[0].shape) if statistics.gradients else ())
-    if found != expected:
+    held = [layer for layer, sums in enumerate(statistics.gradients) if sums is not None]
+    found = (len(statistics.gradients), tuple(statistics.gradients[held[0]].shape) if held else ())
+    if found[0] != layers or (held and found[1] != expected[1]):
         raise ValueError(
             f"the statistics were collected for another model: {found[0]} layers of M with shape {found[1]}, but "
             f"{type(model).__name__} has {layers} layers of {heads} heads over inputs of width {width - 1} (+1)."
+        )
+    missing = [layer for layer in range(layers) if layer not in held and (sharding is None or sharding.owns(layer))]
+    if missing:
+        owners = "" if sharding is None else (
+            f" (this process solves layers {[layer for layer in range(layers) if sharding.owns(layer)]}; "
+            f"hf_grow.growth.sharding.plan_owners([1.0] * {layers}, {sharding.processes.world_size}) names the "
+            "owners growth solves on)")
+        raise ValueError(
+            f"the statistics hold no M for layers {missing}{owners}: M is freed once its layer is solved, and "
+            "statistics collected with owners= hold only their owner's layers. Collect them again, without owners "
+            "or with the owners growth solves on."
         )
     halves = statistics.half_gradients or [None] * layers
     for layer, sums in enumerate(zip(statistics.second_moments, statistics.gradients, halves)):
@@ -306,13 +320,14 @@ def prepare_growth(
             config.statistics_method, next(model.parameters()).device, config.torch_compute_dtype, config.query_block,
             config.max_batches, config.memory_budget, config.torch_accumulate_dtype, config.offload_dir,
         )
-    else:
-        check_statistics(statistics, model, adapter, config.cross_fit)
-        if eval_dataloader is None and config.step_size is None:
-            raise ValueError(
-                "with precomputed statistics, pass an eval_dataloader for the line search (or a step_size)."
-            )
+    elif eval_dataloader is None and config.step_size is None:
+        raise ValueError("with precomputed statistics, pass an eval_dataloader for the line search (or a step_size).")
+    # With several processes each layer's M goes to one owner, which alone solves it (`sharding`).
+    costs = [solve_cost(adapter.num_heads(model.config), max_rank)] * len(qk_before)
+    sharding = Sharding.planned(processes, costs) if processes.world_size > 1 else None
     with processes.failing_together():  # a process without data must not leave the others waiting
+        if statistics is not None:  # statistics of owners= may lack a layer on one process only
+            check_statistics(statistics, model, adapter, config.cross_fit, sharding)
         statistics_batches, eval_batches = split_batches(
             dataloader, eval_dataloader, config.eval_fraction, config.step_size is None,
             allow_empty=processes.world_size > 1, max_batches=config.max_batches,
@@ -341,9 +356,6 @@ def prepare_growth(
     # can be made (one held-out batch, a given step size), the simplest candidate's alone.
     truncations = config.candidate_truncations if confirmation is not None else (truncation,)
     solved_for = "frobenius" if "frobenius" in truncations else truncation
-    # With several processes each layer's M goes to one owner, which alone solves it (`sharding`).
-    costs = [solve_cost(adapter.num_heads(model.config), max_rank)] * len(qk_before)
-    sharding = Sharding.planned(processes, costs) if processes.world_size > 1 else None
 
     def solve(statistics: GrowthStatistics, layers: Iterable[int], release: bool) -> GrowthProblem:
         return GrowthProblem(

@@ -102,6 +102,12 @@ class GrowthStatistics:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the statistics to a safetensors file (no pickle), atomically."""
+        missing = [layer for layer, sums in enumerate(self.gradients) if sums is None]
+        if missing:
+            raise ValueError(
+                f"cannot save statistics without the M of layers {missing} (freed once solved, or held by another "
+                "process: collect_statistics(owners=)): save them before growth, or collect them without owners."
+            )
         named = [("second_moments", self.second_moments), ("gradients", self.gradients)]
         named += [("half_gradients", self.half_gradients)] if self.half_gradients is not None else []
         tensors = {
