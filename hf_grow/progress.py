@@ -127,7 +127,10 @@ def format_seconds(seconds: float) -> str:
 
 
 def format_bytes(size: float) -> str:
-    """``512 MiB``, ``3.25 GiB``, ``31.1 GiB``: binary units, as ``free -h`` and the memory plan print them."""
+    """``270 KiB``, ``512 MiB``, ``3.25 GiB``, ``31.1 GiB``: binary units, as ``free -h`` and the memory plan print
+    them."""
+    if size < 2**20:
+        return f"{size / 2**10:.0f} KiB"
     if size < 2**30:
         return f"{size / 2**20:.0f} MiB"
     return f"{size / 2**30:.2f} GiB" if size < 10 * 2**30 else f"{size / 2**30:.1f} GiB"

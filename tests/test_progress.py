@@ -6,7 +6,7 @@ import pytest
 from tqdm.auto import tqdm
 
 from hf_grow import progress
-from hf_grow.progress import LogProgress, format_seconds, progress_bar, stage
+from hf_grow.progress import LogProgress, format_bytes, format_seconds, progress_bar, stage
 
 
 class FakeStderr(io.StringIO):
@@ -79,6 +79,12 @@ def test_a_failed_stage_does_not_say_done(log):
 @pytest.mark.parametrize("seconds, text", [(7.44, "7.4 s"), (185, "3 min 05 s"), (3720, "1 h 02 min")])
 def test_durations_read_at_a_glance(seconds, text):
     assert format_seconds(seconds) == text
+
+
+@pytest.mark.parametrize("size, text", [(270_400, "264 KiB"), (3 * 2**20, "3 MiB"), (3.25 * 2**30, "3.25 GiB"),
+                                        (31.1 * 2**30, "31.1 GiB")])
+def test_sizes_under_a_mebibyte_are_not_zero(size, text):
+    assert format_bytes(size) == text
 
 
 def test_unknown_totals_give_counts_without_time_left(log, monkeypatch):

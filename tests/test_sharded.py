@@ -12,6 +12,7 @@ from torch import distributed as dist
 from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model
+from hf_grow.cli import memory as cli_memory
 from hf_grow.distributed import OtherProcessFailed, Processes
 from hf_grow.growth import GrowthProblem
 from hf_grow.growth import problem as problem_module
@@ -75,7 +76,8 @@ def test_the_memory_plan_of_a_process_counts_the_group_in_flight_and_its_own_sol
     assert "per process of 4" in plans[4].table() and "per process" not in plans[1].table()
 
 
-def test_a_dry_run_plans_one_process_of_world_size_without_starting_any(tmp_path, monkeypatch, capsys):
+def test_a_dry_run_plans_one_process_of_world_size_without_starting_any(tmp_path, tmp_path_factory, monkeypatch,
+                                                                       capsys):
     """``WORLD_SIZE=4 hf-grow ... --dry-run`` on a login node: the plan of one of 4 processes, no process group."""
     LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64).save_pretrained(tmp_path)
@@ -88,6 +90,30 @@ def test_a_dry_run_plans_one_process_of_world_size_without_starting_any(tmp_path
         tables[world_size] = capsys.readouterr().out
     assert "per process of 4" in tables["4"] and "per process" not in tables["1"]
     assert not dist.is_initialized()
+
+    # The processes launched on one machine share its memory and the disk of --offload-dir: a plan that fits one
+    # process's share of a machine of 4 is refused there, and goes on on a machine of its own.
+    offload = tmp_path_factory.mktemp("offload")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(tmp_path))
+    config = GrowthConfig(p=8, truncation="auto", memory_budget=statistics_bytes(8, 4, 64, 3), offload_dir=str(offload))
+    disk = plan_memory(model, get_adapter(model), config, batch_size=1, seq_len=64, eval_tokens=256, processes=4).disk
+    usage = cli_memory.shutil.disk_usage(offload)
+    monkeypatch.setattr(cli_memory.shutil, "disk_usage", lambda path: usage._replace(free=2 * disk))
+    peaks = []
+    fits = cli_memory._fits
+    monkeypatch.setattr(cli_memory, "_fits", lambda plan, *args: peaks.append(plan.peak_host) or fits(plan, *args))
+    on_disk = [*arguments, "--offload-dir", str(offload)]
+    assert cli.main(on_disk) == 0
+    for local, status in (("1", 0), ("4", 2)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (2 * peaks[0], 0))
+        assert cli.main(arguments) == status
+        monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (8 * peaks[0], 0))
+        assert cli.main(on_disk) == status
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert "of host memory" in errors[-2] and "is free for each of the 4 processes on this machine" in errors[-2]
+    assert "M needs about" in errors[-1] and "is free there for each of the 4 processes on this machine" in errors[-1]
 
 
 def test_one_process_owns_and_shares_everything():

@@ -53,12 +53,16 @@ def check_memory(
         print(plan.table())
     elif show_progress:
         print("memory plan:\n" + plan.table(), file=sys.stderr)
+    # The processes launched on this machine share its memory and the disk of --offload-dir (each maps its M
+    # there); each has a device of its own.
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     free_host, free_device = _free_memory(args.device)
+    free_host //= sharing
     if args.max_memory is not None:
         limit = parse_bytes(args.max_memory, "--max-memory")
         free_host, free_device = (free_host, min(free_device, limit)) if plan.on_device else (
             min(free_host, limit), free_device)
-    free_disk = shutil.disk_usage(plan.offload_dir).free if plan.offload_dir is not None else math.inf
+    free_disk = shutil.disk_usage(plan.offload_dir).free // sharing if plan.offload_dir is not None else math.inf
 
     def fits(candidate: MemoryPlan, least: bool = False) -> bool:
         return _fits(candidate, free_host, free_device, least) and candidate.disk <= free_disk
@@ -69,6 +73,8 @@ def check_memory(
     where = "device" if plan.on_device else "host"
     free = free_device if plan.on_device else free_host
     limit = "allowed (--max-memory)" if args.max_memory is not None else "free"
+    shared = f" for each of the {sharing} processes on this machine" if sharing > 1 else ""
+    limit += shared if where == "host" else ""
     needed = stage.device if plan.on_device else stage.host
     if fits(plan, least=True):
         # The plan counts every head's compact solve at its rank ceiling, which flat spectra (random weights)
@@ -87,7 +93,7 @@ def check_memory(
     if _fits(plan, free_host, free_device):  # only the disk of --offload-dir is short
         raise CommandError(
             f"M needs about {format_bytes(plan.disk)} of disk in --offload-dir {plan.offload_dir}, "
-            f"{format_bytes(free_disk)} is free there: {fix or 'free disk there or name another folder'} (see "
+            f"{format_bytes(free_disk)} is free there{shared}: {fix or 'free disk there or name another folder'} (see "
             "--dry-run; --ignore-memory-plan runs anyway)"
         )
     raise CommandError(
