@@ -310,3 +310,16 @@ def test_losing_candidates_stay_coarse_and_the_choice_is_the_full_searches(
         (point.step_size, point.loss) for point in full.line_search
     ]
     assert report.line_search_passes < full.line_search_passes - 1
+
+
+@pytest.mark.parametrize("seed", [43, 44])
+def test_the_kept_coordinate_search_reports_the_loss_of_the_model_it_returns(trained_gpt2, statistics, stdlib_bytes,
+                                                                            seed):
+    """Steps refined layer by layer: the final search starts again from every layer at the common step, so the kept
+    candidate's refined loss is not that step's: the returned model's held-out loss is the one reported."""
+    batches = lm_batches(stdlib_bytes["eval"], 3, seed=seed)
+    model = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=batches,
+                       measure_realized_gains=False, truncation="auto", step_mode="coordinate")
+    report = model.growth_report
+    assert report.step_size > 0 and report.step_mode == "coordinate"
+    assert report.eval_loss_after == pytest.approx(evaluate_loss(model, batches)[0], rel=1e-6, abs=0)

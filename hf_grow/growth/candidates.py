@@ -78,13 +78,15 @@ def search_and_report(
     # step its search found (from the start where that was 0): with few batches, a step searched on part of them
     # is noisier (BENCHMARKS: MiniLM). Its losses at step 0 (the old function's, with the blocks' outputs that the
     # realized gains replay) and at that step are known on both parts. Where the kept candidate's search evaluated
-    # a step, only the confirmation batches are evaluated (`search.KnownPart`).
+    # a step, only the confirmation batches are evaluated (`search.KnownPart`). A coordinate candidate's loss is
+    # that of its layers' refined steps, which the final search refines again from the common step: not known.
     write_weights(prepared.adapter, target, old.weights)
     outcome = search.line_search(
         prepared, problem, target, prepared.eval_batches, progress=progress, near=searched.step_size,
         record_step_zero=measure_realized_gains, before=old.on_all(),
         recorded=old.recorded_on(prepared.eval_batches) if measure_realized_gains else None,
-        near_loss=old.combined(kept.search_loss, kept.confirm_loss), known_part=old.known_part(searched),
+        near_loss=None if kept.step_mode == "coordinate" else old.combined(kept.search_loss, kept.confirm_loss),
+        known_part=old.known_part(searched),
     )
     # every pass but the one at step 0 over all the held-out batches that any growth makes
     outcome.passes += passes + old.passes - 1
