@@ -151,10 +151,14 @@ def tokenize_pairs(
     columns: tuple[str, str] = ("anchor", "positive"),
 ) -> list[dict]:
     """Batches ``{"anchor": features, "positive": features}`` of ``batch_size`` text pairs, tokenized by the
-    model's own tokenizer (its maximum sequence length, padded per column)."""
+    model's own tokenizer (its maximum sequence length, padded per column). A last pair left alone joins the batch
+    before it: with MultipleNegativesRankingLoss a batch of one pair has a loss of 0 whatever the weights."""
+    starts = list(range(0, len(pairs), batch_size))
+    if len(starts) > 1 and len(pairs) - starts[-1] == 1:
+        starts.pop()
     batches = []
-    for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start : start + batch_size]
+    for start, end in zip(starts, [*starts[1:], len(pairs)]):
+        chunk = pairs[start:end]
         batches.append(
             {
                 name: dict(sentence_model.preprocess([pair[index] for pair in chunk]))

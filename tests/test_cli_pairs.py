@@ -10,6 +10,7 @@ import torch
 
 import hf_grow
 from hf_grow.cli import main
+from hf_grow.cli.pairs import default_eval_pairs
 from hf_grow.sentence import read_pairs
 from sentence_pairs import docstring_code_pairs, stdlib_files
 
@@ -92,7 +93,11 @@ def test_bad_pairs_are_one_line_errors(tmp_path, capsys, model_folder):  # noqa:
         (["--pairs", str(tmp_path / "missing.tsv")], "--pairs: no file at"),
         # were tracebacks: a damaged list of modules, and a GPT-2 folder (its tokenizer has no padding token)
         (["--pairs", str(tmp_path / "bad.tsv")], "modules.json is damaged", str(damaged)),
-        (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "1"], "cannot tokenize the pairs", str(model_folder)),
+        (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "2"], "cannot tokenize the pairs", str(model_folder)),
+        # one pair alone has a loss of 0 whatever the weights; --eval-pairs 0 meant the default
+        (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "0"], "--eval-pairs must be at least 2"),
+        (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "1"], "--eval-pairs must be at least 2"),
+        (["--pairs", str(tmp_path / "few.tsv"), "--batch-size", "1"], "--batch-size must be at least 2 with --pairs"),
     ]
     for arguments, message, *folder in cases:
         status = main([*(folder or [model]), *arguments, "--output-dir", str(tmp_path / "out"), "--quiet"])
@@ -166,3 +171,8 @@ def test_pairs_pushed_to_the_hub(pair_list, tmp_path, capsys, monkeypatch):
     pushed, saved = (sentence_transformers.SentenceTransformer(str(folder), device="cpu")
                      .encode(texts, convert_to_tensor=True) for folder in (repository, output))
     assert torch.equal(pushed, saved)
+
+
+@pytest.mark.parametrize("num_pairs, held_out", [(96, 8), (179, 16), (48, 8), (10, 8)])
+def test_the_default_held_out_pairs_are_whole_batches(num_pairs, held_out):
+    assert default_eval_pairs(num_pairs, batch_size=8) == held_out

@@ -207,3 +207,12 @@ def test_padding_adds_nothing_to_the_statistics(minilm_st, pairs):
     weights = [dict(model[0].auto_model.named_parameters()) for model in grown]
     for name, weight in weights[0].items():
         torch.testing.assert_close(weights[1][name], weight, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_last_pair_left_alone_joins_the_batch_before_it(minilm_st):
+    # With in-batch negatives, a batch of one pair has a loss of 0 whatever the weights.
+    pairs = [(f"question {index}", f"answer {index}") for index in range(9)]
+    for count, sizes in ((9, [4, 5]), (8, [4, 4]), (6, [4, 2]), (1, [1])):
+        batches = tokenize_pairs(pairs[:count], minilm_st, batch_size=4)
+        assert [len(batch["anchor"]["input_ids"]) for batch in batches] == sizes
+        assert [len(batch["positive"]["input_ids"]) for batch in batches] == sizes

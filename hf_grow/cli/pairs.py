@@ -34,15 +34,30 @@ def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
     pairs.add_argument("--pair-columns", nargs=2, metavar=("ANCHOR", "POSITIVE"),
                        help="the pair's columns in a .jsonl or .csv file or a dataset (default: the first two)")
     pairs.add_argument("--eval-pairs", type=int,
-                       help="held-out pairs for the line search: the last ones (default 10%%, at least one batch)")
+                       help="held-out pairs for the line search: the last ones (default 10%% in whole batches, at "
+                            "least one batch)")
 
 
 def check_pairs_arguments(args: argparse.Namespace) -> None:
     """``--pairs``' own checks, before the memory plan and any data."""
     if args.data or args.dataset:
         raise CommandError("--pairs grows a SentenceTransformer on text pairs: give no --data or --dataset")
+    # MultipleNegativesRankingLoss takes each batch's other positives as a pair's negatives: one pair alone has a
+    # loss of 0 whatever the weights
+    if args.batch_size < 2:
+        raise CommandError(f"--batch-size must be at least 2 with --pairs (the other pairs of a batch are a pair's "
+                           f"negatives), got {args.batch_size}")
+    if args.eval_pairs is not None and args.eval_pairs < 2:
+        raise CommandError(f"--eval-pairs must be at least 2 (the other pairs of a batch are a pair's negatives), "
+                           f"got {args.eval_pairs}")
     if importlib.util.find_spec("sentence_transformers") is None:
         raise CommandError('--pairs needs sentence-transformers: pip install "hf_grow[sentence-transformers]"')
+
+
+def default_eval_pairs(num_pairs: int, batch_size: int) -> int:
+    """The pairs held out without ``--eval-pairs``: a tenth in whole batches (a smaller last batch has fewer
+    negatives: an easier loss), at least one batch."""
+    return max(batch_size, num_pairs // 10 // batch_size * batch_size)
 
 
 def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_main: bool,
@@ -58,8 +73,8 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         pairs = read_pairs(args.pairs, args.pair_columns, args.split, args.streaming)
     except (ValueError, OSError) as error:
         raise CommandError(f"--pairs: {str(error).splitlines()[0]}") from None
-    num_eval = args.eval_pairs or max(args.batch_size, len(pairs) // 10)
-    if num_eval <= 0 or len(pairs) - num_eval < 1:
+    num_eval = args.eval_pairs or default_eval_pairs(len(pairs), args.batch_size)
+    if len(pairs) - num_eval < 1:
         raise CommandError(f"--pairs {args.pairs} holds {len(pairs)} pairs: too few to hold out {num_eval} for the "
                            "line search (lower --eval-pairs or --batch-size, or pass more pairs)")
     try:
