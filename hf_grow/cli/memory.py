@@ -86,9 +86,12 @@ def check_memory(
             f"spectra (random weights) reach; {format_bytes(least)} at the least rank: going on", file=sys.stderr
         )
         return plan
-    # changes that fit the rank ceiling, else the least rank (the rerun then warns and goes on)
-    changes = fitting_changes(plan_with, args.config, fits) or fitting_changes(
-        plan_with, args.config, lambda candidate: fits(candidate, least=True))
+    # changes that fit the rank ceiling, else the least rank (the rerun then warns and goes on); the model's dtype
+    # only where neither fits without
+    changes = next(filter(None, (
+        fitting_changes(plan_with, args.config, fit, [model_dtype])
+        for model_dtype in (None, "bfloat16") for fit in (fits, lambda candidate: fits(candidate, least=True))
+    )), None)
     fix = _rerun_with(changes, plan_with) if changes else None
     if _fits(plan, free_host, free_device):  # only the disk of --offload-dir is short
         raise CommandError(
@@ -104,7 +107,9 @@ def check_memory(
 
 def _rerun_with(changes: dict, plan_with: Callable[[dict], MemoryPlan]) -> str:
     """The flags of ``changes``; a folder to name for `OFFLOAD_PLACEHOLDER` comes with the disk it needs."""
-    fix = "rerun with " + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in changes.items())
+    flags = [f"--{'' if value else 'no-'}{name}" if isinstance(value, bool) else f"--{name} {value}"
+             for name, value in ((name.replace("_", "-"), value) for name, value in changes.items())]
+    fix = "rerun with " + " ".join(flags)
     if changes.get("offload_dir") == OFFLOAD_PLACEHOLDER:
         fix += f", {OFFLOAD_PLACEHOLDER} a folder with {format_bytes(plan_with(changes).disk)} of free disk for M"
     return fix

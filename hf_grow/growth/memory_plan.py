@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -170,6 +170,10 @@ def plan_memory(
     converts (`_loading`). None: the model's own dtype.
     """
     on_device = torch.device(device).type != "cpu"
+    # The blocks' outputs on the held-out batches are recorded for what replays them (`search.step_zero`): the
+    # realized gains, and a step searched layer by layer.
+    recorded = config.measure_realized_gains or (config.step_size is None and any(
+        step_mode in ("layer_search", "coordinate") for _, step_mode in config.candidates))
     # Where the held-out batches (each process's share) leave nothing to confirm a choice on, or the step is
     # given, the simplest candidate is taken and solved for alone (`prepare_growth`).
     held_out_batches = math.ceil(eval_tokens / (seq_len * batch_size)) // processes
@@ -220,7 +224,7 @@ def plan_memory(
             "model": weights, "grown model": weights, "C": second_moments, "metric": layers * width * width * 8,
             "compact solve": solved, "held-out logits": 2 * batch_size * seq_len * vocabulary * 4,
             "held-out forward": int(HELD_OUT_FORWARD * activations),
-            "held-out states": min(CACHE_BYTES, eval_tokens * width * 4 * max(layers - 1, 0)),
+            "held-out states": min(CACHE_BYTES, eval_tokens * width * 4 * max(layers - 1, 0)) if recorded else 0,
         }
         # The command frees the input model first; on a CPU safetensors writes the tensors' own memory (a GPT-2
         # small's save added 2 MiB to the process, safetensors 0.8), so saving adds no copy; from a GPU it copies
@@ -408,15 +412,18 @@ def activation_bytes(model: PreTrainedModel, batch_size: int, seq_len: int, atte
 
 
 def fitting_changes(
-    plan_with: Callable[[dict], MemoryPlan], config: GrowthConfig, fits: Callable[[MemoryPlan], bool]
+    plan_with: Callable[[dict], MemoryPlan], config: GrowthConfig, fits: Callable[[MemoryPlan], bool],
+    model_dtypes: Sequence[str | None] = (None, "bfloat16"),
 ) -> dict | None:
     """The cheapest change of options under which the plan fits, as {option: value}; None when none does.
 
     ``plan_with(changes)`` plans with some `GrowthConfig` fields, ``batch_size`` or the model's ``dtype``
     changed. Passes over the data cost the most, so the fewest passes win (``memory_budget``, the largest that
     gives them); then the fewest other changes: smaller batches (the same tokens), M summed in float32. Where no
-    number of passes fits M in memory (on a CPU), M on disk: ``offload_dir`` `OFFLOAD_PLACEHOLDER` in one pass. A
-    bfloat16 model only where nothing else fits.
+    number of passes fits M in memory (on a CPU), M on disk: ``offload_dir`` `OFFLOAD_PLACEHOLDER` in one pass.
+    Then the same without the realized gains (``measure_realized_gains`` False: the held-out states they replay
+    are not recorded). The model's ``dtype`` changes only where nothing else fits, to each of ``model_dtypes``
+    in turn (None: unchanged).
     """
     base = plan_with({})
     unchanged = {"batch_size": base.batch_size, "accumulate_dtype": config.accumulate_dtype}
@@ -428,8 +435,9 @@ def fitting_changes(
         )
     ]
     offloads = [{}] if config.offload_dir is not None or base.on_device else [{}, {"offload_dir": OFFLOAD_PLACEHOLDER}]
-    for model_dtype in ({}, {"dtype": "bfloat16"}):  # the model's own precision changes only as a last resort
-        for offload in offloads:
+    reports = [{}] + ([{"measure_realized_gains": False}] if config.measure_realized_gains else [])
+    for model_dtype in model_dtypes:  # the model's own precision changes only as a last resort
+        for report, offload in itertools.product(reports, offloads):
             for passes in range(1, 2 if offload else base.num_layers + 1):
                 layers_per_pass = math.ceil(base.num_layers / passes)
                 if math.ceil(base.num_layers / layers_per_pass) != passes:
@@ -437,7 +445,8 @@ def fitting_changes(
                 for variant in variants:
                     itemsize = COMPUTE_DTYPES[variant.get("accumulate_dtype", config.accumulate_dtype)].itemsize
                     budget = {} if passes == 1 else {"memory_budget": base.budget_for(layers_per_pass, itemsize)}
-                    changes = {**budget, **offload, **variant, **model_dtype}
+                    dtype = {} if model_dtype is None else {"dtype": model_dtype}
+                    changes = {**budget, **offload, **variant, **report, **dtype}
                     if fits(plan_with(changes)):
                         return changes
     return None
