@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerState, TrainingArguments
 
-from hf_grow import GrowthCallback, GrownGPT2Config, GrownGPT2LMHeadModel
+from hf_grow import GrowthCallback, GrowthConfig, GrownGPT2Config, GrownGPT2LMHeadModel
 
 from conftest import tiny_gpt2_config, trainer_arguments, trainer_dataset
 
@@ -63,6 +63,8 @@ def test_options_the_callback_sets_itself_are_refused_when_it_is_made():
             GrowthCallback({3: 8}, **option)
     with pytest.raises(ValueError, match="budget allocation is grow_model's"):
         GrowthCallback({3: 8}, budget=16)
+    with pytest.raises(ValueError, match="the dims added come from the schedule"):  # was ignored: the schedule's 8
+        GrowthCallback({3: 8}, config=GrowthConfig(p=4))
 
 
 def test_adafactor_is_refused_before_training(stdlib_bytes, tmp_path):

@@ -247,6 +247,9 @@ def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_
     options = resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in fields})
     if options.budget is not None:
         raise ValueError("growth in training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
+    if options.p is not None:
+        raise ValueError(f"the dims added come from the schedule (grow_at or qk_dims_at), not the config's "
+                         f"p={options.p!r}: leave p out of the config")
     if (mode or DEFAULT_MODE) in SOLVED_MODES:  # the baselines search no step
         check_fast_search(options.search, mode or DEFAULT_MODE, "the model")
     if options.rotate_factors and mode != "refactor":
