@@ -323,8 +323,8 @@ def _is_main_process() -> bool:
 
 def _pushable(card: ModelCard) -> ModelCard:
     """The card without metadata the Hub would refuse the commit for (local paths as base model or datasets), and
-    without the local paths of base models in its text (a folder's own name stays): nothing of this machine's
-    file system is published."""
+    without the local paths of base models in its text (a folder's own name stays). The data and the options
+    (``offload_dir``) stay as given, local paths too (README says so)."""
     data, text = card.data, card.text
     base_models = [data.base_model] if isinstance(data.base_model, str) else data.base_model or []
     for local in (name for name in base_models if not _is_hub_id(name)):
