@@ -219,6 +219,12 @@ def _column_pair(record: Any, columns: Sequence[str] | None, where: str) -> tupl
     if missing or len(names) < 2:
         raise ValueError(f"{where}: no column {missing[0] if missing else 'for the positive'!r} (columns: "
                          f"{', '.join(map(str, record))}); name the pair's columns with --pair-columns")
+    not_texts = [name for name in names if not (isinstance(record[name], str) and record[name].strip())]
+    if not_texts:
+        kind = type(record[not_texts[0]]).__name__
+        held = "an empty text" if kind == "str" else f"a value of type {kind}"
+        raise ValueError(f"{where}: column {not_texts[0]!r} holds {held}, not a text (columns: "
+                         f"{', '.join(map(str, record))}); name the pair's columns with --pair-columns")
     return _pair([record[name] for name in names], 0, 1, where)
 
 

@@ -75,6 +75,12 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     dataset.mkdir()
     (dataset / "train.jsonl").write_text((tmp_path / "p.jsonl").read_text())
     assert read_pairs(str(dataset), ["query", "code"], split="train") == pair_list[:3]
+    # A first column that is not a text: named, with the option that picks others (the record was quoted whole)
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"id": 0, "query": "q" * 400, "code": "c"}) + "\n")
+    with pytest.raises(ValueError) as error:
+        read_pairs(str(tmp_path / "ids.jsonl"))
+    assert str(error.value) == (f"{tmp_path / 'ids.jsonl'} line 1: column 'id' holds a value of type int, not a "
+                                "text (columns: id, query, code); name the pair's columns with --pair-columns")
 
 
 def test_bad_pairs_are_one_line_errors(tmp_path, capsys, model_folder):  # noqa: F811
