@@ -73,6 +73,11 @@ def test_budget_and_inspect_take_the_same_split(model_folder, corpus, tmp_path, 
     assert cli.main(["inspect", str(model_folder), *common, "--max-dims", "1", "--eval-fraction", "0.5"]) == 0
     statistics_tokens, held_out_tokens = split_line(capsys.readouterr().out)
     assert abs(statistics_tokens - held_out_tokens) <= 128
+    # --max-batches: the tokens of the batches the statistics take (the line counted all the text's)
+    assert cli.main([str(model_folder), *common, "--p", "8", "--max-batches", "2", "--step-size", "0",
+                     "--output-dir", str(tmp_path / "few")]) == 0
+    statistics_tokens = load_growth_report(tmp_path / "few").statistics_tokens
+    assert split_line(capsys.readouterr().out)[0] == 2 * 8 * 128 == statistics_tokens
 
 
 def windows(count: int, length: int = 8) -> list[torch.Tensor]:

@@ -90,7 +90,9 @@ def text_batches(args: argparse.Namespace, tokenizer, objective: str, is_main: b
         )
     _check_token_ids(args, statistics + held_out)
     if is_main:
-        print(_split_description(args, len(statistics) * window, len(held_out) * window), flush=True)
+        max_batches = getattr(args, "config", None) and args.config.max_batches  # inspect takes every batch
+        used = len(statistics) if max_batches is None else min(len(statistics), max_batches * args.batch_size)
+        print(_split_description(args, used * window, len(held_out) * window), flush=True)
     if objective == "causal":
         return causal_lm_batches(statistics, args.batch_size), causal_lm_batches(held_out, args.batch_size)
     return (
