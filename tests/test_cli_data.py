@@ -161,6 +161,9 @@ def bad_inputs(model_folder, corpus, tmp_path):
         "a folder as --stats": (
             [str(model_folder), "--data", str(corpus), "--stats", str(folder)], "is a folder: pass the file written"
         ),
+        "a mistyped model folder": (  # was the Hub's "Repo id must be in the form 'repo_name' or ..."
+            [str(tmp_path / "no-such-model"), "--data", str(corpus)], "no folder there, and not a Hub id"
+        ),
         "a folder as --report": ([str(model_folder), "--data", str(corpus), "--report", str(folder)], "is a folder"),
         "a folder as --json": ([str(model_folder), "--data", str(corpus), "--json", str(folder)], "is a folder"),
     }
@@ -169,7 +172,7 @@ def bad_inputs(model_folder, corpus, tmp_path):
 BAD_INPUTS = ["truncated weights", "binary --data", "UTF-16 --data", "empty --data", "a folder as --data",
               "a missing file", "another model's tokenizer", "a broken config.json", "--eval-tokens over the text",
               "a text file as --stats", "a folder as --stats",
-              "a weights file as the model", "a folder as --report", "a folder as --json"]
+              "a weights file as the model", "a mistyped model folder", "a folder as --report", "a folder as --json"]
 MAIN_ONLY, INSPECT_ONLY = ("--stats", "--report"), ("--json",)
 
 

@@ -47,6 +47,11 @@ def model_objective(args: argparse.Namespace) -> str:
         raise CommandError(
             f"cannot load model {args.model!r}: it is a file; pass a Hub id or the model's folder (with config.json)"
         )
+    if not Path(args.model).exists() and not _hub_id(args.model):  # a mistyped folder read as a Hub id
+        raise CommandError(
+            f"cannot load model {args.model!r}: no folder there, and not a Hub id; pass the model's folder (with "
+            "config.json) or a Hub id"
+        )
     try:
         config = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as error:
@@ -122,3 +127,14 @@ def load_statistics(path: str) -> GrowthStatistics:
         return GrowthStatistics.load(path)
     except ValueError as error:
         raise CommandError(f"{error}: pass a file written by `hf-grow inspect --save-stats`") from None
+
+
+def _hub_id(name: str) -> bool:
+    """Whether ``name`` has the form of a Hub id (``name`` or ``namespace/name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
