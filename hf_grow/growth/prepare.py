@@ -226,14 +226,14 @@ class PreparedGrowth:
     confirmation: tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]] | None = None
 
 
-def check_fast_search(search: str, mode: str, grown: str) -> None:
+def check_fast_search(search: str, mode: str, grown: str, modes: tuple[str, ...] = SOLVED_MODES) -> None:
     """``search="fast"`` brackets the step with the full-rank refactored form, which only growth in mode "refactor"
-    takes; ``grown`` names what would grow, for the message."""
+    takes; ``grown`` names what would grow, ``modes`` the modes it may grow by, for the message."""
     if search == "fast" and mode != "refactor":
+        fix = "pass mode='refactor' with it, or" if "refactor" in modes else f"{grown} grows by {mode!r} only:"
         raise ValueError(
             f"search='fast' brackets the step with the full-rank refactored form, which {grown} cannot take in "
-            f"{mode!r} growth: pass mode='refactor' with it where the architecture grows by it, or use "
-            "search='exact' (the default)."
+            f"{mode!r} growth: {fix} use search='exact' (the default)."
         )
 
 
@@ -248,11 +248,12 @@ def check_growth(
     if mode is not None and mode not in SOLVED_MODES:
         raise ValueError(f"mode must be one of {SOLVED_MODES}, got {mode!r}")
     mode = adapter.check_mode(model, mode)
-    check_fast_search(config.search, mode, type(model).__name__)
+    check_fast_search(config.search, mode, type(model).__name__, adapter.growth_modes)
     if config.rotate_factors and mode != "refactor":
+        fix = ", or pass mode='refactor'" if "refactor" in adapter.growth_modes else f" ({mode!r} is its only mode)"
         raise ValueError(
             f"rotate_factors rewrites refactored Q/K factors; {type(model).__name__} grows by {mode!r}, which keeps "
-            "the old weights: leave rotate_factors off, or pass mode='refactor' where the architecture grows by it."
+            f"the old weights: leave rotate_factors off{fix}."
         )
     if config.budget is not None:
         check_budget(config.budget, config.multiple_of, [max_rank - dim for dim in qk_before])
