@@ -2,6 +2,7 @@
 and with a two-pass loss_fn, is exact at step 0, lowers a held-out loss on unseen pairs, and saves a folder that
 loads with plain SentenceTransformer(path) where hf_grow is imported and with trust_remote_code where it is not."""
 
+import math
 import os
 import random
 
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import hf_grow
-from hf_grow import evaluate_loss, grow_model
+from hf_grow import collect_statistics, evaluate_loss, get_adapter, grow_model
 from hf_grow.sentence import SentenceLoss, tokenize_pairs
 from sentence_pairs import docstring_code_pairs, mean_pooled, stdlib_files
 
@@ -184,6 +185,14 @@ def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):
         grow_model(minilm_st, [one_column], p=8, step_size=0.0)
     with pytest.raises(TypeError, match="has no SentenceTransformer as its .model"):
         SentenceLoss(torch.nn.MSELoss())
+    # The functions that take the transformers model name it (they said "SentenceTransformer cannot be grown")
+    loss = SentenceLoss(MultipleNegativesRankingLoss(minilm_st))
+    for call in (lambda: evaluate_loss(minilm_st, pairs["eval"][:1], loss_fn=loss),
+                 lambda: collect_statistics(minilm_st, pairs["stats"][:1], get_adapter(minilm_st), loss)):
+        with pytest.raises(ValueError, match=r"pass its transformers model \(model\[0\].auto_model\)"):
+            call()
+    inner = minilm_st[0].auto_model
+    assert math.isfinite(evaluate_loss(inner, pairs["eval"][:1], loss_fn=loss)[0])
 
 
 def padded(batch: dict, extra: int) -> dict:

@@ -12,6 +12,7 @@ from .gpt2 import GPT2Adapter
 from .bert import BertAdapter
 from .llama import LlamaAdapter
 from .base import ArchitectureAdapter, scale_dims_after_growth
+from ..sentence import is_sentence_transformer
 
 
 ADAPTERS: tuple[ArchitectureAdapter, ...] = tuple(adapter() for adapter in ArchitectureAdapter.registered)
@@ -35,6 +36,11 @@ def position_limit(config: PreTrainedConfig) -> int | None:
 
 def get_adapter(model: PreTrainedModel) -> ArchitectureAdapter:
     """The adapter for ``model``, or a ValueError naming the supported architectures."""
+    if is_sentence_transformer(model):
+        raise ValueError(
+            "a SentenceTransformer is taken whole by grow_model and push_to_hub only: pass its transformers model "
+            "(model[0].auto_model), with hf_grow.SentenceLoss(loss) as loss_fn."
+        )
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     adapter = _adapter_for(model_type)
     if adapter is None:
