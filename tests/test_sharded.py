@@ -90,6 +90,9 @@ def test_a_dry_run_plans_one_process_of_world_size_without_starting_any(tmp_path
         tables[world_size] = capsys.readouterr().out
     assert "per process of 4" in tables["4"] and "per process" not in tables["1"]
     assert not dist.is_initialized()
+    monkeypatch.setenv("RANK", "1")  # torchrun's other processes: the plan is printed once, by the first
+    assert cli.main(arguments) == 0 and capsys.readouterr().out == ""
+    monkeypatch.delenv("RANK")
 
     # The processes launched on one machine share its memory and the disk of --offload-dir: a plan that fits one
     # process's share of a machine of 4 is refused there, and goes on on a machine of its own.

@@ -49,7 +49,7 @@ def check_memory(
         plan = plan_with({})
     except ValueError as error:  # a budget below one layer's statistics (`layer_groups`)
         raise CommandError(f"--memory-budget {args.config.memory_budget}: {error}") from None
-    if args.dry_run:
+    if args.dry_run and os.environ.get("RANK", "0") == "0":  # launched with several (no process group): once
         print(plan.table())
     elif show_progress:
         print("memory plan:\n" + plan.table(), file=sys.stderr)
