@@ -420,8 +420,6 @@ def test_modes_and_settings_rotary_models_cannot_take_are_refused(llama_gqa, std
         grow_in_training(grown, optimizer, batches, p=8, mode="refactor")
     with pytest.raises(ValueError, match="LlamaForCausalLM grows by 'append' only: use search='exact'"):
         grow_model(llama_gqa, batches, p=8, search="fast")  # the advice was mode='refactor', which it cannot take
-    with pytest.raises(ValueError, match=r"leave rotate_factors off \('append' is its only mode\)"):
-        grow_model(llama_gqa, batches, p=8, rotate_factors=True)
     sliding = MistralForCausalLM(MistralConfig(**llama_settings() | {"sliding_window": 32}))
     with pytest.raises(ValueError, match="sliding-window attention"):
         grow_model(sliding, batches, p=8)

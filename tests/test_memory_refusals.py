@@ -1,0 +1,67 @@
+"""The command's refusals before any work: a --memory-budget below one layer's statistics, and the flag that drops
+the realized gains (and the held-out states they replay) where the line search is short of memory."""
+
+import dataclasses
+
+import torch
+
+from conftest import tiny_gpt2_config
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from hf_grow import GrowthConfig, cli, get_adapter
+from hf_grow.cli import memory as cli_memory
+from hf_grow.growth.memory_plan import fitting_changes, plan_memory
+from test_cli import TEXT_GLOB, model_folder  # noqa: F401  (the trained model folder fixture)
+
+
+def meta_model(model_class, config):
+    with torch.device("meta"):
+        return model_class(config)
+
+
+def test_a_memory_budget_below_one_layer_is_refused_in_one_line(model_folder, tmp_path, capsys):  # noqa: F811
+    output = tmp_path / "grown"
+    arguments = [str(model_folder), "--p", "8", "--data", TEXT_GLOB, "--memory-budget", "40KB", "--quiet",
+                 "--device", "cpu"]
+    for run in (["--dry-run"], ["--output-dir", str(output)]):
+        assert cli.main([*arguments, *run]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and "--memory-budget 40KB: memory_budget 40,000 bytes is below" in error
+    assert not output.exists()
+
+
+def test_a_line_search_short_of_memory_drops_the_realized_gains_before_the_models_precision():
+    # The held-out states the realized gains replay (up to 1 GiB) are the line search's largest term here.
+    model = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=6, n_embd=1024, n_head=16))
+    adapter = get_adapter(model)
+
+    def plan_with(changes, config=GrowthConfig(p=8)):  # a bfloat16 model would fit too: it comes last
+        fields = {name: value for name, value in changes.items() if name not in ("batch_size", "dtype")}
+        return plan_memory(model, adapter, dataclasses.replace(config, **fields),
+                           batch_size=changes.get("batch_size", 8), seq_len=64, eval_tokens=50_000)
+
+    def held_out_states(plan):
+        return next(stage for stage in plan.stages if stage.name == "line search").terms["held-out states"]
+
+    plan, without = plan_with({}), plan_with({"measure_realized_gains": False})
+    assert max(plan.stages, key=lambda stage: stage.host).name == "line search"
+    assert held_out_states(plan) > 0 and held_out_states(without) == 0
+    layer_steps = plan_with({"measure_realized_gains": False}, GrowthConfig(p=8, step_mode="coordinate"))
+    assert held_out_states(layer_steps) > 0  # a step searched layer by layer replays them too
+    limit = without.peak_host
+    assert fitting_changes(plan_with, GrowthConfig(p=8), lambda plan: plan.peak_host <= limit) == {
+        "measure_realized_gains": False}
+
+
+def test_the_command_names_the_flag_that_drops_the_realized_gains(tmp_path, monkeypatch, capsys):
+    GPT2Config(n_layer=6, n_embd=1024, n_head=16, vocab_size=400, n_positions=256).save_pretrained(tmp_path)
+    arguments = [str(tmp_path), "--p", "8", "--data", str(tmp_path / "none-*.txt"), "--seq-len", "64", "--batch-size",
+                 "8", "--dry-run", "--device", "cpu"]
+    peaks = []
+    fits = cli_memory._fits
+    monkeypatch.setattr(cli_memory, "_fits", lambda plan, *args: peaks.append(plan.peak_host) or fits(plan, *args))
+    assert cli.main([*arguments, "--no-measure-realized-gains"]) == 0
+    monkeypatch.setattr(cli_memory, "_free_memory", lambda device: (peaks[0], 0))
+    assert cli.main(arguments) == 2
+    error = capsys.readouterr().err.strip()
+    assert "the line search stage needs about" in error and "rerun with --no-measure-realized-gains (see" in error
