@@ -131,6 +131,6 @@ def test_a_disk_too_small_for_a_pass_is_refused_before_its_first_batch(three_lay
         raise AssertionError("a batch ran before the disk was checked")
 
     batches = [{"input_ids": torch.zeros(1, 8, dtype=torch.long)}]
-    with pytest.raises(ValueError, match=r"need \d+ MiB of disk in .* is free: free disk there"):
+    with pytest.raises(ValueError, match=r"need \d+ [KM]iB of disk in .* is free: free disk there"):
         collect_statistics(model, batches, adapter, loss_fn=untouched_loss, offload_dir=tmp_path)
     assert not any(tmp_path.iterdir())

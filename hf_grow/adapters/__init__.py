@@ -6,13 +6,14 @@ import order is the lookup order and the order the supported model types are lis
 
 from __future__ import annotations
 
+import sys
+
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from .gpt2 import GPT2Adapter
 from .bert import BertAdapter
 from .llama import LlamaAdapter
 from .base import ArchitectureAdapter, scale_dims_after_growth
-from ..sentence import is_sentence_transformer
 
 
 ADAPTERS: tuple[ArchitectureAdapter, ...] = tuple(adapter() for adapter in ArchitectureAdapter.registered)
@@ -36,7 +37,8 @@ def position_limit(config: PreTrainedConfig) -> int | None:
 
 def get_adapter(model: PreTrainedModel) -> ArchitectureAdapter:
     """The adapter for ``model``, or a ValueError naming the supported architectures."""
-    if is_sentence_transformer(model):
+    sentence_transformers = sys.modules.get("sentence_transformers")  # imported where one was made
+    if sentence_transformers is not None and isinstance(model, sentence_transformers.SentenceTransformer):
         raise ValueError(
             "a SentenceTransformer is taken whole by grow_model and push_to_hub only: pass its transformers model "
             "(model[0].auto_model), with hf_grow.SentenceLoss(loss) as loss_fn."
