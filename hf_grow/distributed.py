@@ -90,6 +90,14 @@ class Processes:
             dist.broadcast_object_list(objects, src=owner)
         return objects
 
+    def gathered(self, value: Any) -> list:
+        """Every process's ``value`` (picklable), in process order."""
+        if self.world_size == 1:
+            return [value]
+        values: list = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
     def check_same(self, value: dict[str, Any], what: str) -> None:
         """Refuse, with a ValueError on every process, where ``value`` (picklable, by name) differs from the main
         process's: processes given different options would each compute their part differently (a model that

@@ -44,6 +44,8 @@ def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batch
     local = collect_statistics(model, shard, get_adapter(model))
     # Cross-fitting: each process's odd-numbered batches are its share of the half, summed over the processes.
     halves = collect_statistics(model, shard, get_adapter(model), accelerator=accelerator, cross_fit=True)
+    # A process without statistics batches: the statistics, and how they were computed, are the others'.
+    one_sided = collect_statistics(model, shard if rank == 1 else [], get_adapter(model), accelerator=accelerator)
     # A process that fails takes the others with it instead of leaving them waiting.
     def nan_on_rank_one(m, batch):
         return m(**batch).loss * (float("nan") if rank == 1 else 1.0)
@@ -79,6 +81,7 @@ def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batch
         "failure": failure,
         "refusals": refusals,
         "no_eval_shard": no_eval_shard.state_dict(),
+        "one_sided": (one_sided.method, one_sided.num_batches),
     }
     torch.save(result, f"{folder}/rank{rank}.pt")
     accelerator.end_training()
@@ -106,6 +109,8 @@ def test_two_processes_equal_one(trained_gpt2, stdlib_bytes, tmp_path):
     assert [result["process_index"] for result in results] == [0, 1]
     assert [result["local_batches"] for result in results] == [3, 3]
     assert sorted(result["failure"] for result in results) == ["FloatingPointError", "OtherProcessFailed"]
+    assert [result["one_sided"] for result in results] == [(results[1]["report"]["statistics_method"], 3)] * 2
+    assert results[1]["report"]["statistics_method"]  # was "" on the process without batches
 
     alone = grow_model(trained_gpt2, batches, p=8, eval_dataloader=eval_batches, **ONE_CANDIDATE)
     expected = alone.growth_report

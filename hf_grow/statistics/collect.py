@@ -219,7 +219,8 @@ def collect_statistics(
                     )
             del sums, collector
             return_free_memory()  # the pass's activations: otherwise resident for the rest of the run
-            statistics.method = "+".join(sorted(methods_used))
+            # the methods of every process (one without batches used none): the same report on every process
+            statistics.method = "+".join(sorted(set().union(*processes.gathered(methods_used))))
             if on_group is not None:
                 on_group(statistics, list(group))
             if offload_file is not None:
