@@ -18,8 +18,9 @@ from test_cli import SMALL, TEXT_GLOB, model_folder  # noqa: F401 (the fixture)
 def test_two_processes_grow_what_one_process_grows(model_folder, tmp_path):  # noqa: F811
     # one candidate: under "auto" each process confirms on its own shard's last batches, not one process's (README)
     # --max-batches counts the batches of all the processes, as one process's: 5 of the 11, not 5 each
+    # one held-out batch: the second process has none (it was refused: "cannot be shared by 2 processes")
     arguments = [str(model_folder), "--p", "8", "--data", TEXT_GLOB, "--device", "cpu", *SMALL, "--truncation",
-                 "whitened", "--step-mode", "per_head", "--max-batches", "5"]
+                 "whitened", "--step-mode", "per_head", "--max-batches", "5", "--eval-tokens", "500"]
     assert cli.main([*arguments, "--output-dir", str(tmp_path / "one")]) == 0
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_grow"]

@@ -65,14 +65,12 @@ def accelerator_for(args: argparse.Namespace):
 
 
 def shard_batches(batches: list, accelerator, what: str) -> list:
-    """Every N-th batch, from this process's index: the processes' shards add up to all the batches."""
+    """Every N-th batch, from this process's index: the processes' shards add up to all the batches. A process may
+    get none where there are fewer batches than processes (growth sums over the others')."""
     if accelerator is None:
         return batches
-    if len(batches) < accelerator.num_processes:
-        raise CommandError(
-            f"{len(batches)} {what} batches cannot be shared by {accelerator.num_processes} processes: pass more text "
-            "or a smaller --batch-size"
-        )
+    if not batches:
+        raise CommandError(f"no {what} batches to share among {accelerator.num_processes} processes: pass more text")
     return batches[accelerator.process_index :: accelerator.num_processes]
 
 
