@@ -22,7 +22,6 @@ import contextlib
 import copy
 import csv
 import json
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,14 +29,10 @@ from typing import Any
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from .adapters import is_sentence_transformer
+
 
 LABEL_KEYS = ("label", "labels")
-
-
-def is_sentence_transformer(model: Any) -> bool:
-    """Whether ``model`` is a `sentence_transformers.SentenceTransformer` (without importing the package)."""
-    package = sys.modules.get("sentence_transformers")
-    return package is not None and isinstance(model, package.SentenceTransformer)
 
 
 def transformer_module(sentence_model: nn.Module) -> nn.Module:

@@ -7,6 +7,7 @@ import order is the lookup order and the order the supported model types are lis
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from transformers import PreTrainedConfig, PreTrainedModel
 
@@ -35,10 +36,16 @@ def position_limit(config: PreTrainedConfig) -> int | None:
     return getattr(config, "max_position_embeddings", None) if adapter is None else adapter.position_limit(config)
 
 
+def is_sentence_transformer(model: Any) -> bool:
+    """Whether ``model`` is a `sentence_transformers.SentenceTransformer` (without importing the package): a wrapper
+    around a transformers model, which `get_adapter` refuses and `grow_model` and `push_to_hub` take whole."""
+    package = sys.modules.get("sentence_transformers")
+    return package is not None and isinstance(model, package.SentenceTransformer)
+
+
 def get_adapter(model: PreTrainedModel) -> ArchitectureAdapter:
     """The adapter for ``model``, or a ValueError naming the supported architectures."""
-    sentence_transformers = sys.modules.get("sentence_transformers")  # imported where one was made
-    if sentence_transformers is not None and isinstance(model, sentence_transformers.SentenceTransformer):
+    if is_sentence_transformer(model):
         raise ValueError(
             "a SentenceTransformer is taken whole by grow_model and push_to_hub only: pass its transformers model "
             "(model[0].auto_model), with hf_grow.SentenceLoss(loss) as loss_fn."
@@ -60,6 +67,7 @@ __all__ = [
     "GPT2Adapter",
     "LlamaAdapter",
     "get_adapter",
+    "is_sentence_transformer",
     "position_limit",
     "scale_dims_after_growth",
     "supported_model_types",
