@@ -155,7 +155,7 @@ class GrowthStatistics:
             num_tokens=int(metadata["num_tokens"]),
             num_batches=int(metadata["num_batches"]),
             model_type=metadata["model_type"] or None,
-            weights=tensors.get("weights"),
+            weights=tensors["weights"].cpu() if "weights" in tensors else None,  # compared with a CPU sample
             method=metadata.get("method") or None,
             loss_weight=int(metadata["loss_weight"]) if metadata.get("loss_weight") else None,
             half_gradients=[tensors[f"half_gradients.{layer}"] for layer in range(layers)] if halves else None,
