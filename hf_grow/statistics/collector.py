@@ -72,10 +72,13 @@ def statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
         restore_modes(modes)
 
 
-def augmented_input(hidden: Tensor, token_mask: Tensor | None, dtype: torch.dtype, layer: int) -> Tensor:
-    """X' = [X | 1] in ``dtype``, with the rows of padding tokens (``token_mask`` False) zeroed."""
-    ones = torch.ones_like(hidden[..., :1])
-    augmented = torch.cat([hidden, ones], dim=-1).to(dtype)
+def augmented_input(hidden: Tensor, dtype: torch.dtype) -> Tensor:
+    """X' = [X | 1] in ``dtype``."""
+    return torch.cat([hidden, torch.ones_like(hidden[..., :1])], dim=-1).to(dtype)
+
+
+def real_token_rows(augmented: Tensor, token_mask: Tensor | None, layer: int) -> Tensor:
+    """``augmented`` with the rows of padding tokens (``token_mask`` False) zeroed: what C sums."""
     if token_mask is None:
         return augmented
     if token_mask.shape != augmented.shape[:-1]:
@@ -358,11 +361,16 @@ class Collector:
                 self._start_pass(args[0])
             if layer not in self.sums.gradients and self.sums.second_moments is None:
                 return
-            augmented = augmented_input(args[0].detach(), self.token_mask, self.compute_dtype, layer)
+            augmented = augmented_input(args[0].detach(), self.compute_dtype)
+            real = real_token_rows(augmented, self.token_mask, layer)
             if layer in self.sums.gradients:
+                # M pairs X' with dLoss/dS at every position, padding too: a loss with terms there (labels on
+                # padding, a question-answering head's softmax over every position) has score gradients there.
+                # Elsewhere G is zero at padding, whatever its X'.
                 self.products.inputs[layer] = augmented
             if self.sums.second_moments is not None:
-                self.sums.add_second_moment(layer, augmented)
+                self.sums.add_second_moment(layer, real)  # C: real tokens only
+            del real
 
         return hook
 
