@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from .adapters import is_sentence_transformer
+from .statistics.batches import module_modes, restore_modes
 
 
 LABEL_KEYS = ("label", "labels")
@@ -107,8 +108,15 @@ class SentenceLoss:
 
     def __call__(self, model: PreTrainedModel, batch: Any) -> Tensor:
         features, labels = sentence_features(batch)
-        with running(self.sentence_model, model):
-            return self.loss(features, labels)
+        # The other modules in eval mode too (hf_grow sets the transformers model's): a Dropout module after the
+        # pooling, left training (as sentence-transformers' trainer leaves a model), made every loss random.
+        modes = module_modes(self.sentence_model)
+        self.sentence_model.eval()
+        try:
+            with running(self.sentence_model, model):
+                return self.loss(features, labels)
+        finally:
+            restore_modes(modes)
 
     def __repr__(self) -> str:
         return f"SentenceLoss({type(self.loss).__name__})"

@@ -232,3 +232,18 @@ def test_a_last_pair_left_alone_joins_the_batch_before_it(minilm_st):
         batches = tokenize_pairs(pairs[:count], minilm_st, batch_size=4)
         assert [len(batch["anchor"]["input_ids"]) for batch in batches] == sizes
         assert [len(batch["positive"]["input_ids"]) for batch in batches] == sizes
+
+
+def test_other_modules_run_in_eval_mode_and_keep_their_flags(minilm_st, pairs):
+    """A Dropout module after the pooling, left training (as sentence-transformers' trainer leaves a model), made
+    every held-out loss random (1.07, 1.25, 1.35 where eval mode gives 0.93): the line search compared noise."""
+    from sentence_transformers.sentence_transformer.modules.dropout import Dropout
+
+    model = SentenceTransformer(modules=[minilm_st[0], minilm_st[1], Dropout(0.5), minilm_st[2]], device="cpu")
+    loss = SentenceLoss(MultipleNegativesRankingLoss(model))
+    inner = model[0].auto_model
+    expected = evaluate_loss(inner, pairs["eval"][:1], loss_fn=loss)[0]  # eval mode
+    model.train()
+    assert [evaluate_loss(inner, pairs["eval"][:1], loss_fn=loss)[0] for _ in range(2)] == [expected] * 2
+    assert all(module.training for module in model.modules())
+    minilm_st.eval()  # the fixture, whose modules the model above shares
