@@ -21,6 +21,7 @@ from hf_grow import (
     GrownGPT2LMHeadModel,
     evaluate_loss,
     grow_in_training,
+    load_growth_report,
     to_grown_model,
 )
 
@@ -463,3 +464,17 @@ def test_a_frozen_qk_parameter_leaves_the_others_state_remapped(stdlib_bytes, mo
         assert optimizer.state[weight]["exp_avg"].shape == weight.shape == (64, 2 * 16 * 4 + 64)
         assert bias not in optimizer.state and not bias.requires_grad
     assert all(math.isfinite(loss) for loss in train(model, optimizer, batches[3:]))
+
+
+def test_a_baseline_growth_s_save_removes_the_report_an_earlier_save_left(trained, stdlib_bytes, tmp_path):
+    """The folder said qk_dims_after [12, 12] while its config said [16, 16]. A model loaded from a folder (no
+    report held) saved back keeps the folder's report."""
+    model, optimizer = copied(trained)
+    grow_in_training(model, optimizer, lm_batches(stdlib_bytes["stats"], 4, seed=2), 4, step_size=0.0)
+    model.save_pretrained(tmp_path)
+    loaded = GrownGPT2LMHeadModel.from_pretrained(tmp_path)
+    loaded.save_pretrained(tmp_path)
+    assert load_growth_report(tmp_path).qk_dims_after == [12, 12]
+    grow_in_training(model, optimizer, None, 4, mode="zero")
+    model.save_pretrained(tmp_path)
+    assert not (tmp_path / "growth_report.json").exists()

@@ -227,7 +227,8 @@ class GrownBertPreTrainedModel(BertPreTrainedModel):
         """`PreTrainedModel.save_pretrained`, plus what a grown checkpoint carries beside the weights.
 
         The two source files and `auto_map` (for `trust_remote_code`), and `growth_report.json` when the
-        model holds the report of the growth that made it (`model.growth_report`, set by hf_grow). With
+        model holds the report of the growth that made it (`model.growth_report`, set by hf_grow; one left there by an
+        earlier save is removed where a later growth cleared it). With
         ``push_to_hub``, the files this save wrote in ``save_directory`` are uploaded once all are written
         (transformers' own upload inside `save_pretrained` would run before these files are), as transformers
         uploads them, with a ``README.md`` already there as the card (else transformers' card, written there).
@@ -246,6 +247,9 @@ class GrownBertPreTrainedModel(BertPreTrainedModel):
         report = getattr(self, "growth_report", None)
         if report is not None:
             report.to_json_file(Path(save_directory) / "growth_report.json")
+        elif "growth_report" in self.__dict__:
+            # cleared by a growth that leaves no report (a baseline's): one saved here before describes other weights
+            (Path(save_directory) / "growth_report.json").unlink(missing_ok=True)
         if push_to_hub:
             token, private, tags = kwargs.get("token"), hub_kwargs.pop("private", None), hub_kwargs.pop("tags", None)
             api = transformers_hub.hf_api()
