@@ -222,6 +222,11 @@ def test_growth_in_training_cross_fits_by_default_where_the_statistics_can_have_
     assert not in_training(data["stats"][:2], eval_dataloader=None)[1].cross_fit
     assert not in_training(data["stats"][:2], eval_dataloader=None, step_mode="coordinate")[1].cross_fit  # as well
     assert not in_training(data["stats"], cross_fit=False)[1].cross_fit
+    # max_batches=1 leaves the statistics one batch, of a list or an iterable (both were refused: "leave cross_fit off")
+    for batches in (data["stats"], iter(data["stats"])):
+        assert not in_training(batches, max_batches=1)[1].cross_fit
+    assert not in_training(data["stats"], max_batches=1, eval_dataloader=None)[1].cross_fit
+    assert in_training(data["stats"][:3], max_batches=2, eval_dataloader=None)[1].cross_fit
     with pytest.raises(ValueError, match="leave cross_fit off"):  # one batch from an iterable of unknown length
         in_training(iter(data["stats"][:1]))
     zero, _ = in_training(None, mode="zero")

@@ -15,9 +15,9 @@ from ..adapters import ArchitectureAdapter, get_adapter, scale_dims_after_growth
 from ..config import GrowthConfig, resolve_config, training_options
 from ..distributed import Processes, ddp_wrappers, refuse_sharded_training, synchronize_after_growth, unwrap_model
 from ..growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
-from ..option_values import held_out_count
+from ..growth.line_search import batches_read
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
-from ..option_values import SOLVED_MODES
+from ..option_values import SOLVED_MODES, held_out_count
 from ..report import GrowthReport
 from ..statistics import GrowthStatistics, LossFn
 from .resize import Optimizers, check_growable, resize_qk_, torch_optimizers
@@ -118,9 +118,15 @@ def _in_training_defaults(
         halves = statistics.half_gradients is not None
     else:
         count = len(dataloader) if isinstance(dataloader, Sized) else None
+        max_batches = overrides.get("max_batches")
         # without held-out batches, every search (coordinate steps too) holds out the last ones (`split_batches`)
         if count is not None and eval_dataloader is None and overrides.get("step_size") is None:
-            count -= held_out_count(count, overrides.get("eval_fraction", IN_TRAINING_DEFAULTS["eval_fraction"]))
+            eval_fraction = overrides.get("eval_fraction", IN_TRAINING_DEFAULTS["eval_fraction"])
+            if max_batches is not None:  # only the batches that leave max_batches beside the held-out share are read
+                count = min(count, batches_read(max_batches, eval_fraction))
+            count -= held_out_count(count, eval_fraction)
+        if max_batches is not None:
+            count = max_batches if count is None else min(count, max_batches)
         halves = count is None or count >= 2
     if processes.world_size > 1:  # the odd-numbered half needs a second batch on one process at least
         halves = processes.sum_(torch.tensor(float(halves), device=device)).item() > 0
