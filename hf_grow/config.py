@@ -402,8 +402,12 @@ def _is_number(value: Any) -> bool:
 
 def training_options(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """`FOR_TRAINING` without its ``step_scale`` where ``overrides`` leave no searched step to take a fraction of."""
-    searched = overrides.get("step_size") is None and overrides.get("step_mode") != "coordinate"
-    return {name: value for name, value in FOR_TRAINING.items() if searched or name != "step_scale"}
+    return {name: value for name, value in FOR_TRAINING.items() if _searched(overrides) or name != "step_scale"}
+
+
+def _searched(overrides: Mapping[str, Any]) -> bool:
+    """Whether ``overrides`` leave a searched step (no ``step_size`` given, steps not searched by coordinates)."""
+    return overrides.get("step_size") is None and overrides.get("step_mode") != "coordinate"
 
 
 def check_p(p: Any) -> None:
@@ -434,6 +438,14 @@ def _choose(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def resolve_config(config: GrowthConfig | None, overrides: Mapping[str, Any], **defaults: Any) -> GrowthConfig:
-    """``config`` (or a default one, with an entry point's own ``defaults``) with keyword ``overrides`` applied."""
+    """``config`` (or a default one, with an entry point's own ``defaults``) with keyword ``overrides`` applied.
+
+    A ``step_size`` (or ``step_mode="coordinate"``) given as a keyword takes its step as given: the config's
+    ``step_scale`` (`GrowthConfig.for_training`'s, say) has no searched step left to take a fraction of.
+    """
     base = GrowthConfig(**defaults) if config is None else config
-    return base.replace(**overrides) if overrides else base
+    if not overrides:
+        return base
+    if "step_scale" not in overrides and not _searched(overrides):
+        overrides = {**overrides, "step_scale": 1.0}
+    return base.replace(**overrides)

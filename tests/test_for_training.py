@@ -157,3 +157,22 @@ def test_a_config_for_training_is_exact_at_step_zero(trained_gpt2, stdlib_bytes)
     with torch.no_grad():
         expected = trained_gpt2(**batch).logits
         assert torch.allclose(grown(**batch).logits, expected, rtol=0, atol=1e-4 * expected.abs().max())
+
+
+def test_a_step_given_as_a_keyword_overrides_the_fraction_of_a_config_for_training(trained_gpt2, stdlib_bytes):
+    """README: keywords override a config. step_size=0.0 on top of config=GrowthConfig.for_training() was refused
+    ("with a step_size given, pass the step to take"), in grow_model, grow_in_training and the callback alike."""
+    from hf_grow import GrowthCallback
+    from hf_grow.config import resolve_config
+
+    config = GrowthConfig.for_training()
+    assert resolve_config(config, {"step_size": 0.0}).step_scale == 1.0
+    assert resolve_config(config, {"step_mode": "coordinate"}).step_scale == 1.0
+    with pytest.raises(ValueError, match="with a step_size given, pass the step to take"):  # both given: refused
+        resolve_config(config, {"step_size": 0.0, "step_scale": 0.5})
+    assert resolve_config(config, {"cross_fit": False}).step_scale == 0.1
+    GrowthCallback({3: 4}, config=config, step_size=0.0)  # was refused when made
+    batches = lm_batches(stdlib_bytes["stats"], 4, batch_size=8, seed=74)
+    report = grow_in_training(to_grown_model(copy.deepcopy(trained_gpt2)), None, batches, 8, config=config,
+                              step_size=0.0)
+    assert report.step_size == 0.0 and report.eval_loss_after == report.eval_loss_before
