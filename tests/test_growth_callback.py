@@ -8,9 +8,9 @@ import numpy
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainerState, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerState, TrainingArguments
 
-from hf_grow import GrowthCallback, GrowthConfig, GrownGPT2Config, GrownGPT2LMHeadModel
+from hf_grow import GrowthCallback, GrowthConfig, GrownGPT2Config, GrownGPT2LMHeadModel, to_grown_model
 
 from conftest import tiny_gpt2_config, trainer_arguments, trainer_dataset
 
@@ -77,6 +77,50 @@ def test_adafactor_is_refused_before_training(stdlib_bytes, tmp_path):
     with pytest.raises(ValueError, match="cannot remap the state of Adafactor: its second moments are factored"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+def grown_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return to_grown_model(LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64,
+    )))
+
+
+REFUSED_BEFORE_TRAINING = {  # each trained to the growth step before it was refused
+    "Rprop": ({"mode": "zero"}, "cannot remap the state of Rprop: its per-entry step sizes"),
+    "ASGD": ({"mode": "zero"}, "cannot remap the state of ASGD"),
+    "refactor on Llama": ({"mode": "refactor"}, "GrownLlamaForCausalLM cannot grow by mode 'refactor'"),
+    "cross_fit, one batch": ({"statistics_batches": 1, "config": GrowthConfig.for_training()},
+                             "cross_fit splits each growth's statistics batches into two halves, but it gets 1"),
+    "no offload folder": ({"offload_dir": "/nonexistent/hf_grow"}, "offload_dir"),
+    "budget below a layer": ({"memory_budget": "1KB"}, "is below the .* bytes the statistics need for one layer"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_BEFORE_TRAINING)
+def test_what_would_fail_at_the_growth_step_is_refused_before_training(stdlib_bytes, tmp_path, case):
+    options, message = REFUSED_BEFORE_TRAINING[case]
+    model = grown_llama() if "Llama" in case else grown_model()
+    optimizer = getattr(torch.optim, case)(model.parameters()) if case in ("Rprop", "ASGD") else None
+    trainer = Trainer(model=model, args=trainer_arguments(tmp_path), optimizers=(optimizer, None),
+                      train_dataset=trainer_dataset(stdlib_bytes, 32, seed=11),
+                      callbacks=[GrowthCallback({3: 8}, **options)])
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_adamax_grows_with_its_state_remapped(stdlib_bytes, tmp_path):
+    """Adamax's exp_inf (a running maximum of |gradient|) was refused at the growth step."""
+    model = grown_model()
+    trainer = Trainer(model=model, args=trainer_arguments(tmp_path),
+                      optimizers=(torch.optim.Adamax(model.parameters()), None),
+                      train_dataset=trainer_dataset(stdlib_bytes, 32, seed=11), callbacks=[GrowthCallback({3: 8})])
+    trainer.train()
+    weight = model.transformer.h[0].attn.c_attn.weight
+    assert model.config.qk_head_dims == [16, 16]
+    assert trainer.optimizer.state[weight]["exp_inf"].shape == weight.shape
 
 
 def test_load_best_model_at_end_picks_a_checkpoint_saved_after_the_growth(stdlib_bytes, tmp_path, caplog):

@@ -26,6 +26,7 @@ from ..distributed import refuse_sharded_training, sharded_training_message
 from ..growth import check_fast_search, resolve_growth
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
+from ..statistics import check_statistics_arguments, layer_groups
 from .grow import DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, grow_in_training, model_to_grow, resolved_mode
 from .resize import check_growable, torch_optimizers
 
@@ -134,7 +135,11 @@ class GrowthCallback(TrainerCallback):
         check_growable(model, get_adapter(model), torch_optimizers(optimizer))
         _check_schedule_layers(self.grow_at, self.qk_dims_at, model)
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
-        if self.dataloader is None and resolved_mode(model, self.mode) in SOLVED_MODES:
+        mode = resolved_mode(model, self.mode)
+        if mode in SOLVED_MODES:
+            statistics_batches = self.statistics_batches if self.dataloader is None else None
+            _check_solved_growth(model, mode, self.config, self.growth_kwargs, statistics_batches)
+        if self.dataloader is None and mode in SOLVED_MODES:
             eval_count = 0 if self.eval_dataloader is not None else self.eval_batches
             _check_training_set_size(train_dataloader, args, self.statistics_batches, eval_count)
         _warn_about_training_settings(schedule, args, state, self.trainer, self.growth_kwargs)
@@ -255,6 +260,33 @@ def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_
     if options.rotate_factors and mode != "refactor":
         raise ValueError(f"rotate_factors rewrites refactored Q/K factors: pass mode='refactor' with it (mode is "
                          f"{mode or DEFAULT_MODE!r}, which it does not apply to)")
+
+
+def _check_solved_growth(model: PreTrainedModel, mode: str, config: GrowthConfig | None,
+                         growth_kwargs: Mapping[str, Any], statistics_batches: int | None) -> None:
+    """Refuse, before training, what `grow_in_training` would refuse of a solved growth at the growth step that the
+    model and the options show now: a mode the architecture cannot grow by, statistics options that cannot run
+    (Triton off CUDA, an offload folder that is not one, a memory budget below one layer's statistics), and
+    cross_fit on the one statistics batch of each growth (``statistics_batches``: None where the caller's
+    dataloader gives them)."""
+    adapter = get_adapter(model)
+    adapter.check_mode(model, mode)
+    fields = {option.name for option in dataclasses.fields(GrowthConfig)}
+    options = resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in fields})
+    check_statistics_arguments(
+        options.statistics_method, next(model.parameters()).device, options.torch_compute_dtype, options.query_block,
+        options.max_batches, options.memory_budget, options.torch_accumulate_dtype, options.offload_dir,
+    )
+    layer_groups(len(adapter.qk_head_dims(model.config)), adapter.num_heads(model.config),
+                 adapter.hidden_size(model.config), options.memory_budget,
+                 options.torch_accumulate_dtype.itemsize, options.cross_fit)  # refuses a budget below one layer
+    if statistics_batches is not None and options.max_batches is not None:
+        statistics_batches = min(statistics_batches, options.max_batches)
+    if options.cross_fit and statistics_batches is not None and statistics_batches < 2:
+        raise ValueError(
+            f"cross_fit splits each growth's statistics batches into two halves, but it gets {statistics_batches}: "
+            "pass statistics_batches=2 or more to GrowthCallback, or cross_fit=False."
+        )
 
 
 #: `grow_in_training`'s arguments that the callback passes itself.

@@ -29,13 +29,19 @@ OPTIMIZER_STATE_DEGREES: dict[str, int] = {
     "sum": 2,  # Adagrad
     "square_avg": 2,  # RMSprop
     "grad_avg": 1,
+    "exp_inf": 1,  # Adamax: a running maximum of |gradient|
 }
 
 #: Optimizers whose state entries are all in `OPTIMIZER_STATE_DEGREES` (for messages).
-SUPPORTED_OPTIMIZERS = "Adam/AdamW, SGD, Adagrad, RMSprop, NAdam, RAdam, Muon"
-#: Optimizers known to keep factored second moments, refused by class: their state is created at the first step,
-#: after the checks before training (transformers' and torch's Adafactor).
-FACTORED_OPTIMIZERS = frozenset({"Adafactor"})
+SUPPORTED_OPTIMIZERS = "Adam/AdamW, SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax, Muon"
+#: Optimizers refused by class, with the reason: their state is created at the first step, after the checks before
+#: training (transformers' and torch's Adafactor; bitsandbytes' 8-bit optimizers by their names' ending).
+UNREMAPPABLE_OPTIMIZERS = {
+    "Adafactor": "its second moments are factored into row and column statistics of each weight",
+    "Rprop": "its per-entry step sizes start at the learning rate, not at zero",
+    "ASGD": "it keeps an average of the weights themselves",
+    "LBFGS": "its curvature history holds all parameters flattened together",
+}
 
 
 def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
@@ -100,11 +106,13 @@ def check_growable(model: PreTrainedModel, adapter: ArchitectureAdapter, optimiz
 def _check_optimizer(optimizer: torch.optim.Optimizer, model_parameters: set[int],
                      qk_parameters: list[tuple[str, Tensor]]) -> None:
     name = type(optimizer).__name__
-    if name in FACTORED_OPTIMIZERS:
+    reason = UNREMAPPABLE_OPTIMIZERS.get(name)
+    if name.endswith("8bit"):  # bitsandbytes' Adam8bit, PagedAdamW8bit, ...
+        reason = "its states are quantized to 8 bits in blocks"
+    if reason is not None:
         raise ValueError(
-            f"cannot remap the state of {name}: its second moments are factored into row and column statistics of "
-            f"each weight. Supported: optimizers whose state entries are {sorted(OPTIMIZER_STATE_DEGREES)} "
-            f"({SUPPORTED_OPTIMIZERS}) and scalars."
+            f"cannot remap the state of {name}: {reason}. Supported: optimizers whose state entries are "
+            f"{sorted(OPTIMIZER_STATE_DEGREES)} ({SUPPORTED_OPTIMIZERS}) and scalars."
         )
     if not any(id(parameter) in model_parameters for group in optimizer.param_groups for parameter in group["params"]):
         raise ValueError(
