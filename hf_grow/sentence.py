@@ -172,14 +172,15 @@ def tokenize_pairs(
 
 
 def read_pairs(
-    source: str, columns: Sequence[str] | None = None, split: str = "train", streaming: bool = False
+    source: str, columns: Sequence[str] | None = None, split: str = "train", streaming: bool = False,
+    config: str | None = None,
 ) -> list[tuple[str, str]]:
     """Text pairs (anchor, positive) from a file or a datasets dataset.
 
     A ``.tsv`` file holds two tab-separated fields a line (no header); ``.jsonl`` one object a line; ``.csv`` a
     header row, then one pair a row. ``.jsonl``, ``.csv`` and datasets take the two ``columns`` named, by
-    default their first two. Any other ``source`` that is not a file is a datasets name (``split``). Raises
-    ValueError naming the file and line of a pair it cannot read.
+    default their first two. Any other ``source`` that is not a file is a datasets name (its ``config`` and
+    ``split``). Raises ValueError naming the file and line of a pair it cannot read.
     """
     path = Path(source)
     if not path.exists() and path.suffix.lower() in (".tsv", ".jsonl", ".csv"):
@@ -193,9 +194,10 @@ def read_pairs(
                 rows = [
                     (number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(file, 1) if line.strip()
                 ]
-                pairs = [_pair(fields, 0, 1, f"{source} line {number}") for number, fields in rows]
+                pairs = [_tab_separated_pair(fields, f"{source} line {number}") for number, fields in rows]
             elif suffix == ".jsonl":
-                records = [(number, json.loads(line)) for number, line in enumerate(file, 1) if line.strip()]
+                records = [(number, _json_line(line, f"{source} line {number}"))
+                           for number, line in enumerate(file, 1) if line.strip()]
                 pairs = [_column_pair(record, columns, f"{source} line {number}") for number, record in records]
             else:
                 pairs = [
@@ -205,13 +207,27 @@ def read_pairs(
     else:
         import datasets
 
-        dataset = datasets.load_dataset(source, split=split, streaming=streaming)
+        dataset = datasets.load_dataset(source, config, split=split, streaming=streaming)
         pairs = [
             _column_pair(record, columns, f"{source} ({split}) row {number}") for number, record in enumerate(dataset)
         ]
     if not pairs:
         raise ValueError(f"{source} holds no pairs")
     return pairs
+
+
+def _tab_separated_pair(fields: list[str], where: str) -> tuple[str, str]:
+    if len(fields) > 2:  # the rest would be dropped: a text with tabs in it
+        raise ValueError(f"{where}: {len(fields)} tab-separated fields, where a .tsv pair line holds two; texts with "
+                         "tabs in them go in a .jsonl or .csv file")
+    return _pair(fields, 0, 1, where)
+
+
+def _json_line(line: str, where: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not a JSON object ({error.msg} at column {error.colno})") from None
 
 
 def _column_pair(record: Any, columns: Sequence[str] | None, where: str) -> tuple[str, str]:

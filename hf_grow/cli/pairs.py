@@ -15,6 +15,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
+from ..adapters import position_limit
 from ..distributed import OtherProcessFailed, Processes
 from ..growth import grow_model
 from ..progress import stage
@@ -38,10 +39,16 @@ def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
                             "least one batch)")
 
 
-def check_pairs_arguments(args: argparse.Namespace) -> None:
-    """``--pairs``' own checks, before the memory plan and any data."""
+def check_pairs_arguments(args: argparse.Namespace, text_options: list[str]) -> None:
+    """``--pairs``' own checks, before the memory plan and any data; ``text_options``: the options given that only
+    text is read with."""
     if args.data or args.dataset:
         raise CommandError("--pairs grows a SentenceTransformer on text pairs: give no --data or --dataset")
+    if text_options:
+        raise CommandError(
+            f"{', '.join(text_options)} appl{'ies' if len(text_options) == 1 else 'y'} to text, not to --pairs (its "
+            "options: --pair-columns, --eval-pairs, --split and --dataset-config of a dataset, --streaming)"
+        )
     # MultipleNegativesRankingLoss takes each batch's other positives as a pair's negatives: one pair alone has a
     # loss of 0 whatever the weights
     if args.batch_size < 2:
@@ -70,13 +77,14 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
     from ..sentence import read_pairs, tokenize_pairs, transformer_module
 
     try:
-        pairs = read_pairs(args.pairs, args.pair_columns, args.split, args.streaming)
+        pairs = read_pairs(args.pairs, args.pair_columns, args.split, args.streaming, args.dataset_config)
     except (ValueError, OSError) as error:
         raise CommandError(f"--pairs: {str(error).splitlines()[0]}") from None
     num_eval = args.eval_pairs or default_eval_pairs(len(pairs), args.batch_size)
-    if len(pairs) - num_eval < 1:
+    if len(pairs) - num_eval < 2:  # one pair alone has no negatives: a loss of 0 whatever the weights
         raise CommandError(f"--pairs {args.pairs} holds {len(pairs)} pairs: too few to hold out {num_eval} for the "
-                           "line search (lower --eval-pairs or --batch-size, or pass more pairs)")
+                           "line search and keep two for the statistics (lower --eval-pairs or --batch-size, or pass "
+                           "more pairs)")
     try:
         model = SentenceTransformer(args.model, device=args.device, model_kwargs={"dtype": DTYPES[args.dtype]})
         transformer_module(model)  # exactly one transformers model inside, or a ValueError saying so
@@ -85,6 +93,9 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
             f"cannot load {args.model!r} as a SentenceTransformer: {str(error).splitlines()[0]}"
         ) from None
     if args.seq_len:
+        positions = position_limit(transformer_module(model).model.config)
+        if positions is not None and args.seq_len > positions:
+            raise CommandError(f"--seq-len {args.seq_len} exceeds the {positions} positions of {args.model!r}")
         model.max_seq_length = args.seq_len
     try:
         statistics_pairs = tokenize_pairs(pairs[:-num_eval], model, args.batch_size)
@@ -99,7 +110,8 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
                            statistics=statistics, eval_dataloader=held_out_batches, accelerator=accelerator,
                            progress=show_progress)
     output = Path(args.output_dir)
-    data = f"{len(pairs) - num_eval} text pairs from {args.pairs}"
+    used = sum(len(next(iter(batch.values()))["input_ids"]) for batch in statistics_pairs[: args.config.max_batches])
+    data = f"{used} text pairs from {args.pairs}"
 
     def write(folder: Path) -> None:
         grown.save(str(folder))  # its modules, tokenizer and the grown transformers model
@@ -120,5 +132,5 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
     if is_main:
         print(grown.growth_report.summary())
         print(f"wall time {time.perf_counter() - started:.1f} s; grown SentenceTransformer written to {output} "
-              f"({len(pairs) - num_eval} pairs for the statistics, {num_eval} held out)")
+              f"({used} pairs for the statistics, {num_eval} held out)")
         push_output(args)

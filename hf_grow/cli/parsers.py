@@ -102,6 +102,17 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     return run
 
 
+#: The data options only text is read with: `--pairs` refuses them where given other than their defaults.
+TEXT_ONLY_OPTIONS = ("text_column", "eval_split", "max_tokens", "eval_tokens", "eval_fraction", "mlm_probability")
+
+
+def text_options_given(args: argparse.Namespace) -> list[str]:
+    """The flags of `TEXT_ONLY_OPTIONS` whose values in ``args`` are not the command's defaults."""
+    parser = build_parser()
+    return [f"--{name.replace('_', '-')}" for name in TEXT_ONLY_OPTIONS
+            if getattr(args, name, None) != parser.get_default(name)]
+
+
 def build_parser() -> HfArgumentParser:
     """The growth options come from `GrowthConfig` (flags and help text from its fields); the model, data,
     output, run and Hub options are the command's own."""
