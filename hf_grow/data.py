@@ -6,6 +6,7 @@ import glob
 import os
 import re
 import warnings
+from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -23,7 +24,8 @@ _NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\udc80-\udcff]")  # control character
 
 
 class TextFileError(ValueError):
-    """A ``--data`` path that cannot be read as text: missing, a folder, unreadable, or binary."""
+    """A ``--data`` path that cannot be read as text (missing, a folder, unreadable, or binary), or a dataset whose
+    text column holds something else."""
 
 
 #: Text files are read in pieces of about this many bytes, each cut after a line end: a large corpus file is read
@@ -119,19 +121,32 @@ def decode_text(
 def read_dataset(
     name: str, config: str | None, split: str, text_column: str, streaming: bool, progress: bool = True
 ) -> Iterator[str]:
-    """The ``text_column`` of a `datasets` split, one document at a time."""
+    """The ``text_column`` of a `datasets` split, one document at a time (a missing text, None, is an empty one)."""
     import datasets
 
     if not progress:
         datasets.disable_progress_bars()
+    if (Path(name) / "state.json").is_file():  # load_dataset's own advice, load_from_disk, is no option of ours
+        raise TextFileError(
+            f"{name} holds one Dataset saved by save_to_disk, without splits: save it as a DatasetDict "
+            "(DatasetDict({'train': dataset}).save_to_disk(folder)) or as text files (--data)"
+        )
     dataset = datasets.load_dataset(name, config, split=split, streaming=streaming)
     columns = dataset.column_names or []
     if columns and text_column not in columns:
         raise KeyError(
             f"dataset {name!r} has no column {text_column!r}; columns: {', '.join(columns)} (use --text-column)"
         )
-    for row in dataset:
-        yield row[text_column]
+    for index, row in enumerate(dataset):
+        text = row[text_column]
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise TextFileError(
+                f"dataset {name!r} ({split}) row {index}: column {text_column!r} holds a value of type "
+                f"{type(text).__name__}, not a text (use --text-column)"
+            )
+        yield text
 
 
 def token_windows(

@@ -342,6 +342,27 @@ def test_local_dataset_through_the_datasets_library(model_folder, tmp_path):
     assert report.eval_loss_after <= report.eval_loss_before and report.solver == "subspace"
 
 
+def test_a_dataset_s_missing_texts_and_other_values(tmp_path):
+    """A null text was "cannot load dataset: 'NoneType' object is not iterable"; a Dataset saved by save_to_disk got
+    load_dataset's advice to call load_from_disk, which the command cannot."""
+    import datasets
+    import json
+
+    from hf_grow.data import TextFileError, read_dataset
+
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    rows = [{"text": "one"}, {"text": None}, {"text": "two"}]
+    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert list(read_dataset(str(folder), None, "train", "text", False, progress=False)) == ["one", "two"]
+    (folder / "train.jsonl").write_text(json.dumps({"text": 7}) + "\n")
+    with pytest.raises(TextFileError, match="row 0: column 'text' holds a value of type int, not a text"):
+        list(read_dataset(str(folder), None, "train", "text", False, progress=False))
+    datasets.Dataset.from_dict({"text": ["one"]}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(TextFileError, match=r"one Dataset saved by save_to_disk.*DatasetDict\(\{'train'"):
+        list(read_dataset(str(tmp_path / "saved"), None, "train", "text", False, progress=False))
+
+
 class ByteTokenizer:
     """Bytes as token ids, 256 as the end of text: enough of a tokenizer to cut windows with."""
 

@@ -38,6 +38,8 @@ def _dataset_windows(args: argparse.Namespace, tokenizer, window: int) -> tuple[
         return windows(args.split, args.max_tokens), windows(args.eval_split, args.eval_tokens or DEFAULT_EVAL_TOKENS)
     except KeyError as error:
         raise CommandError(str(error).strip("'\"")) from None
+    except TextFileError as error:
+        raise CommandError(str(error)) from None
     except Exception as error:  # datasets raises many types for unreachable or unknown datasets
         if not args.dataset:
             raise CommandError(
