@@ -112,3 +112,26 @@ def test_growth_in_training_takes_a_tenth_of_the_searched_step_by_default(traine
 def test_a_step_scale_that_cannot_apply_is_refused_before_any_work(trained_gpt2, settings, message):
     with pytest.raises(ValueError, match=message):
         grow_model(trained_gpt2, iter(()), p=8, **settings)
+
+
+def test_a_fraction_worse_than_no_step_falls_back_to_step_0(trained_gpt2, statistics, held_out, monkeypatch):
+    """The loss need not be convex along the line (in bfloat16, refactored factors round away from the old weights at
+    any step > 0): a fraction of the searched step was taken even where its held-out loss was above step 0's."""
+    import inspect
+
+    from hf_grow.growth import search
+
+    def worse_at_the_fraction(*args, **kwargs):
+        loss, weight = evaluate_loss(*args, **kwargs)
+        return (loss + 1.0 if inspect.stack()[1].function == "take_step_scale" else loss), weight
+
+    monkeypatch.setattr(search, "evaluate_loss", worse_at_the_fraction)
+    model = grown(trained_gpt2, statistics, held_out, step_scale=0.25)
+    report = model.growth_report
+    assert report.step_size == 0 and report.searched_step_size > 0
+    assert report.eval_loss_after == report.eval_loss_before
+    monkeypatch.undo()
+    assert evaluate_loss(model, held_out)[0] == pytest.approx(report.eval_loss_before, abs=1e-6)
+    exact = grown(trained_gpt2, statistics, held_out, step_size=0.0)
+    for name, tensor in exact.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0, msg=name)

@@ -326,7 +326,9 @@ def take_step_scale(
 ) -> SearchOutcome:
     """``outcome`` at ``config.step_scale`` of its searched step (unchanged at 1, or at step 0): those weights
     written into ``target`` and their held-out loss, one more pass. A step shrunk toward the old function
-    gives up part of the one-shot gain for training after growth that overfits (BENCHMARKS.md, issue #35)."""
+    gives up part of the one-shot gain for training after growth that overfits (BENCHMARKS.md, issue #35).
+    Where that step's held-out loss is above the old function's (the loss need not be convex along the line), step
+    0 is taken: growth never leaves the held-out loss worse."""
     scale = prepared.config.step_scale
     if scale == 1 or outcome.step_size == 0:
         return outcome
@@ -337,6 +339,11 @@ def take_step_scale(
     if eval_batches is not None:
         loss_after = evaluate_loss(target, eval_batches, prepared.adapter, prepared.loss_fn, prepared.accelerator)[0]
         passes = None if passes is None else passes + 1
+        if loss_after > outcome.loss_before:
+            step, decompositions = 0.0, {}
+            weights = problem.weights(step, decompositions)
+            write_weights(prepared.adapter, target, weights)
+            loss_after = outcome.loss_before
     return dataclasses.replace(
         outcome, step_size=step, weights=weights, loss_after=loss_after, passes=passes,
         decompositions=decompositions, searched_step_size=outcome.step_size,
