@@ -478,3 +478,18 @@ def test_a_baseline_growth_s_save_removes_the_report_an_earlier_save_left(traine
     grow_in_training(model, optimizer, None, 4, mode="zero")
     model.save_pretrained(tmp_path)
     assert not (tmp_path / "growth_report.json").exists()
+
+
+def test_adagrad_s_new_sums_start_where_a_fresh_adagrad_s_do(trained, stdlib_bytes):
+    """New entries' sums were 0, not the group's initial_accumulator_value: a first step of a full lr."""
+    model, _ = copied(trained)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-2, initial_accumulator_value=0.1)
+    train(model, optimizer, lm_batches(stdlib_bytes["train"], 2, seed=1))
+    weight = model.transformer.h[0].attn.c_attn.weight
+    old = optimizer.state[weight]["sum"].clone()
+    grow_in_training(model, optimizer, None, 8, mode="zero", keep_attention_scale=True)
+    state = optimizer.state[weight]["sum"]  # columns: queries, keys (4 heads of 8 -> 16 each), values
+    for role in range(2):
+        heads = state[:, role * 64 : (role + 1) * 64].view(-1, 4, 16)
+        assert torch.equal(heads[..., :8], old[:, role * 32 : (role + 1) * 32].view(-1, 4, 8))
+        assert bool((heads[..., 8:] == 0.1).all())

@@ -130,6 +130,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, model_parameters: set[int
             )
 
 
+def _group_option(optimizer: torch.optim.Optimizer, parameter: Tensor, name: str) -> float:
+    """``name`` of the param group that holds ``parameter`` (0 where the group has none)."""
+    group = next(group for group in optimizer.param_groups if any(held is parameter for held in group["params"]))
+    return group.get(name, 0.0)
+
+
 def _pad(tensor: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
 
@@ -242,6 +248,9 @@ def _new_states(
             start = old_dim if keep_moments else 0
             new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
             new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
+            if state_key == "sum" and new_moments == "zero":  # a fresh Adagrad starts its sums at this value
+                initial = _group_option(optimizer, parameters[next(iter(held))], "initial_accumulator_value")
+                new_query[..., start:], new_key[..., start:] = initial, initial
             for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
                 if name in held:
                     new_states.append((optimizer, name, state_key, value))
