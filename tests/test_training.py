@@ -221,13 +221,17 @@ def test_clear_errors(trained_gpt2, trained):
     with pytest.raises(ValueError, match="to_grown_model"):
         grow_in_training(trained_gpt2, optimizer, None, 8, mode="zero")
     model, _ = copied(trained)
-    adagrad_like = torch.optim.Adamax(model.parameters())
-    model(
-        **{"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4, dtype=torch.long)}
-    ).loss.backward()
-    adagrad_like.step()
-    with pytest.raises(ValueError, match="cannot remap the Adamax state"):
-        grow_in_training(model, adagrad_like, None, 8, mode="zero")
+    class Traced(torch.optim.SGD):  # a state entry hf_grow does not know the degree of
+        def step(self, closure=None):
+            super().step(closure)
+            for parameter in self.param_groups[0]["params"]:
+                self.state[parameter]["trace"] = torch.zeros_like(parameter)
+
+    traced = Traced(model.parameters(), lr=1e-3)
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)).loss.backward()
+    traced.step()
+    with pytest.raises(ValueError, match=r"cannot remap the Traced state \['trace'\]"):
+        grow_in_training(model, traced, None, 8, mode="zero")
     assert model.config.qk_head_dims == [8, 8]  # refused before any change
     stray = torch.optim.AdamW(copied(trained)[0].parameters())  # made before a conversion, say: another model's
     with pytest.raises(ValueError, match="holds none of the model's parameters"):
