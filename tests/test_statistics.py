@@ -1,4 +1,4 @@
-"""Statistics: M is dLoss/dZ, padding contributes nothing, the model is left exactly as it was."""
+"""Statistics: M is dLoss/dZ, padding labelled -100 contributes nothing, the model is left exactly as it was."""
 
 import pytest
 import torch

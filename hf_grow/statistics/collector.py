@@ -1,6 +1,7 @@
 """The collector: hooks that accumulate C and M while the model runs forward and backward on a batch.
 
-Padding tokens are zeroed out of X', so they contribute exactly nothing to C or M. Backward runs with
+Padding tokens are zeroed out of the X' that C sums, so they contribute exactly nothing to C; M pairs the unmasked
+X' with the score gradients, which are zero at padding wherever the loss has no terms there. Backward runs with
 `torch.autograd.grad` towards the input embeddings only, so no parameter `.grad` is touched.
 """
 
@@ -314,6 +315,7 @@ class Collector:
         self.received_mask: Tensor | None = None
         self.token_mask: Tensor | None = None
         self.passes = 0
+        self.passes_with_gradient = 0
         self.pass_tokens = 0
         self.anchors: list[Tensor] = []
 
@@ -346,14 +348,7 @@ class Collector:
 
     def _start_pass(self, hidden: Tensor) -> None:
         """The first layer runs: a new forward pass, whose padding is the mask the model received."""
-        if not torch.is_grad_enabled():
-            raise ValueError(
-                "the loss ran a forward pass of the model without gradient (under torch.no_grad or inference_mode): "
-                "its scores' gradients cannot reach M. sentence-transformers' Cached* losses (GradCache) embed so and "
-                "compute gradients in a pass of their own: use the loss without the cache (e.g. "
-                "MultipleNegativesRankingLoss for CachedMultipleNegativesRankingLoss), with fewer pairs per batch if "
-                "memory is short."
-            )
+        self.passes_with_gradient += torch.is_grad_enabled()
         mask = self.received_mask
         self.received_mask = None
         self.token_mask = None if mask is None else (mask != 0).reshape(-1, mask.shape[-1])
@@ -391,13 +386,21 @@ class Collector:
         """
         self.products.inputs.clear()
         self.anchors.clear()
-        self.passes = self.pass_tokens = 0
+        self.passes = self.passes_with_gradient = self.pass_tokens = 0
         self.received_mask = None
         loss = compute_loss(model, batch, loss_fn)
         if self.passes == 0:
             raise ValueError(
                 f"the loss of batch {self.sums.batch_index} ran no forward pass of the model: loss_fn(model, batch) "
                 "must compute its loss with the model it is given."
+            )
+        if self.passes_with_gradient == 0:  # a pass without (a teacher's, a guide's) beside one with is fine
+            raise ValueError(
+                f"the loss of batch {self.sums.batch_index} ran the model only without gradient (under torch.no_grad "
+                "or inference_mode): its scores' gradients cannot reach M. sentence-transformers' Cached* losses "
+                "(GradCache) embed so and compute gradients in a pass of their own: use the loss without the cache "
+                "(e.g. MultipleNegativesRankingLoss for CachedMultipleNegativesRankingLoss), with fewer pairs per "
+                "batch if memory is short."
             )
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
