@@ -222,6 +222,8 @@ def read_pairs(
 
 
 def _tab_separated_pair(fields: list[str], where: str) -> tuple[str, str]:
+    while len(fields) > 2 and not fields[-1]:  # trailing tabs
+        fields = fields[:-1]
     if len(fields) > 2:  # the rest would be dropped: a text with tabs in it
         raise ValueError(f"{where}: {len(fields)} tab-separated fields, where a .tsv pair line holds two; texts with "
                          "tabs in them go in a .jsonl or .csv file")
@@ -230,7 +232,7 @@ def _tab_separated_pair(fields: list[str], where: str) -> tuple[str, str]:
 
 def _json_line(line: str, where: str) -> Any:
     try:
-        return json.loads(line)
+        return json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not a JSON object ({error.msg} at column {error.colno})") from None
 

@@ -84,10 +84,10 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     # A broken line is named (json's own "line 2 column 1" was inside the line), a third tab-separated field
     # refused (it was dropped: code with tabs lost its end)
     (tmp_path / "broken.jsonl").write_text('{"q": "a", "c": "b"}\n\n{"q": "e", "c": \n')
-    with pytest.raises(ValueError, match=r"broken.jsonl line 3: not a JSON object \(Expecting value"):
+    with pytest.raises(ValueError, match=r"broken.jsonl line 3: not a JSON object \(Expecting value at column 17"):
         read_pairs(str(tmp_path / "broken.jsonl"))
-    (tmp_path / "tabs.tsv").write_text("def f():\treturn 1\tand more\n")
-    with pytest.raises(ValueError, match=r"tabs.tsv line 1: 3 tab-separated fields"):
+    (tmp_path / "tabs.tsv").write_text("a\tb\t\ndef f():\treturn 1\tand more\n")  # trailing tabs are no field
+    with pytest.raises(ValueError, match=r"tabs.tsv line 2: 3 tab-separated fields"):
         read_pairs(str(tmp_path / "tabs.tsv"))
     # A dataset's configuration (--dataset-config) is read: it was the default one, silently
     for name, count in (("first", 2), ("second", 3)):

@@ -114,7 +114,8 @@ def test_a_step_scale_that_cannot_apply_is_refused_before_any_work(trained_gpt2,
         grow_model(trained_gpt2, iter(()), p=8, **settings)
 
 
-def test_a_fraction_worse_than_no_step_falls_back_to_step_0(trained_gpt2, statistics, held_out, monkeypatch):
+@pytest.mark.parametrize("worse", [1.0, float("nan")])
+def test_a_fraction_worse_than_no_step_falls_back_to_step_0(trained_gpt2, statistics, held_out, monkeypatch, worse):
     """The loss need not be convex along the line (in bfloat16, refactored factors round away from the old weights at
     any step > 0): a fraction of the searched step was taken even where its held-out loss was above step 0's."""
     import inspect
@@ -123,7 +124,7 @@ def test_a_fraction_worse_than_no_step_falls_back_to_step_0(trained_gpt2, statis
 
     def worse_at_the_fraction(*args, **kwargs):
         loss, weight = evaluate_loss(*args, **kwargs)
-        return (loss + 1.0 if inspect.stack()[1].function == "take_step_scale" else loss), weight
+        return (loss + worse if inspect.stack()[1].function == "take_step_scale" else loss), weight
 
     monkeypatch.setattr(search, "evaluate_loss", worse_at_the_fraction)
     model = grown(trained_gpt2, statistics, held_out, step_scale=0.25)

@@ -339,7 +339,7 @@ def take_step_scale(
     if eval_batches is not None:
         loss_after = evaluate_loss(target, eval_batches, prepared.adapter, prepared.loss_fn, prepared.accelerator)[0]
         passes = None if passes is None else passes + 1
-        if loss_after > outcome.loss_before:
+        if not loss_after <= outcome.loss_before:  # NaN too
             step, decompositions = 0.0, {}
             weights = problem.weights(step, decompositions)
             write_weights(prepared.adapter, target, weights)
