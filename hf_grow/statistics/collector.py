@@ -365,15 +365,13 @@ class Collector:
             if layer not in self.sums.gradients and self.sums.second_moments is None:
                 return
             augmented = augmented_input(args[0].detach(), self.compute_dtype)
-            real = real_token_rows(augmented, self.token_mask, layer)
             if layer in self.sums.gradients:
                 # M pairs X' with dLoss/dS at every position, padding too: a loss with terms there (labels on
                 # padding, a question-answering head's softmax over every position) has score gradients there.
                 # Elsewhere G is zero at padding, whatever its X'.
                 self.products.inputs[layer] = augmented
-            if self.sums.second_moments is not None:
-                self.sums.add_second_moment(layer, real)  # C: real tokens only
-            del real
+            if self.sums.second_moments is not None:  # C: real tokens only
+                self.sums.add_second_moment(layer, real_token_rows(augmented, self.token_mask, layer))
 
         return hook
 
