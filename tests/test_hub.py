@@ -121,9 +121,11 @@ def test_save_pretrained_with_push_to_hub_uploads_a_complete_folder(grown, tmp_p
                    if path.name not in files_timestamps or path.stat().st_mtime > files_timestamps[path.name]}
         uploads.append((Path(working_dir), repo_id, kwargs, written))
 
-    repos = []
+    repos, deleted = [], []
     api = SimpleNamespace(
-        create_repo=lambda repo_id, **options: repos.append(options) or SimpleNamespace(repo_id=repo_id)
+        create_repo=lambda repo_id, **options: repos.append(options) or SimpleNamespace(repo_id=repo_id),
+        file_exists=lambda repo_id, filename, **options: True,
+        delete_file=lambda path, repo_id, **options: deleted.append((path, repo_id, options["revision"])),
     )
     monkeypatch.setattr(transformers_hub, "hf_api", lambda: api)
     monkeypatch.setattr(transformers_hub, "create_and_tag_model_card", lambda *_, **__: ModelCard("---\n---\ncard"))
@@ -141,6 +143,14 @@ def test_save_pretrained_with_push_to_hub_uploads_a_complete_folder(grown, tmp_p
     assert len(shards) > 1  # (the first save's model.safetensors stays in the folder, not uploaded again)
     assert uploads[1][3] == GROWN_FILES - {"model.safetensors"} | shards | {"model.safetensors.index.json"}
     assert (out / "README.md").read_text().endswith("the grown model's own card")
+    assert not deleted
+    # after a growth that leaves no report (a baseline's), the report pushed before is removed there too (it stayed)
+    report, model.growth_report = model.growth_report, None
+    try:
+        model.save_pretrained(out, push_to_hub=True, repo_id="me/grown", revision="v2")
+    finally:
+        model.growth_report = report  # the module's fixture
+    assert deleted == [("growth_report.json", "me/grown", "v2")] and not (out / "growth_report.json").exists()
 
 
 def test_the_card_of_a_step_zero_growth_says_so(model_folder, tmp_path):

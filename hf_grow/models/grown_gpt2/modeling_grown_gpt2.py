@@ -244,7 +244,7 @@ class GrownGPT2PreTrainedModel(GPT2PreTrainedModel):
 
         The two source files and `auto_map` (for `trust_remote_code`), and `growth_report.json` when the
         model holds the report of the growth that made it (`model.growth_report`, set by hf_grow; one left there by an
-        earlier save is removed where a later growth cleared it). With
+        earlier save or push is removed where a later growth cleared it). With
         ``push_to_hub``, the files this save wrote in ``save_directory`` are uploaded once all are written
         (transformers' own upload inside `save_pretrained` would run before these files are), as transformers
         uploads them, with a ``README.md`` already there as the card (else transformers' card, written there).
@@ -261,10 +261,11 @@ class GrownGPT2PreTrainedModel(GPT2PreTrainedModel):
         for source in [here, *map(Path, get_relative_import_files(str(here)))]:
             shutil.copyfile(source, Path(save_directory) / source.name)
         report = getattr(self, "growth_report", None)
+        # cleared by a growth that leaves no report (a baseline's): one saved or pushed before describes other weights
+        cleared = report is None and "growth_report" in self.__dict__
         if report is not None:
             report.to_json_file(Path(save_directory) / "growth_report.json")
-        elif "growth_report" in self.__dict__:
-            # cleared by a growth that leaves no report (a baseline's): one saved here before describes other weights
+        elif cleared:
             (Path(save_directory) / "growth_report.json").unlink(missing_ok=True)
         if push_to_hub:
             token, private, tags = kwargs.get("token"), hub_kwargs.pop("private", None), hub_kwargs.pop("tags", None)
@@ -275,6 +276,10 @@ class GrownGPT2PreTrainedModel(GPT2PreTrainedModel):
                 transformers_hub.create_and_tag_model_card(repo_id, tags, token=token).save(card)
             before.pop(card.name, None)  # the card is uploaded whenever it was written
             self._upload_modified_files(save_directory, repo_id, before, token=token, **hub_kwargs)
+            revision, create_pr = hub_kwargs.get("revision"), hub_kwargs.get("create_pr")
+            if cleared and api.file_exists(repo_id, "growth_report.json", revision=revision, token=token):
+                api.delete_file("growth_report.json", repo_id, token=token, revision=revision, create_pr=create_pr,
+                                commit_message="Remove the report of an earlier growth")
 
 
 class GrownGPT2Model(GrownGPT2PreTrainedModel, GPT2Model):
