@@ -235,11 +235,19 @@ def _naming(entry: str) -> Iterator[None]:
         raise type(error)(f"{entry}: {error}") from None
 
 
+#: `GrowthConfig`'s fields: the growth keywords that are options (the others are `grow_in_training`'s own).
+_CONFIG_FIELDS = frozenset(option.name for option in dataclasses.fields(GrowthConfig))
+
+
+def _growth_options(config: GrowthConfig | None, growth_kwargs: Mapping[str, Any]) -> GrowthConfig:
+    """``config`` (or a default one) with the growth keywords that are its fields applied."""
+    return resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in _CONFIG_FIELDS})
+
+
 def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_kwargs: Mapping[str, Any]) -> None:
     """Refuse, when the callback is made, growth options that `grow_in_training` would refuse at the growth step,
     mid-training: unknown names, bad values, and the fast search in a mode that cannot take it."""
-    fields = {option.name for option in dataclasses.fields(GrowthConfig)}
-    unknown = sorted(set(growth_kwargs) - fields - set(inspect.signature(grow_in_training).parameters))
+    unknown = sorted(set(growth_kwargs) - _CONFIG_FIELDS - set(inspect.signature(grow_in_training).parameters))
     if unknown:
         raise TypeError(f"unknown growth option(s) {unknown}: GrowthConfig's fields or grow_in_training's keywords")
     owned = sorted(set(growth_kwargs) & _SET_BY_THE_CALLBACK)
@@ -249,7 +257,7 @@ def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_
             "model, optimizer and accelerator from the Trainer (with several processes pass trainer=trainer), and "
             "the statistics are collected at each growth (pass dataloader= for fixed batches)"
         )
-    options = resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in fields})
+    options = _growth_options(config, growth_kwargs)
     if options.budget is not None:
         raise ValueError("growth in training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
     if options.p is not None:
@@ -271,8 +279,7 @@ def _check_solved_growth(model: PreTrainedModel, mode: str, config: GrowthConfig
     dataloader gives them)."""
     adapter = get_adapter(model)
     adapter.check_mode(model, mode)
-    fields = {option.name for option in dataclasses.fields(GrowthConfig)}
-    options = resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in fields})
+    options = _growth_options(config, growth_kwargs)
     check_statistics_arguments(
         options.statistics_method, next(model.parameters()).device, options.torch_compute_dtype, options.query_block,
         options.max_batches, options.memory_budget, options.torch_accumulate_dtype, options.offload_dir,
