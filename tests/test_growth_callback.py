@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerState, TrainingArguments
 
 from hf_grow import GrowthCallback, GrowthConfig, GrownGPT2Config, GrownGPT2LMHeadModel, to_grown_model
+from hf_grow.statistics.memory import statistics_bytes
 
 from conftest import tiny_gpt2_config, trainer_arguments, trainer_dataset
 
@@ -95,6 +96,8 @@ REFUSED_BEFORE_TRAINING = {  # each trained to the growth step before it was ref
                              "cross_fit splits each growth's statistics batches into two halves, but it gets 1"),
     "no offload folder": ({"offload_dir": "/nonexistent/hf_grow"}, "offload_dir"),
     "budget below a layer": ({"memory_budget": "1KB"}, "is below the .* bytes the statistics need for one layer"),
+    # one layer's M and a batch's product fit, not the half sums of the cross_fit that growth in training turns on
+    "budget below cross_fit's": ({"memory_budget": statistics_bytes(2, 4, 64, 2)}, r"M and its half sum for cross"),
 }
 
 

@@ -27,7 +27,8 @@ from ..growth import check_fast_search, resolve_growth
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
 from ..statistics import check_statistics_arguments, layer_groups
-from .grow import DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, grow_in_training, model_to_grow, resolved_mode
+from .grow import (DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, _in_training_defaults, grow_in_training, model_to_grow,
+                   resolved_mode)
 from .resize import check_growable, torch_optimizers
 
 logger = logging.getLogger("hf_grow")
@@ -137,8 +138,8 @@ class GrowthCallback(TrainerCallback):
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
         mode = resolved_mode(model, self.mode)
         if mode in SOLVED_MODES:
-            statistics_batches = self.statistics_batches if self.dataloader is None else None
-            _check_solved_growth(model, mode, self.config, self.growth_kwargs, statistics_batches)
+            _check_solved_growth(model, mode, self.config, self.growth_kwargs, self.dataloader, self.eval_dataloader,
+                                 self.statistics_batches)
         if self.dataloader is None and mode in SOLVED_MODES:
             eval_count = 0 if self.eval_dataloader is not None else self.eval_batches
             _check_training_set_size(train_dataloader, args, self.statistics_batches, eval_count)
@@ -271,15 +272,22 @@ def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_
 
 
 def _check_solved_growth(model: PreTrainedModel, mode: str, config: GrowthConfig | None,
-                         growth_kwargs: Mapping[str, Any], statistics_batches: int | None) -> None:
+                         growth_kwargs: Mapping[str, Any], dataloader: Iterable[Any] | None,
+                         eval_dataloader: Iterable[Any] | None, statistics_batches: int) -> None:
     """Refuse, before training, what `grow_in_training` would refuse of a solved growth at the growth step that the
     model and the options show now: a mode the architecture cannot grow by, statistics options that cannot run
-    (Triton off CUDA, an offload folder that is not one, a memory budget below one layer's statistics), and
-    cross_fit on the one statistics batch of each growth (``statistics_batches``: None where the caller's
-    dataloader gives them)."""
+    (Triton off CUDA, an offload folder that is not one, a memory budget below one layer's statistics: with the
+    halves of cross_fit where `grow_in_training`'s default turns it on), and cross_fit on the one statistics batch
+    of each growth (the callback's ``dataloader``, or ``statistics_batches`` drawn at each growth)."""
     adapter = get_adapter(model)
     adapter.check_mode(model, mode)
     options = _growth_options(config, growth_kwargs)
+    if config is None:  # grow_in_training's defaults: the batches drawn at each growth (stand-ins) or the caller's
+        drawn = dataloader is None
+        batches, eval_batches = ([None] * statistics_batches, []) if drawn else (dataloader, eval_dataloader)
+        defaults = _in_training_defaults(mode, growth_kwargs, batches, eval_batches, None, None, None)
+        options = dataclasses.replace(options, cross_fit=defaults.get("cross_fit", options.cross_fit))
+    statistics_batches = statistics_batches if dataloader is None else None
     check_statistics_arguments(
         options.statistics_method, next(model.parameters()).device, options.torch_compute_dtype, options.query_block,
         options.max_batches, options.memory_budget, options.torch_accumulate_dtype, options.offload_dir,

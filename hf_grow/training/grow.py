@@ -103,14 +103,14 @@ def _in_training_defaults(
     dataloader: Iterable[Mapping[str, Tensor]] | None,
     eval_dataloader: Iterable[Mapping[str, Tensor]] | None,
     statistics: GrowthStatistics | None,
-    processes: Processes,
-    device: torch.device,
+    processes: Processes | None,
+    device: torch.device | None,
 ) -> dict[str, Any]:
     """`grow_in_training`'s `GrowthConfig` defaults: `IN_TRAINING_DEFAULTS` and the options for training after
     growth (`training_options`), of which the baselines take no ``cross_fit`` and the solved modes take it where the
     statistics can have two halves: precomputed ones that hold them, or batches collected here of which the
     statistics get at least two on some process (or an unknown number: an iterable without ``len``). Every process
-    takes the same decision."""
+    of ``processes`` takes the same decision (None: this process's, without communication)."""
     defaults = {**IN_TRAINING_DEFAULTS, **training_options(overrides)}
     if mode not in SOLVED_MODES or "cross_fit" in overrides:
         return {name: value for name, value in defaults.items() if name != "cross_fit"}
@@ -128,7 +128,8 @@ def _in_training_defaults(
         if max_batches is not None:
             count = max_batches if count is None else min(count, max_batches)
         halves = count is None or count >= 2
-    if processes.world_size > 1:  # the odd-numbered half needs a second batch on one process at least
+    # the odd-numbered half needs a second batch on one process at least
+    if processes is not None and processes.world_size > 1:
         halves = processes.sum_(torch.tensor(float(halves), device=device)).item() > 0
     return {**defaults, "cross_fit": halves}
 
