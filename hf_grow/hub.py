@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token
+from huggingface_hub import (CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, ModelCardData,
+                             get_token)
 from huggingface_hub.constants import is_offline_mode
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
@@ -356,6 +358,14 @@ def _files_to_push(folder: Path) -> list[Path]:
     return files
 
 
+def _stale_weights(in_repo: Iterable[str], pushed: Collection[str]) -> list[str]:
+    """The weight files (and shard indexes) of a model pushed to the repository before that this push does not
+    replace: from_pretrained reads ``model.safetensors`` before a sharded index, so a single file left beside the
+    shards of a later push would load the old weights (the Hub keeps what a commit does not delete)."""
+    return sorted(name for name in in_repo if name not in pushed and "/" not in name
+                  and re.fullmatch(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?", name))
+
+
 def _save_model(model: nn.Module, folder: Path, tokenizer: PreTrainedTokenizerBase | None, repo_id: str) -> str | None:
     """Save a grown model or `SentenceTransformer` to ``folder`` for `push_to_hub`; the name of its base model."""
     if getattr(model, "growth_report", None) is None:
@@ -391,9 +401,10 @@ def push_to_hub(
     first; a transformers model with ``tokenizer`` when given). A folder's ``README.md`` is the card; a model's
     card, or a folder's without one, is made (`model_card`, with ``base_model``); metadata the Hub refuses (local
     paths as base model or datasets) is left out of the committed card. The repository is created if needed
-    (``private``), and ``revision`` names a branch, created if needed. ``api``: the `HfApi` to use (default: a
-    new one with the saved token). Only the main process of a multi-process run
-    pushes; the others return None.
+    (``private``), and ``revision`` names a branch, created if needed; weight files that a push there before left
+    and this one does not replace (a single file beside new shards) are deleted in the commit. ``api``: the
+    `HfApi` to use (default: a new one with the saved token). Only the main process of a multi-process run pushes;
+    the others return None.
     """
     check_push(repo_id, api)
     if not _is_main_process():
@@ -429,6 +440,8 @@ def push_to_hub(
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision is not None and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True)
+        operations += [CommitOperationDelete(path_in_repo=name)
+                       for name in _stale_weights(api.list_repo_files(repo_id, revision=revision), in_repo)]
         return api.create_commit(
             repo_id,
             operations=operations,

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from huggingface_hub import ModelCard
+from huggingface_hub import CommitOperationDelete, ModelCard
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 from hf_grow import cli, grow_model, hub, load_growth_report, push_to_hub
@@ -16,11 +16,12 @@ from test_cli import SMALL, TEXT_GLOB, TRAIN_FILES, run_cli
 
 
 class FakeApi:
-    """Records what would reach the Hub; the committed files are read at commit time, as HfApi does."""
+    """Records what would reach the Hub; the committed files are read at commit time, as HfApi does. ``files``:
+    the repository's files after the commits (those of ``repo_files`` before)."""
 
-    def __init__(self):
+    def __init__(self, repo_files: dict[str, bytes] | None = None):
         self.calls = []
-        self.files: dict[str, bytes] = {}
+        self.files: dict[str, bytes] = dict(repo_files or {})
 
     def create_repo(self, repo_id, **kwargs):
         self.calls.append(("create_repo", repo_id, kwargs))
@@ -28,9 +29,16 @@ class FakeApi:
     def create_branch(self, repo_id, **kwargs):
         self.calls.append(("create_branch", repo_id, kwargs))
 
+    def list_repo_files(self, repo_id, revision=None):
+        return list(self.files)
+
     def create_commit(self, repo_id, operations, **kwargs):
         self.calls.append(("create_commit", repo_id, kwargs))
-        self.files = {op.path_in_repo: Path(op.path_or_fileobj).read_bytes() for op in operations}
+        for operation in operations:
+            if isinstance(operation, CommitOperationDelete):
+                del self.files[operation.path_in_repo]  # HfApi fails on a file the repository lacks
+            else:
+                self.files[operation.path_in_repo] = Path(operation.path_or_fileobj).read_bytes()
         return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0")
 
 
@@ -107,6 +115,24 @@ def test_push_a_folder_to_a_branch(grown, tmp_path):
     assert set(api.files) == GROWN_FILES  # a card was made for the folder, which is left as it was
     assert not (tmp_path / "saved" / "README.md").exists()
     assert ModelCard(api.files["README.md"].decode()).data.base_model is None  # unknown: no metadata
+
+
+def test_a_push_deletes_the_weights_of_an_earlier_push_that_it_does_not_replace(grown, tmp_path):
+    """The Hub keeps what a commit does not delete: a model pushed as one file, then pushed sharded, left the single
+    file beside the shards, and from_pretrained reads model.safetensors before a shard index (the old weights)."""
+    model, _ = grown
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    kept = {"model.safetensors": b"old", "pytorch_model.bin": b"old", "notes/model.safetensors": b"mine",
+            "adapter_model.safetensors": b"mine", ".gitattributes": b"*"}
+    api = FakeApi(kept)
+    push_to_hub(tmp_path / "sharded", "me/grown", api=api)
+    shards = {path.name for path in (tmp_path / "sharded").glob("model-*.safetensors")}
+    assert len(shards) > 1 and "model.safetensors.index.json" in api.files and shards <= set(api.files)
+    assert {"model.safetensors", "pytorch_model.bin"}.isdisjoint(api.files)  # an unrelated file stays
+    assert {"notes/model.safetensors", "adapter_model.safetensors", ".gitattributes"} <= set(api.files)
+    model.save_pretrained(tmp_path / "single")  # and back: the shards and their index go
+    push_to_hub(tmp_path / "single", "me/grown", api=api)
+    assert {name for name in api.files if name.startswith(("model.", "model-"))} == {"model.safetensors"}
 
 
 def test_save_pretrained_with_push_to_hub_uploads_a_complete_folder(grown, tmp_path, monkeypatch):
