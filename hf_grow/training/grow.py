@@ -177,7 +177,8 @@ def grow_in_training(
     the model's parameters, e.g. Muon for the matrices and AdamW for the rest: each one's state is remapped), the
     LR schedule and a `transformers.Trainer` carry on. Call it between optimizer steps: the Q/K Parameters'
     ``.grad`` is cleared (in the middle of a gradient accumulation, their share so far would be lost; the others'
-    kept).
+    kept; GPT-2's fused ``c_attn`` holds V too, whose share goes with it). Copies of the weights made before the
+    growth (an EMA or SWA model, `torch.optim.swa_utils.AveragedModel`) keep the old shapes: make them again.
 
     With several processes (DDP: torchrun, ``accelerate launch``), call it on every process with that process's
     own shard of the batches and the ``accelerator``, passing the DDP-wrapped model (what ``accelerator.prepare``
