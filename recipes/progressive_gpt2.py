@@ -380,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--data", nargs="*", help="text files or globs (default: the standard library's sources)")
     parser.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
-    parser.add_argument("--steps", type=int, help="override the preset's training steps")
+    parser.add_argument("--steps", type=int,
+                        help="override the preset's training steps (growth steps, warmup and evaluations scale along)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, help="torch threads (default: the preset's)")
@@ -390,6 +391,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.steps:
         scale = args.steps / preset["steps"]
         preset["schedule"] = {max(1, round(step * scale)): width for step, width in preset["schedule"].items()}
+        preset["eval_every"] = max(1, round(preset["eval_every"] * scale))
+        preset["warmup"] = max(1, round(preset["warmup"] * scale))
         preset["steps"] = args.steps
     threads = args.threads or preset["threads"]
     if threads:

@@ -326,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--tasks", nargs="*", choices=TASKS, default=list(TASKS))
     parser.add_argument("--seeds", type=int, help="override the preset's number of seeds")
-    parser.add_argument("--steps", type=int, help="override the preset's training steps (growth steps scale along)")
+    parser.add_argument("--steps", type=int,
+                        help="override the preset's training steps (growth steps, warmup and evaluations scale along)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", default="bench_bottleneck", help="prefix of the .png and .json outputs")
@@ -353,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             scale = args.steps / settings["steps"]
             settings["schedule"] = {max(1, round(step * scale)): width for step, width in settings["schedule"].items()}
             settings["eval_every"] = max(1, round(settings["eval_every"] * scale))
+            settings["warmup"] = max(1, round(settings["warmup"] * scale))
             settings["steps"] = args.steps
         used_settings[task_name] = settings
         task = build_task(task_name, settings)
