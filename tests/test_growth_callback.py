@@ -8,7 +8,7 @@ import numpy
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerState, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainerState, TrainingArguments
 
 from hf_grow import GrowthCallback, GrowthConfig, GrownGPT2Config, GrownGPT2LMHeadModel, to_grown_model
 from hf_grow.statistics.memory import statistics_bytes
@@ -32,6 +32,27 @@ def test_a_reused_callback_grows_in_every_training_run(stdlib_bytes, tmp_path):
         trainer.train()
         assert trainer.model.config.qk_head_dims == [16, 16], run
         assert callback.reports == {3: None}
+
+
+def test_given_the_trainer_a_growth_reaches_its_loggers(stdlib_bytes, tmp_path):
+    """The growth went to log_history alone: TensorBoard, W&B and the other report_to loggers never saw it."""
+    logged = []
+
+    class Logger(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logged.append((state.global_step, dict(logs)))
+
+    trainer = Trainer(model=grown_model(), args=trainer_arguments(tmp_path), callbacks=[Logger()],
+                      train_dataset=trainer_dataset(stdlib_bytes, 64, seed=11))
+    callback = GrowthCallback({3: 8}, statistics_batches=4, eval_batches=2, trainer=trainer)
+    trainer.add_callback(callback)
+    trainer.train()
+    losses = {"growth_eval_loss_before": callback.reports[3].eval_loss_before,
+              "growth_eval_loss_after": callback.reports[3].eval_loss_after}
+    assert [(step, logs) for step, logs in logged if "growth_mode" in logs] == [
+        (3, {"growth_mode": "append", "growth_qk_head_dim_mean": 16.0, **losses})]
+    assert [entry for entry in trainer.state.log_history if "growth_mode" in entry] == [
+        {"step": 3, "growth_mode": "append", "qk_head_dims": [16, 16], **losses}]  # once, as before
 
 
 def test_a_small_training_set_is_shared_and_one_too_small_refused_before_training(stdlib_bytes, tmp_path, caplog):

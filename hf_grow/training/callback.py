@@ -80,7 +80,8 @@ class GrowthCallback(TrainerCallback):
         growth_kwargs: passed to `grow_in_training` (``step_size``, ``truncation``, ``loss_fn``, ...).
 
     ``reports`` maps each step at which the model grew, in the latest ``train()``, to its `GrowthReport` (None
-    for the baselines); a summary also goes to ``state.log_history`` (and so to ``trainer_state.json``).
+    for the baselines); a summary also goes to ``state.log_history`` (and so to ``trainer_state.json``), and
+    with ``trainer`` to the Trainer's loggers (``report_to``).
     One process or DDP; FSDP and DeepSpeed are refused (they shard parameters and optimizer state by shape).
     """
 
@@ -179,11 +180,21 @@ class GrowthCallback(TrainerCallback):
         )
         self.reports[step] = report
         _forget_best_checkpoint(state)
-        entry = {"step": step, "growth_mode": mode, "qk_head_dims": list(model.config.qk_head_dims)}
-        if report is not None:
-            entry.update(growth_eval_loss_before=report.eval_loss_before, growth_eval_loss_after=report.eval_loss_after)
-        state.log_history.append(entry)
-        logger.info("step %d: grew query/key heads to %s (%s)", step, model.config.qk_head_dims, mode)
+        _log_growth(list(model.config.qk_head_dims), mode, report, args, state, control, self.trainer)
+
+
+def _log_growth(qk_head_dims: list[int], mode: str, report: GrowthReport | None, args, state, control,
+                trainer: Any | None) -> None:
+    """Record a growth in ``state.log_history`` (and so ``trainer_state.json``) and, given the Trainer, send its
+    numbers to the Trainer's loggers too (``report_to``: TensorBoard, W&B, ...; a callback cannot reach them
+    without it)."""
+    losses = {} if report is None else dict(growth_eval_loss_before=report.eval_loss_before,
+                                            growth_eval_loss_after=report.eval_loss_after)
+    state.log_history.append({"step": state.global_step, "growth_mode": mode, "qk_head_dims": qk_head_dims, **losses})
+    logger.info("step %d: grew query/key heads to %s (%s)", state.global_step, qk_head_dims, mode)
+    if trainer is not None:  # scalars (and the mode as text) that every logger takes
+        scalars = {"growth_mode": mode, "growth_qk_head_dim_mean": sum(qk_head_dims) / len(qk_head_dims), **losses}
+        trainer.callback_handler.on_log(args, state, control, scalars)
 
 
 def _dims_to_reach(target: int | Sequence[int], model: PreTrainedModel) -> dict[int, int]:
