@@ -94,6 +94,26 @@ def test_flash_and_flex_attention_are_refused_saying_why(grown_class, plain_conf
     model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.parametrize("plain_class, plain_config", [(LlamaForCausalLM, tiny_llama_config),
+                                                       (BertForMaskedLM, tiny_bert_config)], ids=["llama", "bert"])
+def test_a_model_running_flex_attention_grows_into_one_running_sdpa(plain_class, plain_config, caplog):
+    """A source model running flex attention (or, as loaded for a GPU, flash attention, which needs one) was refused
+    when the grown model was built, after the statistics pass and the solve."""
+    torch.manual_seed(0)
+    model = plain_class(plain_config()).eval()
+    batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 99, (4, 2, 16))]
+    model.set_attn_implementation("flex_attention")
+    with caplog.at_level("WARNING", logger="hf_grow"):
+        grown = grow_model(model, batches, p=8, step_size=0.0)
+    model.set_attn_implementation("sdpa")
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert grown.config._attn_implementation == "sdpa" and grown.config.qk_head_dims[0] == head_dim + 8
+    assert "runs attention with 'sdpa', not the source's 'flex_attention'" in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(grown(batches[0]["input_ids"]).logits, model(batches[0]["input_ids"]).logits,
+                                   rtol=0, atol=1e-5)
+
+
 def test_grown_gpt2_scales_residual_projections_at_initialization():
     """GPT-2's scheme (transformers' test_gpt2_weight_initialization): every `c_proj` weight has std
     `initializer_range / sqrt(2 * n_layer)`, in grown layers too (it was `initializer_range`: transformers skips

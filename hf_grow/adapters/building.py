@@ -7,12 +7,14 @@ the Q/K layout through the adapter's own `attention_modules` and `qk_parameters`
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedConfig, PreTrainedModel
 
+logger = logging.getLogger(__name__)
 
 # Config entries that describe a checkpoint rather than the architecture, or that grown configs derive from their
 # query/key widths (`layer_types`, e.g. Qwen2's): the grown config sets its own.
@@ -20,6 +22,17 @@ CONFIG_KEYS_NOT_INHERITED = (
     "model_type", "qk_head_dims", "attention_scale_dims", "architectures", "auto_map", "transformers_version",
     "layer_types",
 )
+
+
+def grown_attention(attention: str | None) -> str | None:
+    """The attention implementation a grown model takes over from its source: flash and flex kernels take no
+    query/key width other than the value width, so a source running one (as an 8B model loaded for a GPU does)
+    gives a grown model running sdpa, with a warning, rather than an error after the statistics and the solve."""
+    if attention is None or not any(kernel in attention for kernel in ("flash", "flex")):
+        return attention
+    logger.warning("the grown model runs attention with 'sdpa', not the source's %r: its query/key heads differ in "
+                   "width from its value heads, which flash and flex attention kernels do not take", attention)
+    return "sdpa"
 
 
 def attention_scale_entry(qk_head_dims: Sequence[int], scale_dims: Sequence[int] | None) -> list[int] | None:
@@ -98,7 +111,7 @@ class GrownModelBuilder:
         init, no storage is shared with ``model``, and no third copy of the weights is made.
         """
         config = self.grown_config(model.config, qk_head_dims, attention_scale_dims)
-        config._attn_implementation_internal = model.config._attn_implementation
+        config._attn_implementation_internal = grown_attention(model.config._attn_implementation)
         state_dict = self.grown_state_dict(model, qk_weights)
         reference = next(model.parameters())
         with torch.device("meta"):
