@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ def test_statistics_of_another_model_are_refused(model_folder, tmp_path, capsys)
     assert cli.main(["inspect", str(model_folder), "--data", TEXT_GLOB, "--save-stats", str(stats), "--layers-only",
                      *SMALL]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 1 + 2 + 2 + 1
+    statistics = GrowthStatistics.load(stats)
     other = tmp_path / "other"
     GPT2LMHeadModel(GPT2LMHeadModel.from_pretrained(model_folder).config).save_pretrained(other)  # new random weights
     PreTrainedTokenizerFast.from_pretrained(model_folder).save_pretrained(other)
@@ -61,6 +63,15 @@ def test_statistics_of_another_model_are_refused(model_folder, tmp_path, capsys)
                      str(tmp_path / "out"), *SMALL]) == 2
     error = capsys.readouterr().err
     assert "other weights" in error and len(error.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    # of this model but other text: the held-out tail of 3,000 tokens lay inside the 6,000 of the statistics
+    fewer = [option if option != "6000" else "3000" for option in SMALL]
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--stats", str(stats), "--output-dir",
+                     str(tmp_path / "out"), *fewer]) == 2
+    error = capsys.readouterr().err
+    counts = re.search(r"holds the statistics of ([\d,]+) tokens in (\d+) batches, but these data options give "
+                       r"([\d,]+) tokens in (\d+) batches for the statistics", error).groups()
+    assert counts[:2] == (f"{statistics.num_tokens:,}", str(statistics.num_batches)) and counts[2:] != counts[:2]
+    assert not (tmp_path / "out").exists()
     (tmp_path / "junk").write_text("junk")
     assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--stats", str(tmp_path / "junk"),
                      "--output-dir", str(tmp_path / "out"), *SMALL]) == 2

@@ -35,7 +35,7 @@ from .checks import (
     check_inputs_kept,
 )
 from .memory import check_memory
-from .loading import load_model, load_statistics, load_tokenizer, model_objective
+from .loading import check_statistics_text, load_model, load_statistics, load_tokenizer, model_objective
 from .pairs import check_pairs_arguments, grow_from_pairs
 from .parsers import build_inspect_parser, build_parser, text_options_given
 from .running import accelerator_for, push_output, shard_batches, start_run, write_card, write_folder_atomically
@@ -76,6 +76,8 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
         raise CommandError("--stats holds the statistics of all the data: run it in one process")
     tokenizer = load_tokenizer(args)
     statistics_batches, held_out_batches = text_batches(args, tokenizer, objective, is_main)  # data before the model
+    if statistics is not None:
+        check_statistics_text(args, statistics, statistics_batches)
     # --max-batches counts all the processes' batches (grow_model's max_batches counts each process's own)
     statistics_batches = shard_batches(statistics_batches[: args.config.max_batches], accelerator, "statistics")
     held_out_batches = shard_batches(held_out_batches, accelerator, "held-out")

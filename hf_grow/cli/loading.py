@@ -129,6 +129,21 @@ def load_statistics(path: str) -> GrowthStatistics:
         raise CommandError(f"{error}: pass a file written by `hf-grow inspect --save-stats`") from None
 
 
+def check_statistics_text(args: argparse.Namespace, statistics: GrowthStatistics, batches: list) -> None:
+    """Refuse ``--stats`` collected on other text than the statistics ``batches`` these data options give (as
+    `hf-grow inspect` counts them: every batch): the held-out text could then lie inside the text of the statistics,
+    and the card would name data they were not collected on."""
+    tokens = sum(int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+                 for batch in batches)
+    if (statistics.num_tokens, statistics.num_batches) != (tokens, len(batches)):
+        raise CommandError(
+            f"--stats {args.stats} holds the statistics of {statistics.num_tokens:,} tokens in "
+            f"{statistics.num_batches:,} batches, but these data options give {tokens:,} tokens in {len(batches):,} "
+            "batches for the statistics: pass the data options of the `hf-grow inspect --save-stats` run (--data or "
+            "--dataset, --max-tokens, --seq-len, --batch-size and the held-out options)"
+        )
+
+
 def _hub_id(name: str) -> bool:
     """Whether ``name`` has the form of a Hub id (``name`` or ``namespace/name``)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id

@@ -139,7 +139,7 @@ def build_parser() -> HfArgumentParser:
     _add_data_arguments(parser, eval_fraction=False)
     add_pairs_arguments(parser)
     parser.add_argument("--stats", metavar="FILE", help="statistics saved by `hf-grow inspect --save-stats` for this "
-                        "model: the statistics text is not read again")
+                        "model and the same data options: not collected again (the text is read for its held-out part)")
     run = _add_run_arguments(parser)
     run.add_argument("--report", help="also write the JSON growth report to this file")
     run.add_argument("--dry-run", action="store_true",
