@@ -113,20 +113,25 @@ class GrownModelBuilder:
         config = self.grown_config(model.config, qk_head_dims, attention_scale_dims)
         config._attn_implementation_internal = grown_attention(model.config._attn_implementation)
         state_dict = self.grown_state_dict(model, qk_weights)
-        reference = next(model.parameters())
         with torch.device("meta"):
             grown = self.grown_class(model)(config, **self.grown_init_kwargs(model))
-        grown = grown.to_empty(device=reference.device).to(dtype=reference.dtype)
-        grown.load_state_dict(state_dict, strict=True)
-        # Non-persistent buffers (e.g. BERT's position_ids) are not in state dicts: copy them from the source.
+        grown = grown.to_empty(device=next(model.parameters()).device)
         source_buffers = dict(model.named_buffers())
+        source_dtypes = {name: tensor.dtype for name, tensor in [*model.state_dict().items(), *source_buffers.items()]}
         with torch.no_grad():
+            # each tensor in its source's dtype: float32 norms or rotary frequencies beside bfloat16 weights stay so
+            for name, tensor in [*grown.named_parameters(), *grown.named_buffers()]:
+                if source_dtypes.get(name, tensor.dtype) != tensor.dtype:
+                    tensor.data = tensor.data.to(source_dtypes[name])
+            grown.load_state_dict(state_dict, strict=True)
+            # Non-persistent buffers (e.g. BERT's position_ids) are not in state dicts: copy them from the source.
             for name, buffer in grown.named_buffers():
                 if name in state_dict:
                     continue
                 if name not in source_buffers or source_buffers[name].shape != buffer.shape:
                     raise RuntimeError(f"the grown model's buffer {name} has no counterpart in {type(model).__name__}")
                 buffer.copy_(source_buffers[name])
+        _copy_rotary_state(model, grown)
         grown.tie_weights()
         grown.train(model.training)
         # what the model was set up with stays: frozen parameters frozen, its generation settings
@@ -137,6 +142,22 @@ class GrownModelBuilder:
             grown.generation_config = copy.deepcopy(model.generation_config)
         _copy_activation_checkpointing(model, grown)
         return grown
+
+
+#: What a rotary embedding module holds beside its buffers about the sequence length its frequencies are set for
+#: (transformers' dynamic and long-context rope update them in the forward: copied, the grown module resets them
+#: for short inputs as the source's does), also per layer type (``{layer_type}_max_seq_len_cached``).
+_ROTARY_STATE = ("max_seq_len_cached", "attention_scaling", "long_inv_freq")
+
+
+def _copy_rotary_state(model: PreTrainedModel, grown: PreTrainedModel) -> None:
+    """The source's rotary frequency state (`_ROTARY_STATE`) on the grown model's rotary modules."""
+    modules = dict(grown.named_modules())
+    for name, module in model.named_modules():
+        if name in modules and hasattr(module, "max_seq_len_cached"):
+            for key, value in vars(module).items():
+                if key.endswith(_ROTARY_STATE):
+                    setattr(modules[name], key, value.clone() if isinstance(value, Tensor) else value)
 
 
 def _copy_activation_checkpointing(model: PreTrainedModel, grown: PreTrainedModel) -> None:
