@@ -15,8 +15,16 @@ from pathlib import Path
 SHARD_BYTES = 5 * 10**9
 
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
-    """``write(temporary)`` writes the file, which then replaces ``path`` in one rename (same folder, same disk)."""
+    """``write(temporary)`` writes the file, which then replaces ``path`` in one rename (same folder, same disk).
+
+    A symbolic link stays: the file it points to is replaced. A path that is neither a file nor a folder (a FIFO, a
+    terminal, ``/dev/stdout``, ``/dev/null``) is written into as it is: a rename would replace the device itself.
+    """
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        write(path)
+        return
+    path = Path(os.path.realpath(path))
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(temporary)

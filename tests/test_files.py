@@ -1,5 +1,8 @@
 """Files written atomically: the old file or the whole new one, and no temporary left when writing fails."""
 
+import os
+import threading
+
 import pytest
 
 from hf_grow import GrowthConfig
@@ -26,3 +29,21 @@ def test_writing_onto_a_folder_fails_without_a_trace(tmp_path):
     with pytest.raises(OSError):
         GrowthConfig().to_json_file(tmp_path / "target")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"] and not any((tmp_path / "target").iterdir())
+
+
+def test_a_link_stays_and_a_fifo_is_written_into(tmp_path):
+    """`--report /dev/stdout` replaced the link (as root, /dev's own) by a file, and nothing reached stdout."""
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    write_text_atomically(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+
+    fifo, read = tmp_path / "fifo", []
+    os.mkfifo(fifo)
+    reader = threading.Thread(target=lambda: read.append(fifo.read_text()))
+    reader.start()
+    write_text_atomically(fifo, "report")
+    reader.join(timeout=10)
+    assert read == ["report"] and not fifo.is_file() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "fifo", "link.json", "target.json"]
