@@ -266,7 +266,8 @@ def test_overwrite_replaces_the_folder(model_folder, tmp_path):
 
 @pytest.mark.parametrize("case", ["the input", "its parent", "inside the input", "a folder of other files",
                                   "report over a data file", "report into the input", "a project's config.json",
-                                  "a model in a git repository", "a Trainer's output", "a model beside a script"])
+                                  "a model in a git repository", "a Trainer's output", "a model beside a script",
+                                  "a Trainer's checkpoint"])
 def test_overwrite_never_touches_the_input_or_a_folder_of_other_files(model_folder, tmp_path, capsys, case):
     """Refused before any work, with nothing changed: an output path that is, holds or lies inside what the command
     reads, and a folder that holds anything but a saved model, even with --overwrite (a project's own config.json
@@ -287,6 +288,7 @@ def test_overwrite_never_touches_the_input_or_a_folder_of_other_files(model_fold
         "a model in a git repository": (tmp_path / "repository", None, "holds '.git' (a hidden entry)"),
         "a Trainer's output": (tmp_path / "trainer", None, "holds 'checkpoint-1' (a folder that is none of its"),
         "a model beside a script": (tmp_path / "flat", None, "holds 'train.py' (a file that no model save writes)"),
+        "a Trainer's checkpoint": (tmp_path / "checkpoint-4", None, "holds 'optimizer.pt' (a file of a Trainer's"),
         "report over a data file": (tmp_path / "grown", data, "is the input"),
         "report into the input": (tmp_path / "grown", model / "report.json", "is inside the input"),
     }[case]
@@ -300,6 +302,10 @@ def test_overwrite_never_touches_the_input_or_a_folder_of_other_files(model_fold
     if case == "a model beside a script":
         shutil.copytree(model_folder, output)
         (output / "train.py").write_text("print('my training script')")
+    if case == "a Trainer's checkpoint":  # its files all have a model save's suffixes
+        shutil.copytree(model_folder, output)
+        for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "trainer_state.json"):
+            (output / name).write_bytes(b"state")
     if case in ("a model in a git repository", "a Trainer's output"):
         shutil.copytree(model_folder, output)
         inside = output / (".git" if case == "a model in a git repository" else "checkpoint-1")

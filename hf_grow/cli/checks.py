@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +43,13 @@ def as_command_error(*errors: type[Exception]) -> Iterator[None]:
 MODEL_FILE_SUFFIXES = frozenset(
     {".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".json", ".py", ".md", ".txt", ".model", ".jinja",
      ".tiktoken"}
+)
+
+#: What transformers' Trainer writes beside a saved model: a checkpoint's training state (``checkpoint-*`` folders)
+#: and an output folder's results. A folder holding any is not replaced by ``--overwrite``.
+TRAINER_FILES = re.compile(
+    r"(optimizer|scheduler|scaler)\.(pt|bin)|rng_state(_\d+)?\.pth|trainer_state\.json|training_args\.bin"
+    r"|(all|train|eval|test|predict)_results\.json"
 )
 
 
@@ -181,6 +189,8 @@ def not_a_saved_model(folder: Path) -> str | None:
             why = "a hidden entry"
         elif entry.is_dir():
             why = None if entry.name in module_folders else "a folder that is none of its modules"
+        elif TRAINER_FILES.fullmatch(entry.name):  # by suffix a model's, but a checkpoint's state or results
+            why = "a file of a Trainer's checkpoint or output, not of a model save"
         else:
             code = isinstance(config, dict) and "auto_map" in config  # a model that ships its own modules
             why = None if _saved_by_a_model(entry.name, code) else "a file that no model save writes"
