@@ -239,11 +239,15 @@ class GrowthReport:
 
     @classmethod
     def from_dict(cls, data: dict) -> GrowthReport:
-        data = {key: value for key, value in data.items() if key in {f.name for f in fields(cls)}}
-        data["line_search"] = [LineSearchPoint(**point) for point in data.get("line_search", [])]
-        data["candidates"] = [CandidateReport(**candidate) for candidate in data.get("candidates", [])]
+        """The report of ``to_dict``; entries of a newer hf_grow's report that this one does not know are left out
+        (at every level: a report on the Hub may come from a later version)."""
+        data = _known(cls, data)
+        points = data.get("line_search", [])
+        data["line_search"] = [LineSearchPoint(**_known(LineSearchPoint, point)) for point in points]
+        data["candidates"] = [CandidateReport(**_known(CandidateReport, entry)) for entry in data.get("candidates", [])]
         data["layers"] = [
-            LayerReport(**{**layer, "heads": [HeadReport(**head) for head in layer["heads"]]})
+            LayerReport(**{**_known(LayerReport, layer),
+                           "heads": [HeadReport(**_known(HeadReport, head)) for head in layer["heads"]]})
             for layer in data.get("layers", [])
         ]
         return cls(**data)
@@ -326,9 +330,19 @@ def format_loss(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def _known(cls: type, data: dict) -> dict:
+    """The entries of ``data`` that are fields of the dataclass ``cls``."""
+    names = {field.name for field in fields(cls)}
+    return {key: value for key, value in data.items() if key in names}
+
+
 def load_growth_report(directory: str | os.PathLike) -> GrowthReport:
     """Read ``growth_report.json`` from a folder written by `save_pretrained` of a grown model."""
     path = Path(directory) / REPORT_FILENAME
     if not path.is_file():
         raise FileNotFoundError(f"no {REPORT_FILENAME} in {directory}: was this model grown and saved by hf_grow?")
-    return GrowthReport.from_dict(json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} is not a growth report ({error}): a damaged file? Save the model again") from None
+    return GrowthReport.from_dict(data)

@@ -18,6 +18,7 @@ from hf_grow import (
     get_adapter,
     grow_model,
     inspect_growth,
+    load_growth_report,
 )
 from hf_grow.growth import best_step, search_step_size
 
@@ -93,6 +94,19 @@ def test_report_is_complete_and_consistent(trained_gpt2, grown_by_truncation, da
     assert GrowthReport.from_dict(json.loads(path.read_text())).to_dict() == report.to_dict()
     assert "held-out loss" in report.summary()
     assert report.step_mode == "per_head" and ", per head)" in report.summary()  # each head at its own lam
+
+
+def test_a_report_of_a_newer_version_loads_and_a_damaged_one_is_named(grown_by_truncation, tmp_path):
+    """Unknown entries were left out at the top level only: one in a layer or a head (HeadReport gains fields
+    from release to release) made load_growth_report, model_card and push_to_hub fail on a newer report."""
+    report = grown_by_truncation["whitened"].growth_report.to_dict()
+    newer = {**report, "new": 1, "line_search": [{**point, "new": 1} for point in report["line_search"]],
+             "layers": [{**layer, "new": 1, "heads": [{**head, "new": 1} for head in layer["heads"]]}
+                        for layer in report["layers"]]}
+    assert GrowthReport.from_dict(newer).to_dict() == report
+    (tmp_path / "growth_report.json").write_text(json.dumps(report)[:-20])
+    with pytest.raises(ValueError, match="growth_report.json is not a growth report"):
+        load_growth_report(tmp_path)
 
 
 def test_fast_search_brackets_with_the_unconstrained_update(trained_gpt2, data):
