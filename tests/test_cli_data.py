@@ -166,13 +166,18 @@ def bad_inputs(model_folder, corpus, tmp_path):
         ),
         "a folder as --report": ([str(model_folder), "--data", str(corpus), "--report", str(folder)], "is a folder"),
         "a folder as --json": ([str(model_folder), "--data", str(corpus), "--json", str(folder)], "is a folder"),
+        "--json onto --save-stats": (  # the inspection replaced the statistics it had just saved
+            [str(model_folder), "--data", str(corpus), "--json", str(tmp_path / "out")],
+            "--json and --save-stats name the same file",
+        ),
     }
 
 
 BAD_INPUTS = ["truncated weights", "binary --data", "UTF-16 --data", "empty --data", "a folder as --data",
               "a missing file", "another model's tokenizer", "a broken config.json", "--eval-tokens over the text",
               "a text file as --stats", "a folder as --stats",
-              "a weights file as the model", "a mistyped model folder", "a folder as --report", "a folder as --json"]
+              "a weights file as the model", "a mistyped model folder", "a folder as --report", "a folder as --json",
+              "--json onto --save-stats"]
 MAIN_ONLY, INSPECT_ONLY = ("--stats", "--report"), ("--json",)
 
 

@@ -222,7 +222,13 @@ def _read_json(path: Path) -> object:
 
 
 def check_file_folders(*options: tuple[str, str | None]) -> None:
-    """Output files' folders exist: found before any work, not when the results are written."""
+    """Output files' folders exist, and no two outputs are one file: found before any work, not when the results
+    are written (the second would replace the first)."""
+    named: dict[Path, str] = {}
+    for option, path in options:
+        first = named.setdefault(Path(path).resolve(), option) if path else option
+        if first != option:
+            raise CommandError(f"{first} and {option} name the same file {path}: give each a file of its own")
     for option, path in options:
         if path and not Path(path).resolve().parent.is_dir():
             raise CommandError(f"{option}: the folder of {path} does not exist")
