@@ -126,6 +126,15 @@ def bad_inputs(model_folder, corpus, tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=128, n_embd=32, n_layer=1, n_head=2)).save_pretrained(
         mismatched
     )
+    unsharded, sharded, damaged_index = tmp_path / "unsharded", tmp_path / "sharded", tmp_path / "damaged-index"
+    for copy in (unsharded, sharded, damaged_index):
+        shutil.copytree(model_folder, copy)
+        (copy / "model.safetensors").unlink()  # an interrupted download: no weights, a shard or a whole index short
+    GPT2LMHeadModel.from_pretrained(model_folder).save_pretrained(sharded, max_shard_size="200KB")
+    shutil.copytree(sharded, damaged_index, dirs_exist_ok=True)
+    (sharded / "model-00002-of-00003.safetensors").unlink()
+    index = damaged_index / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:100])
     broken_config = tmp_path / "broken-config"
     shutil.copytree(model_folder, broken_config)
     (broken_config / "config.json").write_text("{not json")
@@ -166,6 +175,9 @@ def bad_inputs(model_folder, corpus, tmp_path):
         ),
         "a folder as --report": ([str(model_folder), "--data", str(corpus), "--report", str(folder)], "is a folder"),
         "a folder as --json": ([str(model_folder), "--data", str(corpus), "--json", str(folder)], "is a folder"),
+        "no weights file": ([str(unsharded), "--data", str(corpus)], "holds no weights file (model.safetensors"),
+        "a missing shard": ([str(sharded), "--data", str(corpus)], "it lacks model-00002-of-00003.safetensors, named"),
+        "a damaged index": ([str(damaged_index), "--data", str(corpus)], "its index file model.safetensors.index.json"),
         "--json onto --save-stats": (  # the inspection replaced the statistics it had just saved
             [str(model_folder), "--data", str(corpus), "--json", str(tmp_path / "out")],
             "--json and --save-stats name the same file",
@@ -177,7 +189,7 @@ BAD_INPUTS = ["truncated weights", "binary --data", "UTF-16 --data", "empty --da
               "a missing file", "another model's tokenizer", "a broken config.json", "--eval-tokens over the text",
               "a text file as --stats", "a folder as --stats",
               "a weights file as the model", "a mistyped model folder", "a folder as --report", "a folder as --json",
-              "--json onto --save-stats"]
+              "--json onto --save-stats", "no weights file", "a missing shard", "a damaged index"]
 MAIN_ONLY, INSPECT_ONLY = ("--stats", "--report"), ("--json",)
 
 

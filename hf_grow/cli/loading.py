@@ -5,6 +5,7 @@ the model itself and saved statistics, each failure as a one-line `CommandError`
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -79,9 +80,27 @@ def model_objective(args: argparse.Namespace) -> str:
 
 
 def _check_local_weights(model: str) -> None:
-    """A local folder's safetensors files have whole headers and data (a truncated copy or download is found
-    before any text is read; reading the headers costs nothing)."""
-    for path in sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []:
+    """A local folder holds weights, every shard its index names, and safetensors files with whole headers and data
+    (a truncated copy or an interrupted download is found before any text is read; reading the headers costs
+    nothing)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return
+    if not any(path.suffix in (".safetensors", ".bin") for path in folder.iterdir()):
+        raise CommandError(f"cannot load model {model!r}: the folder holds no weights file (model.safetensors or "
+                           "pytorch_model.bin); download or save the model again")
+    for index in sorted(folder.glob("*.index.json")):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CommandError(f"cannot load model {model!r}: its index file {index.name} is damaged ({error!r}); "
+                               "download or save the model again") from None
+        missing = sorted(shard for shard in shards if not (folder / str(shard)).is_file())
+        if missing:
+            raise CommandError(f"cannot load model {model!r}: it lacks {', '.join(missing[:3])}"
+                               f"{', ...' if len(missing) > 3 else ''}, named by its index {index.name} (an "
+                               "interrupted download?); download or save the model again")
+    for path in sorted(folder.glob("*.safetensors")):
         try:
             safe_open(path, framework="pt").keys()
         except SafetensorError as error:
