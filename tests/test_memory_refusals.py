@@ -65,3 +65,36 @@ def test_the_command_names_the_flag_that_drops_the_realized_gains(tmp_path, monk
     assert cli.main(arguments) == 2
     error = capsys.readouterr().err.strip()
     assert "the line search stage needs about" in error and "rerun with --no-measure-realized-gains (see" in error
+
+
+def test_statistics_given_are_planned_as_held_not_collected(model_folder, tmp_path, capsys):  # noqa: F811
+    """With --stats the plan counted a statistics pass that does not run (and refused over it, naming
+    --accumulate-dtype or --batch-size, which change nothing there), and not the statistics held through the line
+    search; nor the Q/K weights at the new width that the line search holds (a GPT-2 small shape's run held 0.32
+    GiB the plan missed: its line-search stage was 0.83x the measured peak)."""
+    model = meta_model(GPT2LMHeadModel, GPT2Config())  # GPT-2 small's shape
+    adapter, given = get_adapter(model), 3 * 2**30
+
+    def plan(config: GrowthConfig, statistics: int | None = None):
+        return plan_memory(model, adapter, config, batch_size=2, seq_len=128, eval_tokens=50_000,
+                           given_statistics=statistics)
+
+    collected, held = plan(GrowthConfig(p=8)), plan(GrowthConfig(p=8), given)
+    assert [stage.name for stage in held.stages] == ["load", "solve", "line search", "write"] and held.groups == []
+    solve, search = held.stages[1].terms, held.stages[2].terms
+    assert solve["statistics given"] == search["statistics given"] == given and "M" not in solve
+    assert "statistics given: no pass over the data" in held.table()
+    # the statistics options change nothing where nothing is collected
+    options = GrowthConfig(p=8, memory_budget="1GB", accumulate_dtype="float32", offload_dir=str(tmp_path))
+    assert plan(options, given).stages == held.stages
+    weights = 12 * 2 * 768 * 769 * 8  # float64 Q/K of a layer (with the bias row), at 64 + 8 of 64 dims, 3 times
+    assert search["Q/K weights at the new width"] == 3 * weights * 72 // 64
+    assert collected.stages[3].terms["Q/K weights at the new width"] == search["Q/K weights at the new width"]
+
+    stats = tmp_path / "stats.safetensors"
+    assert cli.main(["inspect", str(model_folder), "--data", TEXT_GLOB, "--save-stats", str(stats), "--seq-len", "64",
+                     "--max-tokens", "6000", "--quiet"]) == 0
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--stats", str(stats), "--dry-run", "--seq-len", "64",
+                     "--max-tokens", "6000"]) == 0
+    table = capsys.readouterr().out
+    assert "statistics given: no pass over the data" in table and "\nstatistics " not in table

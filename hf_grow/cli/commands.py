@@ -92,7 +92,7 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
             accelerator=accelerator,
             progress=show_progress,
         )
-    del model  # the grown model holds its own weights: saving it needs no second model beside it
+    del model, statistics  # the grown model holds its own weights: saving it needs neither beside it
     return_free_memory()
     try:
         # Only the main process writes and pushes; the others wait for it, and learn if it failed.

@@ -138,6 +138,8 @@ def _planner(args: argparse.Namespace, objective: str) -> tuple[Callable[[dict],
     else:
         model_config = AutoConfig.from_pretrained(args.model)
     sequences = 2 if objective == "pairs" else 1  # a batch of pairs: its anchors and its positives
+    # --stats: no statistics pass; the file's tensors are held through the solve and the line search
+    given_statistics = os.path.getsize(args.stats) if getattr(args, "stats", None) else None
     weights_dtype = _saved_dtype(model_config)  # before from_config sets the config's dtype to the model's
     models: dict[str, torch.nn.Module] = {}
     activations: dict[tuple[str, int], int] = {}
@@ -161,7 +163,7 @@ def _planner(args: argparse.Namespace, objective: str) -> tuple[Callable[[dict],
             model, get_adapter(model), config, batch_size=sequences * batch_size, seq_len=seq_len,
             eval_tokens=eval_tokens, device=args.device, activations=activations[dtype, batch_size],
             processes=int(os.environ.get("WORLD_SIZE", "1")),  # launched with several: one process's plan
-            weights_dtype=weights_dtype,
+            weights_dtype=weights_dtype, given_statistics=given_statistics,
         )
         return dataclasses.replace(plan, batch_size=batch_size)  # the flag's value, which a refusal may halve
 

@@ -88,7 +88,7 @@ class MemoryPlan:
     #: The processes that share the layers (`sharding`): each stage is one process's.
     processes: int = 1
     #: The same stages with every head's compact solve at its least rank instead of its ceiling: the rank is
-    #: certified from the spectra during the solve, so ``stages`` is an upper bound and these a lower one.
+    #: certified from the spectra during the solve, so ``stages`` count the most it may keep and these the least.
     least_stages: tuple[Stage, ...] = ()
 
     @property
@@ -126,8 +126,9 @@ class MemoryPlan:
             rows.append(f"{stage.name:<14}{format_bytes(stage.host):>10}{device}  {terms}")
         passes = len(self.groups)
         rows.append(f"peak {format_bytes(self.peak_host)} host" + (
-            f", {format_bytes(self.peak_device)} device" if self.on_device else "") +
-            f"; statistics in {passes} pass{'es' if passes > 1 else ''} over the data")
+            f", {format_bytes(self.peak_device)} device" if self.on_device else "") + (
+            f"; statistics in {passes} pass{'es' if passes > 1 else ''} over the data" if passes else
+            "; statistics given: no pass over the data"))
         if self.processes > 1:
             rows.append(f"per process of {self.processes}: M of the group in flight (each layer's reduced to its "
                         "owner); each solves and keeps its own layers")
@@ -155,6 +156,7 @@ def plan_memory(
     activations: int | None = None,
     processes: int = 1,
     weights_dtype: torch.dtype | None = None,
+    given_statistics: int | None = None,
 ) -> MemoryPlan:
     """Predict the peak memory of each stage of growing ``model`` (real or on the meta device) with ``config``
     on statistics batches of ``batch_size`` x ``seq_len`` tokens and ``eval_tokens`` held-out tokens.
@@ -168,6 +170,10 @@ def plan_memory(
 
     ``weights_dtype``: the dtype of the weights file (the saved config's ``dtype``); loading into another dtype
     converts (`_loading`). None: the model's own dtype.
+
+    ``given_statistics``: the bytes of statistics given (``grow_model(statistics=...)``, ``hf-grow --stats``): no
+    statistics pass (nor its options: ``memory_budget``, ``offload_dir``), and they are held through the solve and
+    the line search.
     """
     on_device = torch.device(device).type != "cpu"
     # The blocks' outputs on the held-out batches are recorded for what replays them (`search.step_zero`): the
@@ -185,6 +191,8 @@ def plan_memory(
     qk_dims = adapter.qk_head_dims(model_config)
     accumulate = config.torch_accumulate_dtype.itemsize
     compute = config.torch_compute_dtype.itemsize
+    if given_statistics is not None:  # collected already: no pass, the statistics options do nothing
+        config = config.replace(memory_budget=None, offload_dir=None)
     groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate, config.cross_fit)
     mode = adapter.check_mode(model, None)
     square = heads * width * width  # entries of one layer's M
@@ -215,14 +223,16 @@ def plan_memory(
             "M of a batch": square * (compute + accumulate),
             "inputs X'": layers * tokens * width * compute, "score gradients": scores,
         }
+        given = {"statistics given": given_statistics} if given_statistics is not None else {}
         solve = {
             "model": weights, "C": second_moments, "metric": layers * width * width * 8,
-            **_named({"M": solve_m}), "solve of 8 heads": squares_per_head * chunk * width * width * 8,
-            "compact solve": solve_solved,
+            **(given or _named({"M": solve_m})), "solve of 8 heads": squares_per_head * chunk * width * width * 8,
+            "compact solve": solve_solved if not given else solved,
         }
         held_out = {
             "model": weights, "grown model": weights, "C": second_moments, "metric": layers * width * width * 8,
-            "compact solve": solved, "held-out logits": 2 * batch_size * seq_len * vocabulary * 4,
+            **given, "compact solve": solved, "Q/K weights at the new width": grown_qk,
+            "held-out logits": 2 * batch_size * seq_len * vocabulary * 4,
             "held-out forward": int(HELD_OUT_FORWARD * activations),
             "held-out states": min(CACHE_BYTES, eval_tokens * width * 4 * max(layers - 1, 0)) if recorded else 0,
         }
@@ -231,8 +241,8 @@ def plan_memory(
         # the shard being written to the host.
         write = {"grown model": weights}
         shard = {"shard copied to the host": min(weights, SHARD_BYTES)} if on_device else {}
-        return tuple(_stage(name, terms, on_device) for name, terms in (
-            ("statistics", statistics), ("solve", solve), ("line search", held_out))) + (
+        stages = (("statistics", statistics), ("solve", solve), ("line search", held_out))[1 if given else 0:]
+        return tuple(_stage(name, terms, on_device) for name, terms in stages) + (
             _stage("write", write, on_device, shard),)
 
     model_dtype = next(model.parameters()).dtype
@@ -246,10 +256,15 @@ def plan_memory(
                      for attention in adapter.attention_modules(model))
     solved = {at_ceiling: _solved_bytes(mode, config, owned, heads, width, max(qk_dims), at_ceiling) + owned * old_qk
               for at_ceiling in (True, False)}
+    # the line search holds every layer's Q/K weights at the new width in float64 (those of step 0, of the best step
+    # and its factors: a GPT-2 small shape's run held the three, 0.32 GiB the plan missed)
+    added = config.budget if config.budget is not None else _largest_p(config.p)
+    grown_qk = 3 * layers * old_qk * min(width, max(qk_dims) + added) // max(qk_dims)
     # M on disk: the largest group's accumulators, one group at a time
     disk = max(len(group) for group in groups) * layer_bytes if offload else 0
     return MemoryPlan(
-        (loading, *stages_after_loading(solved[True])), groups, on_device, layers, heads, width, batch_size,
+        (loading, *stages_after_loading(solved[True])), [] if given_statistics is not None else groups, on_device,
+        layers, heads, width, batch_size,
         config.offload_dir if offload else None, disk, config.cross_fit, processes,
         least_stages=(loading, *stages_after_loading(solved[False])),
     )
