@@ -143,3 +143,18 @@ def test_held_out_batches_without_labels_or_with_foreign_token_ids_are_refused_f
             grow_model(model, statistics_batches(), p=8, eval_dataloader=[batch, bad])
     with pytest.raises(ValueError, match=r"batch 0\['input_ids'\] holds token id 300"):
         grow_model(model, [foreign], p=8, eval_dataloader=[batch])
+
+
+def test_token_type_ids_past_the_models_types_are_refused_first():
+    """They reached BERT's embedding as an IndexError (on a GPU, a device-side assert) in the statistics pass: a
+    checkpoint with type_vocab_size=1 fed a pair tokenizer's segment ids 0 and 1."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=64, type_vocab_size=1)).eval()
+    ids = torch.randint(3, 64, (2, 12))
+    batch = {"input_ids": ids, "labels": ids, "token_type_ids": (torch.arange(12) >= 6).long().expand(2, 12)}
+    with pytest.raises(ValueError, match=r"batch 0\['token_type_ids'\] holds token type id 1, outside the model's 1 "
+                                         r"token types \(config.type_vocab_size\)"):
+        grow_model(bert, [batch], p=8, eval_dataloader=[batch])

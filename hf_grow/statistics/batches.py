@@ -147,18 +147,22 @@ def check_batch(batch: Any, name: str, model: PreTrainedModel) -> None:
 
 
 def _check_token_ids(batch: Any, name: str, model: PreTrainedModel) -> None:
-    """Token ids outside the model's embedding table (another model's tokenizer): an IndexError on the CPU, a
-    device-side assert that ends the process's CUDA context on a GPU."""
-    embeddings = model.get_input_embeddings()
-    vocabulary = getattr(embeddings, "num_embeddings", None)
+    """Token ids outside the model's embedding table (another model's tokenizer), or token type (segment) ids
+    outside BERT's ``type_vocab_size``: an IndexError on the CPU, a device-side assert that ends the process's CUDA
+    context on a GPU."""
+    tables = {"input_ids": (getattr(model.get_input_embeddings(), "num_embeddings", None), "token id",
+                            "embeddings: tokenize with the model's own tokenizer")}
+    token_types = getattr(getattr(model.base_model, "embeddings", None), "token_type_embeddings", None)
+    if token_types is not None:
+        tables["token_type_ids"] = (token_types.num_embeddings, "token type id",
+                                    "token types (config.type_vocab_size): drop token_type_ids, or tokenize so")
     for path, key, value in _model_inputs(batch, name):
-        if key == "input_ids" and isinstance(value, Tensor) and value.numel() and vocabulary is not None:
+        size, what, advice = tables.get(key, (None, "", ""))
+        if size is not None and isinstance(value, Tensor) and value.numel():
             low, high = int(value.min()), int(value.max())
-            if low < 0 or high >= vocabulary:
-                raise ValueError(
-                    f"{path} holds token id {high if high >= vocabulary else low}, outside the model's {vocabulary} "
-                    "embeddings: tokenize with the model's own tokenizer."
-                )
+            if low < 0 or high >= size:
+                raise ValueError(f"{path} holds {what} {high if high >= size else low}, outside the model's {size} "
+                                 f"{advice}.")
 
 
 def check_labels(batch: Any, name: str, model: PreTrainedModel, loss_fn: LossFn | None) -> None:
