@@ -135,3 +135,17 @@ def test_grows_for_training_from_saved_statistics_only_with_their_halves(model_f
     assert report.cross_fit is True and report.step_mode == "per_head"
     assert report.step_size == pytest.approx(0.1 * report.searched_step_size, rel=1e-12)
     assert report.config["keep_attention_scale"] is True and report.eval_loss_after <= report.eval_loss_before
+
+
+def test_cross_fitting_one_statistics_batch_is_refused_before_the_model_loads(model_folder, tmp_path, capsys,
+                                                                              monkeypatch):
+    """It was refused after the statistics pass (--for-training cross-fits; one batch is the defaults' at
+    --max-tokens 4096 --seq-len 512)."""
+    monkeypatch.setattr(cli.commands, "load_model", lambda *_: pytest.fail("the model was loaded"))
+    one_batch = ["--data", TEXT_GLOB, "--seq-len", "64", "--max-tokens", "256", "--batch-size", "8", "--quiet"]
+    for arguments in ([str(model_folder), "--for-training", "--output-dir", str(tmp_path / "out")],
+                      ["inspect", str(model_folder), "--cross-fit", "--save-stats", str(tmp_path / "stats")]):
+        assert cli.main([*arguments, *one_batch]) == 2
+        error = capsys.readouterr().err
+        assert "--cross-fit sums M over two halves of the statistics batches, but the text gives 1 batch(es)" in error
+    assert not list(tmp_path.iterdir())

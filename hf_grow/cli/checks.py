@@ -221,6 +221,17 @@ def _read_json(path: Path) -> object:
         return None
 
 
+def check_cross_fit_batches(cross_fit: bool, batches: int, processes: int = 1) -> None:
+    """``--cross-fit`` (also of ``--for-training``) splits the statistics batches into two halves: refused on fewer
+    than two per process once the text is tokenized, before the model loads (it failed after the statistics)."""
+    if cross_fit and batches < 2 * processes:
+        raise CommandError(
+            f"--cross-fit sums M over two halves of the statistics batches, but the text gives {batches} batch(es)"
+            f"{f' for {processes} processes' if processes > 1 else ''}: pass more text (--max-tokens), a smaller "
+            "--batch-size, or --cross-fit false"
+        )
+
+
 def check_file_folders(*options: tuple[str, str | None]) -> None:
     """Output files' folders exist, and no two outputs are one file: found before any work, not when the results
     are written (the second would replace the first)."""

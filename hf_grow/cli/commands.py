@@ -29,6 +29,7 @@ from .checks import (
     CommandError,
     as_command_error,
     check_arguments,
+    check_cross_fit_batches,
     check_data_arguments,
     check_device,
     check_file_folders,
@@ -78,6 +79,9 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     statistics_batches, held_out_batches = text_batches(args, tokenizer, objective, is_main)  # data before the model
     if statistics is not None:
         check_statistics_text(args, statistics, statistics_batches)
+    else:
+        processes = 1 if accelerator is None else accelerator.num_processes
+        check_cross_fit_batches(args.config.cross_fit, len(statistics_batches[: args.config.max_batches]), processes)
     # --max-batches counts all the processes' batches (grow_model's max_batches counts each process's own)
     statistics_batches = shard_batches(statistics_batches[: args.config.max_batches], accelerator, "statistics")
     held_out_batches = shard_batches(held_out_batches, accelerator, "held-out")
@@ -156,6 +160,7 @@ def run_inspect(args: argparse.Namespace) -> None:
     objective = model_objective(args)
     tokenizer = load_tokenizer(args)
     statistics_batches, _ = text_batches(args, tokenizer, objective)  # the same split as the main command
+    check_cross_fit_batches(args.cross_fit, len(statistics_batches))
     model = load_model(args, objective)
     with as_command_error():
         statistics = collect_statistics(
