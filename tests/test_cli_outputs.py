@@ -128,3 +128,32 @@ def test_an_interrupted_process_that_does_not_write_says_so(model_folder, tmp_pa
     status = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "grown"), *SMALL])
     error = capsys.readouterr().err
     assert status == 130 and "interrupted; this process writes nothing (the main process writes" in error, error
+
+
+def test_a_reader_of_stdout_that_leaves_early_stops_no_push(model_folder, tmp_path, capfd, monkeypatch):  # noqa: F811
+    """`hf-grow ... | head -1`: printing the summary raised BrokenPipeError (a traceback, exit 1), after the model
+    was written and before --push-to-hub ran."""
+    from hf_grow.cli import running
+
+    import threading
+
+    read, write = os.pipe()
+
+    def head_1() -> None:  # reads the first line ("text: ..."), then leaves: every later write to stdout fails
+        while os.read(read, 1) != b"\n":
+            pass
+        os.close(read)
+
+    reader = threading.Thread(target=head_1)
+    reader.start()
+    monkeypatch.setattr("sys.stdout", open(write, "w", buffering=1))
+    pushed = []
+    monkeypatch.setattr(running.hub, "push_to_hub", lambda folder, repo, **_: pushed.append(repo))
+    monkeypatch.setattr(running.hub, "check_push", lambda *_: None)  # offline here
+    output = tmp_path / "grown"
+    status = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--push-to-hub", "me/x",
+                       *SMALL])
+    reader.join()
+    error = capfd.readouterr().err
+    assert status == 1 and "stdout was closed before the command ended; already written: the grown model" in error
+    assert "Traceback" not in error and pushed == ["me/x"] and (output / "config.json").is_file()

@@ -134,10 +134,10 @@ def _write_outputs(
                 f"writing --report {args.report} failed ({error}); the grown model is in {output}"
             ) from None
     elapsed = time.perf_counter() - started
+    push_output(args)  # before what is printed: a reader of stdout that leaves early (`| head`) stops no push
     print(report.summary())
     processes = f" on {accelerator.num_processes} processes" if accelerator is not None else ""
     print(f"wall time {elapsed:.1f} s{processes}; grown model written to {output}")
-    push_output(args)
 
 
 #: What a failed write raises: the OS's errors, and safetensors' own (a full disk while serializing is not an OSError).
@@ -204,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     except CommandError as error:
         print(f"hf-grow: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader left (`| head`): what is left to print goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        written = f"already written: {', '.join(args.written)}" if args.written else "nothing was written"
+        print(f"hf-grow: stdout was closed before the command ended; {written}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         if not args.writes:
             written = "this process writes nothing (the main process writes the outputs)"

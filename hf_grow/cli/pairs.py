@@ -130,7 +130,7 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
     except (OSError, SafetensorError) as error:
         raise CommandError(f"writing {output} or the report failed ({error})") from None
     if is_main:
+        push_output(args)  # before what is printed: a reader of stdout that leaves early (`| head`) stops no push
         print(grown.growth_report.summary())
         print(f"wall time {time.perf_counter() - started:.1f} s; grown SentenceTransformer written to {output} "
               f"({used} pairs for the statistics, {num_eval} held out)")
-        push_output(args)

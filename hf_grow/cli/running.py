@@ -114,4 +114,6 @@ def push_output(args: argparse.Namespace) -> None:
             f"{args.output_dir}: push it later with hf_grow.push_to_hub"
         ) from None
     if commit is not None:
-        print(f"pushed to {getattr(commit, 'commit_url', None) or args.push_to_hub}")
+        pushed = getattr(commit, "commit_url", None) or args.push_to_hub
+        args.written.append(f"the push to {pushed}")
+        print(f"pushed to {pushed}")
