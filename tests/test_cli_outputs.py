@@ -60,7 +60,8 @@ def test_an_interrupted_or_failed_write_leaves_the_old_output_and_says_what_was_
         assert len(error.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("case", ["a report inside the output", "offloading into the input", "a mount point"])
+@pytest.mark.parametrize("case", ["a report inside the output", "offloading into the input", "a mount point",
+                                  "a report folder that cannot be written"])
 def test_outputs_that_would_break_the_output_or_the_input_are_refused_before_any_work(model_folder, tmp_path, capsys,  # noqa: F811
                                                                                       monkeypatch, case):
     """A --report inside --output-dir replaced a file of the grown model (exit 0, a model that did not load); an
@@ -76,16 +77,22 @@ def test_outputs_that_would_break_the_output_or_the_input_are_refused_before_any
         "a report inside the output": ["--report", str(output / "model.safetensors")],
         "offloading into the input": ["--offload-dir", str(model_folder / "offload")],
         "a mount point": [],
+        "a report folder that cannot be written": ["--report", str(tmp_path / "read-only" / "report.json")],
     }[case]
     if case == "a mount point":
         output.mkdir()
         monkeypatch.setattr(os.path, "ismount", lambda path: os.fspath(path) == os.fspath(output))
+    if case == "a report folder that cannot be written":  # a read-only disk (permissions do not bind root)
+        (tmp_path / "read-only").mkdir()
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and "read-only" not in str(path))
     before = sorted(path.name for path in model_folder.iterdir())
     assert cli.main([str(model_folder), "--data", "/nonexistent/never-read.txt", "--output-dir", str(output),
                      *extra, *SMALL]) == 2
     error = capsys.readouterr().err
     expected = {"a report inside the output": "lies inside --output-dir",
-                "offloading into the input": "is inside the input", "a mount point": "is a mount point"}[case]
+                "offloading into the input": "is inside the input", "a mount point": "is a mount point",
+                "a report folder that cannot be written": "its folder cannot be written"}[case]
     assert expected in error and len(error.strip().splitlines()) == 1, error
     assert sorted(path.name for path in model_folder.iterdir()) == before
 

@@ -245,6 +245,11 @@ def check_file_folders(*options: tuple[str, str | None]) -> None:
             raise CommandError(f"{option}: the folder of {path} does not exist")
         if path and Path(path).is_dir():
             raise CommandError(f"{option} {path} is a folder: give a file name")
+        # written into as it is where it is a device or FIFO (/dev/stdout), else beside the file a link points to
+        target = Path(path) if path and Path(path).exists() and not Path(path).is_file() else None
+        if path and not os.access(target or Path(os.path.realpath(path)).parent, os.W_OK):
+            raise CommandError(f"{option} {path}: {'it' if target else 'its folder'} cannot be written (permissions, "
+                               "a read-only disk): give another path")
 
 
 def check_inputs_kept(args: argparse.Namespace, *outputs: tuple[str, str | None], holding: bool = True) -> None:
