@@ -96,7 +96,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     run = parser.add_argument_group("run")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                      help="where the model runs, e.g. cpu, cuda or cuda:1 (default: cuda where PyTorch sees one)")
-    run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (statistics are float32+)")
+    run.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                     help="model dtype, also of the saved grown model (statistics are float32+)")
     run.add_argument("--seed", type=int, default=0, help="seed of the masking and the random draws (default 0)")
     run.add_argument("--quiet", action="store_true", help="no progress bars (on a terminal) or lines (in a log)")
     return run
