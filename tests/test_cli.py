@@ -198,11 +198,22 @@ def test_grows_a_masked_lm_on_masked_lm_loss(minilm_path, tmp_path):
     assert "--seq-len 2 leaves no text token beside the tokenizer's [CLS] and [SEP]" in too_short.stderr
 
 
-def test_encoder_without_a_masked_lm_head_is_refused(minilm_path, tmp_path):
-    """all-MiniLM-L6-v2 ships a BertModel: a masked-LM loss would measure a random head, so the CLI says so."""
+def test_encoder_without_a_masked_lm_head_is_refused(minilm_path, tmp_path, capsys, monkeypatch):
+    """all-MiniLM-L6-v2 ships a BertModel: a masked-LM loss would measure a random head, so the CLI says so, from
+    the weights file's names before any text is read (it tokenized the text first: 35 s on the standard library),
+    and `inspect` points to what it can run (it named --pairs, an option of the main command only)."""
     result = run_cli(minilm_path, "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "out"), *SMALL)
     assert result.returncode == 2 and "no trained masked-LM head" in result.stderr and "loss_fn" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    from hf_grow.cli import commands
+
+    monkeypatch.setattr(commands, "text_batches", lambda *_, **__: pytest.fail("the text was read"))
+    for arguments, advice in (([str(minilm_path), "--output-dir", str(tmp_path / "out")], "--pairs FILE"),
+                              (["inspect", str(minilm_path)], "inspect_growth(model, batches, loss_fn=...)")):
+        assert cli.main([*arguments, "--data", TEXT_GLOB, *SMALL]) == 2
+        error = capsys.readouterr().err
+        assert "no trained masked-LM head (missing cls.predictions." in error and advice in error, error
+        assert arguments[0] != "inspect" or "--pairs" not in error
 
 
 def test_failed_save_leaves_nothing_behind(model_folder, tmp_path, monkeypatch, capsys):

@@ -62,14 +62,18 @@ def model_objective(args: argparse.Namespace) -> str:
             f"hf_grow cannot grow {args.model!r} (model_type={config.model_type!r}); "
             f"supported model types: {', '.join(supported_model_types())}"
         )
-    _check_local_weights(args.model)
+    keys = _check_local_weights(args.model)
+    masked = type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False)
+    if masked and keys is not None and not any("cls.predictions." in key for key in keys):  # a bare encoder's file
+        raise CommandError(_no_head(args, "masked", ["cls.predictions.bias", "cls.predictions.transform.dense.weight",
+                                                    "cls.predictions.transform.dense.bias", "..."]))
     positions = position_limit(config)  # None for rotary models: any length
     args.vocab_size = getattr(config, "vocab_size", None)  # for the tokenizer's ids (`_check_token_ids`)
     if args.seq_len is None:
         args.seq_len = min(512, getattr(config, "max_position_embeddings", None) or 512)
     elif positions is not None and args.seq_len > positions:
         raise CommandError(f"--seq-len {args.seq_len} exceeds the {positions} positions of {args.model!r}")
-    if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False):
+    if masked:
         return "masked"
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         return "causal"
@@ -79,13 +83,13 @@ def model_objective(args: argparse.Namespace) -> str:
     )
 
 
-def _check_local_weights(model: str) -> None:
+def _check_local_weights(model: str) -> set[str] | None:
     """A local folder holds weights, every shard its index names, and safetensors files with whole headers and data
     (a truncated copy or an interrupted download is found before any text is read; reading the headers costs
-    nothing)."""
+    nothing). The names of the weights where the folder holds them in safetensors (else None)."""
     folder = Path(model)
     if not folder.is_dir():
-        return
+        return None
     if not any(path.suffix in (".safetensors", ".bin") for path in folder.iterdir()):
         raise CommandError(f"cannot load model {model!r}: the folder holds no weights file (model.safetensors or "
                            "pytorch_model.bin); download or save the model again")
@@ -100,14 +104,16 @@ def _check_local_weights(model: str) -> None:
             raise CommandError(f"cannot load model {model!r}: it lacks {', '.join(missing[:3])}"
                                f"{', ...' if len(missing) > 3 else ''}, named by its index {index.name} (an "
                                "interrupted download?); download or save the model again")
-    for path in sorted(folder.glob("*.safetensors")):
+    files, keys = sorted(folder.glob("*.safetensors")), set()
+    for path in files:
         try:
-            safe_open(path, framework="pt").keys()
+            keys.update(safe_open(path, framework="pt").keys())
         except SafetensorError as error:
             raise CommandError(
                 f"cannot load model {model!r}: its weights file {path.name} is damaged or incomplete ({error}); "
                 "download or save it again"
             ) from None
+    return keys if files else None
 
 
 def load_model(args: argparse.Namespace, objective: str):
@@ -129,14 +135,17 @@ def load_model(args: argparse.Namespace, objective: str):
             "save it again"
         ) from None
     if loading["missing_keys"]:
-        missing = sorted(loading["missing_keys"])
-        raise CommandError(
-            f"{args.model!r} has no trained {objective}-LM head (missing {', '.join(missing[:3])}"
-            f"{', ...' if len(missing) > 3 else ''}): its loss would measure random weights. Grow a "
-            "SentenceTransformer on text pairs with --pairs FILE, or use the Python API with a loss for this model: "
-            "grow_model(model, batches, loss_fn=...)"
-        )
+        raise CommandError(_no_head(args, objective, sorted(loading["missing_keys"])))
     return model.to(args.device)
+
+
+def _no_head(args: argparse.Namespace, objective: str, missing: list[str]) -> str:
+    """Why a checkpoint without its language-model head cannot grow on that loss, and what to run instead."""
+    instead = ("Grow a SentenceTransformer on text pairs with --pairs FILE, or use the Python API with a loss for "
+               "this model: grow_model(model, batches, loss_fn=...)") if hasattr(args, "pairs") else (
+               "Inspect it with the Python API and a loss for this model: inspect_growth(model, batches, loss_fn=...)")
+    return (f"{args.model!r} has no trained {objective}-LM head (missing {', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): its loss would measure random weights. {instead}")
 
 
 def load_statistics(path: str) -> GrowthStatistics:
