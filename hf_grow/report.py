@@ -192,6 +192,8 @@ class GrowthReport:
     #: With ``step_scale`` < 1: the line search's best step, of which ``step_size`` is that fraction (None: the
     #: step taken is the searched one).
     searched_step_size: float | None = None
+    #: Whether the losses are the model's own (``outputs.loss``); False where a ``loss_fn`` gave them.
+    model_loss: bool = True
 
     @property
     def step_fraction(self) -> str | None:
@@ -219,8 +221,8 @@ class GrowthReport:
     @property
     def language_model_loss(self) -> bool:
         """Whether the model was grown on a language model's loss (next-token or masked), which a perplexity
-        describes; a model without an LM head (a sentence encoder) was grown on a loss of its own."""
-        return self.model_class.endswith(LANGUAGE_MODEL_HEADS)
+        describes: a language model's own loss, not a ``loss_fn`` (a sentence encoder's loss, say)."""
+        return self.model_loss and self.model_class.endswith(LANGUAGE_MODEL_HEADS)
 
     @property
     def perplexity_before(self) -> float | None:

@@ -489,3 +489,7 @@ def test_summary_shows_each_loss_under_its_own_label(trained_gpt2, stdlib_bytes)
     assert f"perplexity     before {math.exp(3.0):.4f}  after {math.exp(2.5):.4f}" in summary
     for layer in report.layers:
         assert f"{layer.layer:5d}  {layer.qk_dim_before}->{layer.qk_dim_after}  {layer.expected_gain:13.5f}" in summary
+    # a loss of one's own on a language model is no perplexity (the exp of a contrastive loss was shown as one)
+    own = grow_model(trained_gpt2, stats, p=8, eval_dataloader=evaluation, step_mode="global",
+                     loss_fn=lambda model, batch: 2 * model(**batch).loss).growth_report
+    assert own.perplexity_before is None and "perplexity" not in own.summary() and own.model_loss is False

@@ -420,6 +420,7 @@ def write_report(
     report = GrowthReport(
         model_class=type(model).__name__,
         model_type=model.config.model_type,
+        model_loss=prepared.loss_fn is None,
         truncation=problem.truncation,
         search=config.search,
         solver="+".join(sorted(problem.methods_used)) or problem.solver,
