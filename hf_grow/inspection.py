@@ -66,7 +66,9 @@ class GrowthInspection:
     model_type: str
     statistics_tokens: int
     statistics_batches: int
-    #: lam per unit step size: multiply a gain per unit step size by lam / lam_unit for an absolute step lam.
+    #: lam per unit step size, the root mean square of the layers' units. With ``step_mode="global"`` (one lam for
+    #: all) multiply a gain per unit step size by lam / lam_unit for an absolute step lam; per layer or per head
+    #: each gain is at its layer's or head's own unit (‖Z‖/‖P‖ in the metric of C), which this mean does not give.
     lam_unit: float
     max_dims: int
     layers: list[LayerInspection] = field(default_factory=list)
