@@ -169,3 +169,20 @@ def test_lora_on_a_llama_query_is_refused_before_any_change():
                                          r"merge_and_unload"):
         grow_in_training(peft_model, None, None, 8, mode="zero")
     assert llama.config.qk_head_dims == [16, 16]
+
+
+def test_a_grown_checkpoint_loaded_by_its_own_modeling_file_says_how_to_grow_in_place(model, tmp_path):
+    """Loaded with trust_remote_code before hf_grow was imported, its class is the checkpoint file's: growing it in
+    place was refused as "GrownGPT2LMHeadModel is not of a grown model type"."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    model.save_pretrained(tmp_path)
+    remote_class = get_class_from_dynamic_module("modeling_grown_gpt2.GrownGPT2LMHeadModel", str(tmp_path))
+    remote = remote_class.from_pretrained(tmp_path)
+    assert type(remote).__module__.startswith("transformers_modules")
+    with pytest.raises(ValueError, match=r"was loaded from its checkpoint's own modeling file .* import hf_grow before "
+                                         r"from_pretrained .* hf_grow.to_grown_model\(model\)"):
+        grow_in_training(remote, torch.optim.AdamW(remote.parameters()), None, 8, mode="zero")
+    converted = to_grown_model(remote)  # the way out it names
+    grow_in_training(converted, torch.optim.AdamW(converted.parameters()), None, 8, mode="zero")
+    assert converted.config.qk_head_dims == [16, 16]

@@ -80,6 +80,13 @@ def torch_optimizers(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
 def check_growable(model: PreTrainedModel, adapter: ArchitectureAdapter, optimizers: Sequence[torch.optim.Optimizer]):
     """Refuse, before any work, a model that is not of a grown type, Q/K inside wrapped modules, or optimizers whose
     state cannot be remapped or that hold none of the model's parameters."""
+    if not isinstance(model, adapter.grown_base_class) and type(model).__module__.startswith("transformers_modules"):
+        raise ValueError(
+            f"{type(model).__name__} was loaded from its checkpoint's own modeling file (trust_remote_code before "
+            "hf_grow was imported), a class of its own that hf_grow cannot resize in place: import hf_grow before "
+            "from_pretrained (it then builds hf_grow's class), or convert it once with hf_grow.to_grown_model(model) "
+            "before creating the optimizer."
+        )
     if not isinstance(model, adapter.grown_base_class):
         raise ValueError(
             f"{type(model).__name__} is not of a grown model type, so its Q/K cannot be resized in place: build it "
