@@ -158,3 +158,13 @@ def test_token_type_ids_past_the_models_types_are_refused_first():
     with pytest.raises(ValueError, match=r"batch 0\['token_type_ids'\] holds token type id 1, outside the model's 1 "
                                          r"token types \(config.type_vocab_size\)"):
         grow_model(bert, [batch], p=8, eval_dataloader=[batch])
+
+
+def test_a_memory_budget_below_one_layer_is_refused_before_the_batches_are_read(model):
+    """Without held-out batches every batch was read (to hold the last ones out) before the refusal."""
+    def batches():
+        raise AssertionError("a batch was read")
+        yield
+
+    with pytest.raises(ValueError, match="memory_budget 1,000 bytes is below the .* bytes the statistics need"):
+        grow_model(model, batches(), p=8, memory_budget="1KB")

@@ -24,7 +24,7 @@ from ..progress import stage
 from ..option_values import SOLVED_MODES
 from ..statistics import (
     GrowthStatistics, LossFn, batch_loss_weight, check_batch, check_labels, check_loss_fn, check_statistics_arguments,
-    collect_statistics, return_free_memory, weight_sample,
+    collect_statistics, layer_groups, return_free_memory, weight_sample,
 )
 from .line_search import NO_LOSS_TERMS, confirmation_split, split_batches
 from .problem import GrowthProblem
@@ -324,6 +324,9 @@ def prepare_growth(
             config.statistics_method, next(model.parameters()).device, config.torch_compute_dtype, config.query_block,
             config.max_batches, config.memory_budget, config.torch_accumulate_dtype, config.offload_dir,
         )
+        # a budget below one layer's statistics, before the batches are read (the held-out ones split off)
+        layer_groups(len(qk_before), adapter.num_heads(model.config), max_rank - 1, config.memory_budget,
+                     config.torch_accumulate_dtype.itemsize, config.cross_fit)
     elif eval_dataloader is None and config.step_size is None:
         raise ValueError("with precomputed statistics, pass an eval_dataloader for the line search (or a step_size).")
     # With several processes each layer's M goes to one owner, which alone solves it (`sharding`).
