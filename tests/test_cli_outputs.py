@@ -10,7 +10,8 @@ from hf_grow import cli
 from test_cli import SMALL, TEXT_GLOB, model_folder  # noqa: F401 (the fixture)
 
 
-@pytest.mark.parametrize("case", ["SIGTERM while writing", "Ctrl-C after writing", "a full disk"])
+@pytest.mark.parametrize("case", ["SIGTERM while writing", "Ctrl-C after writing", "a full disk",
+                                  "SIGTERM while the old output is removed"])
 def test_an_interrupted_or_failed_write_leaves_the_old_output_and_says_what_was_written(model_folder, tmp_path,  # noqa: F811
                                                                                      capsys, monkeypatch, case):
     """SIGTERM (kill, timeout, a scheduler's stop) interrupts as Ctrl-C does: the staging folder is removed (it
@@ -40,6 +41,17 @@ def test_an_interrupted_or_failed_write_leaves_the_old_output_and_says_what_was_
 
     if case == "Ctrl-C after writing":
         monkeypatch.setattr(commands, "push_output", interrupted_push)
+    elif case == "SIGTERM while the old output is removed":  # it said "nothing was written" and left the old half
+        from hf_grow.cli import running
+
+        remove = running.shutil.rmtree
+
+        def removing(path, **kwargs):
+            if "hf-grow-old" in str(path):
+                os.kill(os.getpid(), signal.SIGTERM)
+            remove(path, **kwargs)
+
+        monkeypatch.setattr(running.shutil, "rmtree", removing)
     else:
         monkeypatch.setattr(commands, "write_card", failing_card)
     handler = signal.getsignal(signal.SIGTERM)
@@ -48,8 +60,8 @@ def test_an_interrupted_or_failed_write_leaves_the_old_output_and_says_what_was_
     error = capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is handler  # put back
     assert sorted(path.name for path in tmp_path.iterdir()) == ["grown"]  # no staging or replaced folder left
-    if case == "Ctrl-C after writing":
-        assert status == 130 and f"interrupted; already written: the grown model to {output}" in error
+    if case in ("Ctrl-C after writing", "SIGTERM while the old output is removed"):
+        assert status == 130 and f"interrupted; already written: the grown model to {output}" in error, error
         assert {path.name: path.read_bytes() for path in output.iterdir()} != before
         return
     assert {path.name: path.read_bytes() for path in output.iterdir()} == before

@@ -121,10 +121,10 @@ def _write_outputs(
 
     try:
         with stage(f"writing the grown model to {output}", enabled=show_progress):
-            write_folder_atomically(output, write, args.overwrite)
+            write_folder_atomically(output, write, args.overwrite,
+                                    done=lambda: args.written.append(f"the grown model to {output}"))
     except WRITE_ERRORS as error:
         raise CommandError(f"writing {output} failed ({error}); nothing was written") from None
-    args.written.append(f"the grown model to {output}")
     if args.report:
         try:
             report.to_json_file(args.report)

@@ -121,8 +121,8 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         with Processes(accelerator).failing_together():
             if is_main:
                 with stage(f"writing the grown model to {output}", enabled=show_progress):
-                    write_folder_atomically(output, write, args.overwrite)
-                args.written.append(f"the grown model to {output}")
+                    write_folder_atomically(output, write, args.overwrite,
+                                            done=lambda: args.written.append(f"the grown model to {output}"))
                 if args.report:
                     grown.growth_report.to_json_file(args.report)
     except OtherProcessFailed as error:

@@ -6,9 +6,13 @@ model card, and the push to the Hub.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -23,11 +27,12 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet
 
 
-def write_folder_atomically(output: Path, write, overwrite: bool) -> None:
+def write_folder_atomically(output: Path, write, overwrite: bool, done: Callable[[], None]) -> None:
     """Write into a temporary sibling folder, then rename it into place: no half-written model, ever.
 
     The output folder is checked again just before the rename: what appeared there meanwhile is replaced
-    only with ``overwrite``.
+    only with ``overwrite``. ``done()`` runs as soon as the folder is in place (an interruption then says so); the
+    folder it replaced is then removed whole, an interruption taking effect after that.
     """
     output = output.resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -41,12 +46,34 @@ def write_folder_atomically(output: Path, write, overwrite: bool) -> None:
         if output.exists():
             output.rename(replaced)
         staging.rename(output)
+        done()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if replaced.exists() and not output.exists():
             replaced.rename(output)
         raise
-    shutil.rmtree(replaced, ignore_errors=True)
+    with _interruptions_deferred():
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _interruptions_deferred() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP held back until the block ends, then raised as the interruption they are (in the
+    main thread, where handlers can be set; a signal the process ignores stays ignored)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    numbers = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    previous = {number: signal.signal(number, lambda signum, frame: received.append(signum))
+                for number in numbers if signal.getsignal(number) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if received:
+        raise KeyboardInterrupt
 
 
 def accelerator_for(args: argparse.Namespace):
