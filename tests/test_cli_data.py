@@ -133,6 +133,10 @@ def bad_inputs(model_folder, corpus, tmp_path):
     GPT2LMHeadModel.from_pretrained(model_folder).save_pretrained(sharded, max_shard_size="200KB")
     shutil.copytree(sharded, damaged_index, dirs_exist_ok=True)
     (sharded / "model-00002-of-00003.safetensors").unlink()
+    # what from_pretrained does not read is not checked: an earlier save's index beside the file it reads first, the
+    # index of .bin shards a safetensors-only download left out
+    shutil.copy(damaged_index / "model.safetensors.index.json", mismatched / "model.safetensors.index.json")
+    (mismatched / "pytorch_model.bin.index.json").write_text('{"weight_map": {"x": "pytorch_model-1-of-2.bin"}}')
     index = damaged_index / "model.safetensors.index.json"
     index.write_text(index.read_text()[:100])
     broken_config = tmp_path / "broken-config"

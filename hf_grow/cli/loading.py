@@ -83,28 +83,38 @@ def model_objective(args: argparse.Namespace) -> str:
     )
 
 
+#: The weights files from_pretrained reads, in the order it looks for them (the first present is read).
+WEIGHTS_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+)
+
+
 def _check_local_weights(model: str) -> set[str] | None:
-    """A local folder holds weights, every shard its index names, and safetensors files with whole headers and data
-    (a truncated copy or an interrupted download is found before any text is read; reading the headers costs
-    nothing). The names of the weights where the folder holds them in safetensors (else None)."""
+    """A local folder holds the weights from_pretrained reads (`WEIGHTS_FILES`), with every shard their index names
+    and whole safetensors headers and data (a truncated copy or an interrupted download is found before any text is
+    read; reading the headers costs nothing). The names of the weights where they are safetensors (else None)."""
     folder = Path(model)
     if not folder.is_dir():
         return None
-    if not any(path.suffix in (".safetensors", ".bin") for path in folder.iterdir()):
-        raise CommandError(f"cannot load model {model!r}: the folder holds no weights file (model.safetensors or "
-                           "pytorch_model.bin); download or save the model again")
-    for index in sorted(folder.glob("*.index.json")):
+    read = next((folder / name for name in WEIGHTS_FILES if (folder / name).is_file()), None)
+    if read is None:
+        raise CommandError(f"cannot load model {model!r}: the folder holds no weights file ({', '.join(WEIGHTS_FILES)})"
+                           "; download or save the model again")
+    files = [read]
+    if read.name.endswith(".index.json"):
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
+            files = sorted({folder / str(shard) for shard in json.loads(read.read_text())["weight_map"].values()})
         except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise CommandError(f"cannot load model {model!r}: its index file {index.name} is damaged ({error!r}); "
+            raise CommandError(f"cannot load model {model!r}: its index file {read.name} is damaged ({error!r}); "
                                "download or save the model again") from None
-        missing = sorted(shard for shard in shards if not (folder / str(shard)).is_file())
+        missing = [path.name for path in files if not path.is_file()]
         if missing:
             raise CommandError(f"cannot load model {model!r}: it lacks {', '.join(missing[:3])}"
-                               f"{', ...' if len(missing) > 3 else ''}, named by its index {index.name} (an "
+                               f"{', ...' if len(missing) > 3 else ''}, named by its index {read.name} (an "
                                "interrupted download?); download or save the model again")
-    files, keys = sorted(folder.glob("*.safetensors")), set()
+    if files[0].suffix != ".safetensors":
+        return None
+    keys: set[str] = set()
     for path in files:
         try:
             keys.update(safe_open(path, framework="pt").keys())
@@ -113,7 +123,7 @@ def _check_local_weights(model: str) -> set[str] | None:
                 f"cannot load model {model!r}: its weights file {path.name} is damaged or incomplete ({error}); "
                 "download or save it again"
             ) from None
-    return keys if files else None
+    return keys
 
 
 def load_model(args: argparse.Namespace, objective: str):
