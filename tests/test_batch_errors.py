@@ -158,6 +158,11 @@ def test_token_type_ids_past_the_models_types_are_refused_first():
     with pytest.raises(ValueError, match=r"batch 0\['token_type_ids'\] holds token type id 1, outside the model's 1 "
                                          r"token types \(config.type_vocab_size\)"):
         grow_model(bert, [batch], p=8, eval_dataloader=[batch])
+    gpt2 = GPT2LMHeadModel(tiny_gpt2_config()).eval()  # which embeds token types as tokens
+    ids = torch.randint(3, 256, (2, 12))
+    batch = {"input_ids": ids, "labels": ids, "token_type_ids": torch.full((2, 12), 300)}
+    with pytest.raises(ValueError, match=r"holds token type id 300, outside the model's 256 embeddings"):
+        grow_model(gpt2, [batch], p=8, eval_dataloader=[batch])
 
 
 def test_a_memory_budget_below_one_layer_is_refused_before_the_batches_are_read(model):

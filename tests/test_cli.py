@@ -269,6 +269,7 @@ def test_overwrite_replaces_the_folder(model_folder, tmp_path):
     output.mkdir()
     (output / "config.json").write_text('{"model_type": "gpt2"}')  # a model's folder: --overwrite replaces only those
     (output / "old-vocab.txt").write_text("old")
+    (output / "training_args.bin").write_bytes(b"args")  # a Trainer's own model save (save_model) writes it too
     assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--overwrite",
                      "--step-size", "0.0", *SMALL]) == 0
     assert not (output / "old-vocab.txt").exists() and (output / "config.json").is_file()

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import re
 
 import pytest
@@ -10,6 +11,7 @@ from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from hf_grow import GrowthInspection, GrowthStatistics, cli, load_growth_report
 from hf_grow.budget import allocate_budget
+from hf_grow.cli.checks import CommandError, check_cross_fit_batches, check_file_folders
 from quickstart import train_small_gpt2
 from test_cli import SMALL, TEXT_GLOB, TRAIN_FILES
 
@@ -147,5 +149,10 @@ def test_cross_fitting_one_statistics_batch_is_refused_before_the_model_loads(mo
                       ["inspect", str(model_folder), "--cross-fit", "--save-stats", str(tmp_path / "stats")]):
         assert cli.main([*arguments, *one_batch]) == 2
         error = capsys.readouterr().err
-        assert "--cross-fit sums M over two halves of the statistics batches, but the text gives 1 batch(es)" in error
+        assert "--cross-fit sums M over two halves of the statistics batches, but the data gives 1 batch(es)" in error
     assert not list(tmp_path.iterdir())
+    # with several processes the batches are dealt in turn: one more than the processes gives one a second batch
+    check_cross_fit_batches(True, 3, processes=2)
+    with pytest.raises(CommandError, match="gives 2 batch\\(es\\) for 2 processes"):
+        check_cross_fit_batches(True, 2, processes=2)
+    check_file_folders(("--json", os.devnull), ("--save-stats", os.devnull))  # a device takes both (files do not)

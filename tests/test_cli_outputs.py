@@ -40,7 +40,9 @@ def test_an_interrupted_or_failed_write_leaves_the_old_output_and_says_what_was_
         raise KeyboardInterrupt
 
     if case == "Ctrl-C after writing":
-        monkeypatch.setattr(commands, "push_output", interrupted_push)
+        from hf_grow.cli import running
+
+        monkeypatch.setattr(running, "push_output", interrupted_push)
     elif case == "SIGTERM while the old output is removed":  # it said "nothing was written" and left the old half
         from hf_grow.cli import running
 
@@ -171,8 +173,23 @@ def test_a_reader_of_stdout_that_leaves_early_stops_no_push(model_folder, tmp_pa
     monkeypatch.setattr(running.hub, "check_push", lambda *_: None)  # offline here
     output = tmp_path / "grown"
     status = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--push-to-hub", "me/x",
-                       *SMALL])
+                       "--report", f"/proc/self/fd/{write}", *SMALL])  # also the report into the closed pipe
     reader.join()
     error = capfd.readouterr().err
     assert status == 1 and "stdout was closed before the command ended; already written: the grown model" in error
     assert "Traceback" not in error and pushed == ["me/x"] and (output / "config.json").is_file()
+
+
+def test_a_failed_push_comes_after_the_summary(model_folder, tmp_path, capsys, monkeypatch):  # noqa: F811
+    from hf_grow.cli import running
+
+    def failing(*args, **kwargs):
+        raise ConnectionError("the Hub is away")
+
+    monkeypatch.setattr(running.hub, "push_to_hub", failing)
+    monkeypatch.setattr(running.hub, "check_push", lambda *_: None)  # offline here
+    status = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "grown"),
+                       "--push-to-hub", "me/x", "--report", str(tmp_path / "report.json"), *SMALL])
+    captured = capsys.readouterr()
+    assert status == 2 and "pushing to me/x failed (ConnectionError: the Hub is away)" in captured.err
+    assert "held-out loss" in captured.out and "wall time" in captured.out and (tmp_path / "report.json").is_file()

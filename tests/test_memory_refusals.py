@@ -91,6 +91,10 @@ def test_statistics_given_are_planned_as_held_not_collected(model_folder, tmp_pa
     assert search["Q/K weights at the new width"] == 3 * weights * 72 // 64
     assert collected.stages[3].terms["Q/K weights at the new width"] == search["Q/K weights at the new width"]
 
+    # a budget's dims are spread over the layers: 768 of them add what p=64 adds to each of 12 layers
+    spread = plan(GrowthConfig(budget=768)).stages[3].terms["Q/K weights at the new width"]
+    assert spread == plan(GrowthConfig(p=64)).stages[3].terms["Q/K weights at the new width"]
+
     stats = tmp_path / "stats.safetensors"
     assert cli.main(["inspect", str(model_folder), "--data", TEXT_GLOB, "--save-stats", str(stats), "--seq-len", "64",
                      "--max-tokens", "6000", "--quiet"]) == 0
@@ -98,3 +102,5 @@ def test_statistics_given_are_planned_as_held_not_collected(model_folder, tmp_pa
                      "--max-tokens", "6000"]) == 0
     table = capsys.readouterr().out
     assert "statistics given: no pass over the data" in table and "\nstatistics " not in table
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--stats", str(tmp_path / "missing"), "--dry-run"]) == 2
+    assert "--stats " + str(tmp_path / "missing") + ": no such file" in capsys.readouterr().err  # was a traceback

@@ -30,8 +30,9 @@ def grown_attention(attention: str | None) -> str | None:
     gives a grown model running sdpa, with a warning, rather than an error after the statistics and the solve."""
     if attention is None or not any(kernel in attention for kernel in ("flash", "flex")):
         return attention
-    logger.warning("the grown model runs attention with 'sdpa', not the source's %r: its query/key heads differ in "
-                   "width from its value heads, which flash and flex attention kernels do not take", attention)
+    logger.warning("the grown model runs attention with 'sdpa', not the source's %r: grown models run eager or sdpa "
+                   "attention (their query/key heads may differ in width from their value heads, which flash and flex "
+                   "attention kernels do not take)", attention)
     return "sdpa"
 
 

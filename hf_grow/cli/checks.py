@@ -46,9 +46,10 @@ MODEL_FILE_SUFFIXES = frozenset(
 )
 
 #: What transformers' Trainer writes beside a saved model: a checkpoint's training state (``checkpoint-*`` folders)
-#: and an output folder's results. A folder holding any is not replaced by ``--overwrite``.
+#: and an output folder's results. A folder holding any is not replaced by ``--overwrite`` (``training_args.bin``
+#: alone is part of the Trainer's own model save, ``save_model``).
 TRAINER_FILES = re.compile(
-    r"(optimizer|scheduler|scaler)\.(pt|bin)|rng_state(_\d+)?\.pth|trainer_state\.json|training_args\.bin"
+    r"(optimizer|scheduler|scaler)\.(pt|bin)|rng_state(_\d+)?\.pth|trainer_state\.json"
     r"|(all|train|eval|test|predict)_results\.json"
 )
 
@@ -222,13 +223,14 @@ def _read_json(path: Path) -> object:
 
 
 def check_cross_fit_batches(cross_fit: bool, batches: int, processes: int = 1) -> None:
-    """``--cross-fit`` (also of ``--for-training``) splits the statistics batches into two halves: refused on fewer
-    than two per process once the text is tokenized, before the model loads (it failed after the statistics)."""
-    if cross_fit and batches < 2 * processes:
+    """``--cross-fit`` (also of ``--for-training``) sums M over the odd-numbered statistics batches of each process
+    too, which needs a second batch on one process at least (dealt in turn: ``processes + 1`` batches): refused
+    once the text or pairs are tokenized, before the statistics pass (it failed after it)."""
+    if cross_fit and batches < processes + 1:
         raise CommandError(
-            f"--cross-fit sums M over two halves of the statistics batches, but the text gives {batches} batch(es)"
-            f"{f' for {processes} processes' if processes > 1 else ''}: pass more text (--max-tokens), a smaller "
-            "--batch-size, or --cross-fit false"
+            f"--cross-fit sums M over two halves of the statistics batches, but the data gives {batches} batch(es)"
+            f"{f' for {processes} processes' if processes > 1 else ''}: pass more data (--max-tokens, more pairs), a "
+            "smaller --batch-size, or --cross-fit false"
         )
 
 
@@ -236,8 +238,9 @@ def check_file_folders(*options: tuple[str, str | None]) -> None:
     """Output files' folders exist, and no two outputs are one file: found before any work, not when the results
     are written (the second would replace the first)."""
     named: dict[Path, str] = {}
-    for option, path in options:
-        first = named.setdefault(Path(path).resolve(), option) if path else option
+    for option, path in options:  # a device or FIFO (/dev/null) may take several
+        file = path and not (Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir())
+        first = named.setdefault(Path(path).resolve(), option) if file else option
         if first != option:
             raise CommandError(f"{first} and {option} name the same file {path}: give each a file of its own")
     for option, path in options:

@@ -39,7 +39,8 @@ from .memory import check_memory
 from .loading import check_statistics_text, load_model, load_statistics, load_tokenizer, model_objective
 from .pairs import check_pairs_arguments, grow_from_pairs
 from .parsers import build_inspect_parser, build_parser, text_options_given
-from .running import accelerator_for, push_output, shard_batches, start_run, write_card, write_folder_atomically
+from .running import (accelerator_for, finish_run, shard_batches, start_run, write_card,
+                      write_folder_atomically)
 from .text import data_description, text_batches
 
 
@@ -71,10 +72,10 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     check_memory(args, objective, show_progress, statistics)  # before any text or weights are read
     if args.dry_run:
         return
-    if args.pairs:
-        return grow_from_pairs(args, accelerator, started, is_main, show_progress, statistics)
     if statistics is not None and accelerator is not None:
         raise CommandError("--stats holds the statistics of all the data: run it in one process")
+    if args.pairs:
+        return grow_from_pairs(args, accelerator, started, is_main, show_progress, statistics)
     tokenizer = load_tokenizer(args)
     statistics_batches, held_out_batches = text_batches(args, tokenizer, objective, is_main)  # data before the model
     if statistics is not None:
@@ -125,19 +126,10 @@ def _write_outputs(
                                     done=lambda: args.written.append(f"the grown model to {output}"))
     except WRITE_ERRORS as error:
         raise CommandError(f"writing {output} failed ({error}); nothing was written") from None
-    if args.report:
-        try:
-            report.to_json_file(args.report)
-            args.written.append(f"the report to {args.report}")
-        except WRITE_ERRORS as error:
-            raise CommandError(
-                f"writing --report {args.report} failed ({error}); the grown model is in {output}"
-            ) from None
-    elapsed = time.perf_counter() - started
-    push_output(args)  # before what is printed: a reader of stdout that leaves early (`| head`) stops no push
-    print(report.summary())
     processes = f" on {accelerator.num_processes} processes" if accelerator is not None else ""
-    print(f"wall time {elapsed:.1f} s{processes}; grown model written to {output}")
+    finish_run(args, report, output, [
+        report.summary(), f"wall time {time.perf_counter() - started:.1f} s{processes}; grown model written to {output}"
+    ])
 
 
 #: What a failed write raises: the OS's errors, and safetensors' own (a full disk while serializing is not an OSError).

@@ -62,7 +62,7 @@ def model_objective(args: argparse.Namespace) -> str:
             f"hf_grow cannot grow {args.model!r} (model_type={config.model_type!r}); "
             f"supported model types: {', '.join(supported_model_types())}"
         )
-    keys = _check_local_weights(args.model)
+    keys = _check_local_weights(args.model, needed=not getattr(args, "dry_run", False))  # a plan needs the config
     masked = type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False)
     if masked and keys is not None and not any("cls.predictions." in key for key in keys):  # a bare encoder's file
         raise CommandError(_no_head(args, "masked", ["cls.predictions.bias", "cls.predictions.transform.dense.weight",
@@ -89,14 +89,17 @@ WEIGHTS_FILES = (
 )
 
 
-def _check_local_weights(model: str) -> set[str] | None:
+def _check_local_weights(model: str, needed: bool = True) -> set[str] | None:
     """A local folder holds the weights from_pretrained reads (`WEIGHTS_FILES`), with every shard their index names
     and whole safetensors headers and data (a truncated copy or an interrupted download is found before any text is
-    read; reading the headers costs nothing). The names of the weights where they are safetensors (else None)."""
+    read; reading the headers costs nothing; a folder of a config alone where the weights are not ``needed``, for a
+    plan). The names of the weights where they are safetensors (else None)."""
     folder = Path(model)
     if not folder.is_dir():
         return None
     read = next((folder / name for name in WEIGHTS_FILES if (folder / name).is_file()), None)
+    if read is None and not needed:
+        return None
     if read is None:
         raise CommandError(f"cannot load model {model!r}: the folder holds no weights file ({', '.join(WEIGHTS_FILES)})"
                            "; download or save the model again")

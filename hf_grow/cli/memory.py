@@ -139,7 +139,10 @@ def _planner(args: argparse.Namespace, objective: str) -> tuple[Callable[[dict],
         model_config = AutoConfig.from_pretrained(args.model)
     sequences = 2 if objective == "pairs" else 1  # a batch of pairs: its anchors and its positives
     # --stats: no statistics pass; the file's tensors are held through the solve and the line search
-    given_statistics = os.path.getsize(args.stats) if getattr(args, "stats", None) else None
+    stats = getattr(args, "stats", None)
+    if stats and not Path(stats).is_file():  # a dry run reads no statistics: the file is checked here
+        raise CommandError(f"--stats {stats}: no such file; pass the file written by `hf-grow inspect --save-stats`")
+    given_statistics = os.path.getsize(stats) if stats else None
     weights_dtype = _saved_dtype(model_config)  # before from_config sets the config's dtype to the model's
     models: dict[str, torch.nn.Module] = {}
     activations: dict[tuple[str, int], int] = {}

@@ -20,9 +20,9 @@ from ..distributed import OtherProcessFailed, Processes
 from ..growth import grow_model
 from ..progress import stage
 from ..statistics import GrowthStatistics
-from .checks import CommandError, as_command_error
+from .checks import CommandError, as_command_error, check_cross_fit_batches
 from .loading import DTYPES
-from .running import push_output, shard_batches, write_card, write_folder_atomically
+from .running import finish_run, shard_batches, write_card, write_folder_atomically
 
 
 def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +102,13 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         held_out_pairs = tokenize_pairs(pairs[-num_eval:], model, args.batch_size)
     except ValueError as error:  # e.g. a tokenizer without a padding token (a decoder's)
         raise CommandError(f"cannot tokenize the pairs for {args.model!r}: {str(error).splitlines()[0]}") from None
+    if statistics is not None and statistics.num_batches != len(statistics_pairs):
+        raise CommandError(f"--stats {args.stats} holds the statistics of {statistics.num_batches:,} batches, but "
+                           f"these pairs give {len(statistics_pairs):,} for the statistics: pass the --pairs options "
+                           "of the run that saved them (--pairs, --eval-pairs, --batch-size)")
+    if statistics is None:
+        processes = 1 if accelerator is None else accelerator.num_processes
+        check_cross_fit_batches(args.config.cross_fit, len(statistics_pairs[: args.config.max_batches]), processes)
     # --max-batches counts all the processes' batches (grow_model's max_batches counts each process's own)
     statistics_batches = shard_batches(statistics_pairs[: args.config.max_batches], accelerator, "statistics")
     held_out_batches = shard_batches(held_out_pairs, accelerator, "held-out")
@@ -123,14 +130,13 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
                 with stage(f"writing the grown model to {output}", enabled=show_progress):
                     write_folder_atomically(output, write, args.overwrite,
                                             done=lambda: args.written.append(f"the grown model to {output}"))
-                if args.report:
-                    grown.growth_report.to_json_file(args.report)
     except OtherProcessFailed as error:
         raise CommandError(f"{error}: nothing was written") from None
     except (OSError, SafetensorError) as error:
-        raise CommandError(f"writing {output} or the report failed ({error})") from None
+        raise CommandError(f"writing {output} failed ({error}); nothing was written") from None
     if is_main:
-        push_output(args)  # before what is printed: a reader of stdout that leaves early (`| head`) stops no push
-        print(grown.growth_report.summary())
-        print(f"wall time {time.perf_counter() - started:.1f} s; grown SentenceTransformer written to {output} "
-              f"({used} pairs for the statistics, {num_eval} held out)")
+        finish_run(args, grown.growth_report, output, [
+            grown.growth_report.summary(),
+            f"wall time {time.perf_counter() - started:.1f} s; grown SentenceTransformer written to {output} "
+            f"({used} pairs for the statistics, {num_eval} held out)",
+        ])

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers.utils import logging as transformers_logging
 
 from .. import hub
@@ -124,6 +125,32 @@ def write_card(args: argparse.Namespace, folder: Path, data: str, datasets: list
     card = hub.model_card(folder, base_model=base_model, repo_id=args.push_to_hub or Path(args.output_dir).name,
                           data=data, datasets=datasets)
     card.save(folder / hub.CARD_FILENAME)
+
+
+def finish_run(args: argparse.Namespace, report, output: Path, lines: list[str]) -> None:
+    """After the output folder is written: the push (first: a reader of stdout that leaves early, ``| head``, stops
+    none), ``--report``, then the summary ``lines`` printed; a failed push is raised after them (the summary stays on
+    the screen). A closed stdout (BrokenPipeError) goes to `main`, which says what was written."""
+    try:
+        push_output(args)
+    except CommandError as error:
+        pushing = error
+    else:
+        pushing = None
+    if args.report:
+        try:
+            report.to_json_file(args.report)
+            args.written.append(f"the report to {args.report}")
+        except BrokenPipeError:
+            raise
+        except (OSError, SafetensorError) as error:
+            raise CommandError(
+                f"writing --report {args.report} failed ({error}); the grown model is in {output}"
+            ) from None
+    for line in lines:
+        print(line)
+    if pushing is not None:
+        raise pushing
 
 
 def push_output(args: argparse.Namespace) -> None:

@@ -258,8 +258,10 @@ def plan_memory(
               for at_ceiling in (True, False)}
     # the line search holds every layer's Q/K weights at the new width in float64 (those of step 0, of the best step
     # and its factors: a GPT-2 small shape's run held the three, 0.32 GiB the plan missed)
-    added = config.budget if config.budget is not None else _largest_p(config.p)
-    grown_qk = 3 * layers * old_qk * min(width, max(qk_dims) + added) // max(qk_dims)
+    widest = max(qk_dims)  # a budget's dims are spread over the layers, p's added to each
+    grown_dims = (min(layers * width, layers * widest + config.budget) if config.budget is not None
+                  else layers * min(width, widest + _largest_p(config.p)))
+    grown_qk = 3 * old_qk * grown_dims // widest
     # M on disk: the largest group's accumulators, one group at a time
     disk = max(len(group) for group in groups) * layer_bytes if offload else 0
     return MemoryPlan(

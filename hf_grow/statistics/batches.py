@@ -156,6 +156,8 @@ def _check_token_ids(batch: Any, name: str, model: PreTrainedModel) -> None:
     if token_types is not None:
         tables["token_type_ids"] = (token_types.num_embeddings, "token type id",
                                     "token types (config.type_vocab_size): drop token_type_ids, or tokenize so")
+    else:  # GPT-2 embeds token types as tokens
+        tables["token_type_ids"] = (tables["input_ids"][0], "token type id", "embeddings, where it embeds token types")
     for path, key, value in _model_inputs(batch, name):
         size, what, advice = tables.get(key, (None, "", ""))
         if size is not None and isinstance(value, Tensor) and value.numel():
