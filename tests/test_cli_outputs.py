@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+import hf_grow
 from hf_grow import cli
 
 from test_cli import SMALL, TEXT_GLOB, model_folder  # noqa: F401 (the fixture)
@@ -193,3 +194,17 @@ def test_a_failed_push_comes_after_the_summary(model_folder, tmp_path, capsys, m
     captured = capsys.readouterr()
     assert status == 2 and "pushing to me/x failed (ConnectionError: the Hub is away)" in captured.err
     assert "held-out loss" in captured.out and "wall time" in captured.out and (tmp_path / "report.json").is_file()
+
+    write_report = hf_grow.GrowthReport.to_json_file
+
+    def failing_report(self, path):  # --report's, not the output folder's growth_report.json
+        if str(path).endswith("report.json") and "growth_report" not in str(path):
+            raise OSError("disk full")
+        write_report(self, path)
+
+    monkeypatch.setattr(hf_grow.GrowthReport, "to_json_file", failing_report)  # both fail: both said, in one line
+    status = cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "grown"), "--overwrite",
+                       "--push-to-hub", "me/x", "--report", str(tmp_path / "report.json"), *SMALL])
+    captured = capsys.readouterr()
+    assert status == 2 and "the Hub is away" in captured.err and "failed (disk full)" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "wall time" in captured.out

@@ -1,7 +1,6 @@
 """Files written atomically: the old file or the whole new one, and no temporary left when writing fails."""
 
 import os
-import sys
 import threading
 
 import pytest
@@ -58,9 +57,10 @@ def test_a_link_stays_and_a_fifo_is_written_into(tmp_path):
 def test_this_processs_stdout_is_written_through_not_replaced(tmp_path, monkeypatch):
     """`--report /dev/stdout > out.txt` renamed the report over out.txt: what the command printed was lost."""
     out = tmp_path / "out.txt"
-    monkeypatch.setattr("sys.stdout", open(out, "w"))
-    print("text: the line printed before")
-    write_text_atomically(f"/proc/self/fd/{sys.stdout.fileno()}", "{report}\n")  # /dev/stdout of the process
-    print("wall time")
-    sys.stdout.flush()
+    with open(out, "w") as stream:
+        monkeypatch.setattr("sys.stdout", stream)
+        print("text: the line printed before")
+        write_text_atomically(f"/proc/self/fd/{stream.fileno()}", "{report}\n")  # /dev/stdout of the process
+        print("wall time")
+    monkeypatch.undo()
     assert out.read_text() == "text: the line printed before\n{report}\nwall time\n"

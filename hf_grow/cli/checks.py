@@ -238,9 +238,9 @@ def check_file_folders(*options: tuple[str, str | None]) -> None:
     """Output files' folders exist, and no two outputs are one file: found before any work, not when the results
     are written (the second would replace the first)."""
     named: dict[Path, str] = {}
-    for option, path in options:  # a device or FIFO (/dev/null) may take several
-        file = path and not (Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir())
-        first = named.setdefault(Path(path).resolve(), option) if file else option
+    for option, path in options:  # the null device may take several
+        target = Path(path).resolve() if path else None
+        first = named.setdefault(target, option) if target is not None and target != Path(os.devnull) else option
         if first != option:
             raise CommandError(f"{first} and {option} name the same file {path}: give each a file of its own")
     for option, path in options:

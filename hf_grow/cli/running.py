@@ -129,14 +129,14 @@ def write_card(args: argparse.Namespace, folder: Path, data: str, datasets: list
 
 def finish_run(args: argparse.Namespace, report, output: Path, lines: list[str]) -> None:
     """After the output folder is written: the push (first: a reader of stdout that leaves early, ``| head``, stops
-    none), ``--report``, then the summary ``lines`` printed; a failed push is raised after them (the summary stays on
-    the screen). A closed stdout (BrokenPipeError) goes to `main`, which says what was written."""
+    none), ``--report``, then the summary ``lines`` printed; what failed of the push and the report is raised after
+    them, in one line (the summary stays on the screen). A closed stdout (BrokenPipeError) goes to `main`, which says
+    what was written."""
+    failures = []
     try:
         push_output(args)
     except CommandError as error:
-        pushing = error
-    else:
-        pushing = None
+        failures.append(str(error))
     if args.report:
         try:
             report.to_json_file(args.report)
@@ -144,13 +144,11 @@ def finish_run(args: argparse.Namespace, report, output: Path, lines: list[str])
         except BrokenPipeError:
             raise
         except (OSError, SafetensorError) as error:
-            raise CommandError(
-                f"writing --report {args.report} failed ({error}); the grown model is in {output}"
-            ) from None
+            failures.append(f"writing --report {args.report} failed ({error}); the grown model is in {output}")
     for line in lines:
         print(line)
-    if pushing is not None:
-        raise pushing
+    if failures:
+        raise CommandError("; and ".join(failures))
 
 
 def push_output(args: argparse.Namespace) -> None:
