@@ -53,6 +53,9 @@ def test_given_the_trainer_a_growth_reaches_its_loggers(stdlib_bytes, tmp_path):
         (3, {"growth_mode": "append", "growth_qk_head_dim_mean": 16.0, **losses})]
     assert [entry for entry in trainer.state.log_history if "growth_mode" in entry] == [
         {"step": 3, "growth_mode": "append", "qk_head_dims": [16, 16], **losses}]  # once, as before
+    # the Trainer's own log of the growth step stays (the handler's on_log cleared should_log: step 3's loss went)
+    logged_steps = [entry["step"] for entry in trainer.state.log_history if "loss" in entry]
+    assert logged_steps == list(range(1, trainer.state.global_step + 1))
 
 
 def test_a_small_training_set_is_shared_and_one_too_small_refused_before_training(stdlib_bytes, tmp_path, caplog):

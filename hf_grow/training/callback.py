@@ -194,7 +194,9 @@ def _log_growth(qk_head_dims: list[int], mode: str, report: GrowthReport | None,
     logger.info("step %d: grew query/key heads to %s (%s)", state.global_step, qk_head_dims, mode)
     if trainer is not None:  # scalars (and the mode as text) that every logger takes
         scalars = {"growth_mode": mode, "growth_qk_head_dim_mean": sum(qk_head_dims) / len(qk_head_dims), **losses}
+        should_log = control.should_log  # the handler clears it: the Trainer's own log of this step must stay
         trainer.callback_handler.on_log(args, state, control, scalars)
+        control.should_log = should_log
 
 
 def _dims_to_reach(target: int | Sequence[int], model: PreTrainedModel) -> dict[int, int]:
