@@ -282,6 +282,14 @@ def check_weights_in_memory(model: PreTrainedModel) -> None:
         )
 
 
+def check_memory_budget(model: PreTrainedModel, adapter: ArchitectureAdapter, config: GrowthConfig) -> None:
+    """Refuse a ``memory_budget`` below one layer's statistics (with cross_fit's half sums), as the statistics pass
+    would (`statistics.layer_groups`), before any work."""
+    layer_groups(len(adapter.qk_head_dims(model.config)), adapter.num_heads(model.config),
+                 adapter.hidden_size(model.config), config.memory_budget, config.torch_accumulate_dtype.itemsize,
+                 config.cross_fit)
+
+
 def prepare_growth(
     model: PreTrainedModel,
     dataloader: Iterable[Mapping[str, Tensor]] | None,
@@ -324,9 +332,7 @@ def prepare_growth(
             config.statistics_method, next(model.parameters()).device, config.torch_compute_dtype, config.query_block,
             config.max_batches, config.memory_budget, config.torch_accumulate_dtype, config.offload_dir,
         )
-        # a budget below one layer's statistics, before the batches are read (the held-out ones split off)
-        layer_groups(len(qk_before), adapter.num_heads(model.config), max_rank - 1, config.memory_budget,
-                     config.torch_accumulate_dtype.itemsize, config.cross_fit)
+        check_memory_budget(model, adapter, config)  # before the batches are read (the held-out ones split off)
     elif eval_dataloader is None and config.step_size is None:
         raise ValueError("with precomputed statistics, pass an eval_dataloader for the line search (or a step_size).")
     # With several processes each layer's M goes to one owner, which alone solves it (`sharding`).

@@ -23,10 +23,10 @@ from transformers import PreTrainedModel, TrainerCallback
 from ..adapters import get_adapter
 from ..config import GrowthConfig, check_p, resolve_config
 from ..distributed import refuse_sharded_training, sharded_training_message
-from ..growth import check_fast_search, resolve_growth
+from ..growth import check_fast_search, check_memory_budget, resolve_growth
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
-from ..statistics import check_statistics_arguments, layer_groups
+from ..statistics import check_statistics_arguments
 from .grow import (DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, _in_training_defaults, grow_in_training, model_to_grow,
                    resolved_mode)
 from .resize import check_growable, torch_optimizers
@@ -305,9 +305,7 @@ def _check_solved_growth(model: PreTrainedModel, mode: str, config: GrowthConfig
         options.statistics_method, next(model.parameters()).device, options.torch_compute_dtype, options.query_block,
         options.max_batches, options.memory_budget, options.torch_accumulate_dtype, options.offload_dir,
     )
-    layer_groups(len(adapter.qk_head_dims(model.config)), adapter.num_heads(model.config),
-                 adapter.hidden_size(model.config), options.memory_budget,
-                 options.torch_accumulate_dtype.itemsize, options.cross_fit)  # refuses a budget below one layer
+    check_memory_budget(model, adapter, options)
     if statistics_batches is not None and options.max_batches is not None:
         statistics_batches = min(statistics_batches, options.max_batches)
     if options.cross_fit and statistics_batches is not None and statistics_batches < 2:
