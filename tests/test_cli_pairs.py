@@ -157,7 +157,8 @@ def test_pairs_are_planned_before_any_pair_is_read(tmp_path, capsys, monkeypatch
     # 32 sequences of the model's 256 tokens (sentence_bert_config.json) through the model without a head
     from transformers import AutoConfig, AutoModel
 
-    from hf_grow.growth.memory_plan import ACTIVATION_OVERHEAD, activation_bytes, statistics_attention
+    from hf_grow.growth.activation_probe import activation_bytes, statistics_attention
+    from hf_grow.growth.memory_plan import ACTIVATION_OVERHEAD
 
     with torch.device("meta"):
         bare = AutoModel.from_config(AutoConfig.from_pretrained(model))

@@ -12,9 +12,9 @@ from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model, hub
 from hf_grow.cli import memory as cli_memory
 from hf_grow.statistics import collect as collect_module
+from hf_grow.growth.activation_probe import activation_bytes
 from hf_grow.growth.memory_plan import (
-    CUDA_PROCESS_BASELINE_BYTES, OFFLOAD_PLACEHOLDER, PROCESS_BASELINE_BYTES, activation_bytes, fitting_changes,
-    plan_memory,
+    CUDA_PROCESS_BASELINE_BYTES, OFFLOAD_PLACEHOLDER, PROCESS_BASELINE_BYTES, fitting_changes, plan_memory,
 )
 from hf_grow.progress import format_bytes
 from hf_grow.statistics import layer_groups, statistics_bytes

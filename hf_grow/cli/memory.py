@@ -19,9 +19,8 @@ import torch
 
 from ..adapters import get_adapter, supported_model_types
 from ..data import DEFAULT_EVAL_TOKENS
-from ..growth.memory_plan import (
-    OFFLOAD_PLACEHOLDER, MemoryPlan, activation_bytes, fitting_changes, plan_memory, statistics_attention,
-)
+from ..growth.activation_probe import activation_bytes, statistics_attention
+from ..growth.memory_plan import OFFLOAD_PLACEHOLDER, MemoryPlan, fitting_changes, plan_memory
 from ..progress import format_bytes
 from ..statistics import GrowthStatistics, parse_bytes
 from .checks import CommandError, check_model_growth
