@@ -26,6 +26,7 @@ from .adapters import get_adapter
 from .config import GrowthConfig, resolve_config
 from .files import write_atomically, write_text_atomically
 from .growth import GrowthProblem, check_statistics, collect_configured_statistics, merged_if_peft
+from .progress import stage
 from .statistics import GrowthStatistics, LossFn
 
 
@@ -177,7 +178,8 @@ def inspect_growth(
     one you grow with): its ``rtol``, ``step_mode``, ``max_batches``, ``compute_dtype``, ``statistics_method``,
     ``query_block``, ``memory_budget`` and ``cross_fit``; the keywords of the same names, when not None, replace
     them. The gains are in the metric of C whatever the ``truncation`` (as a budget allocates them); the other
-    options do not apply here.
+    options do not apply here. Collected here, each group of layers' M is solved and freed once its pass is done
+    (as in `grow_model`): with a ``memory_budget``, no more than a group's M is held at a time.
     """
     if isinstance(max_dims, bool) or not isinstance(max_dims, int) or max_dims <= 0:
         raise ValueError(f"max_dims must be a positive int, got {max_dims!r}")
@@ -189,16 +191,34 @@ def inspect_growth(
     model = merged_if_peft(model)
     adapter = get_adapter(model)
     qk_dims = adapter.qk_head_dims(model.config)
+
+    def solve(statistics: GrowthStatistics, layers: Iterable[int], release: bool) -> GrowthProblem:
+        return GrowthProblem(
+            model, adapter, statistics, qk_dims, "whitened", config.rtol, "eigh", step_mode=config.candidates[0][1],
+            mode=adapter.growth_modes[0], with_rates=True, cross_fit=config.cross_fit, layers=layers, release=release,
+        )
+
+    problem: GrowthProblem | None = None
     if statistics is None:
         if dataloader is None:
             raise ValueError("inspect_growth needs a dataloader, or statistics collected before.")
-        statistics = collect_configured_statistics(model, dataloader, adapter, loss_fn, config, progress=progress)
+
+        def solve_group(collected: GrowthStatistics, layers: list[int]) -> None:
+            # as `grow_model`: each group of layers is solved, and its M freed, once its pass is done
+            nonlocal problem
+            with stage("gains", enabled=progress):
+                if problem is None:
+                    problem = solve(collected, layers, release=True)
+                else:
+                    problem.solve_layers(layers)
+
+        statistics = collect_configured_statistics(
+            model, dataloader, adapter, loss_fn, config, progress=progress, on_group=solve_group
+        )
     else:
         check_statistics(statistics, model, adapter, config.cross_fit)
-    problem = GrowthProblem(
-        model, adapter, statistics, qk_dims, "whitened", config.rtol, "eigh", step_mode=config.candidates[0][1],
-        mode=adapter.growth_modes[0], with_rates=True, cross_fit=config.cross_fit,
-    )
+        with stage("gains", enabled=progress):
+            problem = solve(statistics, range(len(qk_dims)), release=False)
     layers = []
     for layer, qk_dim in enumerate(qk_dims):
         rates = problem.gain_rates(layer)

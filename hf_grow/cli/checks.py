@@ -101,10 +101,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"{args.multiple_of}"
         )
     check_data_arguments(args)
-    for option in ("memory_budget", "max_memory"):
-        if getattr(args, option) is not None:
-            with as_command_error():
-                parse_bytes(getattr(args, option), "--" + option.replace("_", "-"))
+    check_memory_flags(args)
     if args.push_to_hub:
         with as_command_error():
             hub.check_push(args.push_to_hub)
@@ -121,7 +118,21 @@ def check_arguments(args: argparse.Namespace) -> None:
             )
     check_file_folders(("--report", args.report))
     args.config = _growth_config(args)
-    if not args.stats:
+    check_statistics_flags(args, collecting=not args.stats)
+
+
+def check_memory_flags(args: argparse.Namespace) -> None:
+    """``--memory-budget`` and ``--max-memory`` are sizes."""
+    for option in ("memory_budget", "max_memory"):
+        if getattr(args, option) is not None:
+            with as_command_error():
+                parse_bytes(getattr(args, option), "--" + option.replace("_", "-"))
+
+
+def check_statistics_flags(args: argparse.Namespace, collecting: bool = True) -> None:
+    """The statistics method of ``args.config`` runs on ``--device`` where statistics are ``collecting``, and its
+    ``--offload-dir`` is a folder the run may use, apart from its inputs."""
+    if collecting:
         with as_command_error():
             check_method_runs(args.config.statistics_method, torch.device(args.device))
     if args.config.offload_dir is not None:

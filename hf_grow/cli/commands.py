@@ -21,10 +21,10 @@ from .. import hub
 from ..adapters import get_adapter
 from ..config import GrowthConfig
 from ..distributed import OtherProcessFailed, Processes
-from ..growth import grow_model
+from ..growth import collect_configured_statistics, grow_model
 from ..inspection import PLOT_EXTRA, inspect_growth
 from ..progress import stage
-from ..statistics import collect_statistics, return_free_memory
+from ..statistics import return_free_memory
 from .checks import (
     CommandError,
     as_command_error,
@@ -34,11 +34,13 @@ from .checks import (
     check_device,
     check_file_folders,
     check_inputs_kept,
+    check_memory_flags,
+    check_statistics_flags,
 )
 from .memory import check_memory
 from .loading import check_statistics_text, load_model, load_statistics, load_tokenizer, model_objective
 from .pairs import check_pairs_arguments, grow_from_pairs
-from .parsers import build_inspect_parser, build_parser, text_options_given
+from .parsers import INSPECT_CONFIG_FIELDS, build_inspect_parser, build_parser, text_options_given
 from .running import (accelerator_for, finish_run, shard_batches, start_run, write_card,
                       write_folder_atomically)
 from .text import data_description, text_batches
@@ -79,7 +81,7 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     tokenizer = load_tokenizer(args)
     statistics_batches, held_out_batches = text_batches(args, tokenizer, objective, is_main)  # data before the model
     if statistics is not None:
-        check_statistics_text(args, statistics, statistics_batches)
+        check_statistics_text(args, statistics, statistics_batches[: args.config.max_batches])
     else:
         processes = 1 if accelerator is None else accelerator.num_processes
         check_cross_fit_batches(args.config.cross_fit, len(statistics_batches[: args.config.max_batches]), processes)
@@ -148,21 +150,31 @@ def run_inspect(args: argparse.Namespace) -> None:
     written = (("--plot", args.plot), ("--json", args.json), ("--save-stats", args.save_stats))
     check_file_folders(*written)
     check_inputs_kept(args, *written)
+    _check_inspection_config(args)
     show_progress = start_run(args)
     objective = model_objective(args)
+    check_memory(args, objective, show_progress, inspection=True)  # before any text or weights are read
+    if args.dry_run:
+        return
     tokenizer = load_tokenizer(args)
     statistics_batches, _ = text_batches(args, tokenizer, objective)  # the same split as the main command
+    statistics_batches = statistics_batches[: args.config.max_batches]
     check_cross_fit_batches(args.cross_fit, len(statistics_batches))
     model = load_model(args, objective)
     with as_command_error():
-        statistics = collect_statistics(
-            model, statistics_batches, get_adapter(model), progress=show_progress, cross_fit=args.cross_fit
-        )
-    if args.save_stats:
-        _write(args, f"statistics {args.save_stats}", lambda: statistics.save(args.save_stats))
-    with as_command_error():
-        config = GrowthConfig(cross_fit=args.cross_fit)
-        inspection = inspect_growth(model, statistics=statistics, max_dims=args.max_dims, config=config)
+        if args.save_stats:  # every layer's M is kept for the file
+            statistics = collect_configured_statistics(
+                model, statistics_batches, get_adapter(model), None, args.config, progress=show_progress
+            )
+            with stage(f"writing the statistics to {args.save_stats}", enabled=show_progress):
+                _write(args, f"statistics {args.save_stats}", lambda: statistics.save(args.save_stats))
+            inspection = inspect_growth(
+                model, statistics=statistics, max_dims=args.max_dims, config=args.config, progress=show_progress
+            )
+        else:  # each group of layers' M is freed once solved
+            inspection = inspect_growth(
+                model, statistics_batches, max_dims=args.max_dims, config=args.config, progress=show_progress
+            )
     print(inspection.table(heads=not args.layers_only))
     if args.json:
         _write(args, f"inspection {args.json}", lambda: inspection.to_json_file(args.json))
@@ -170,6 +182,16 @@ def run_inspect(args: argparse.Namespace) -> None:
         _write(args, f"spectra {args.plot}", lambda: inspection.plot(args.plot))
     if args.written:
         print("wrote " + ", ".join(args.written))
+
+
+def _check_inspection_config(args: argparse.Namespace) -> None:
+    """``args.config``: the `GrowthConfig` of the inspection's statistics flags, checked as the main command's."""
+    check_memory_flags(args)
+    with as_command_error(TypeError, ValueError):
+        args.config = GrowthConfig(
+            cross_fit=args.cross_fit, **{name: getattr(args, name) for name in INSPECT_CONFIG_FIELDS}
+        )
+    check_statistics_flags(args)
 
 
 def _write(args: argparse.Namespace, what: str, write) -> None:

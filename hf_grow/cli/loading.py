@@ -171,9 +171,9 @@ def load_statistics(path: str) -> GrowthStatistics:
 
 
 def check_statistics_text(args: argparse.Namespace, statistics: GrowthStatistics, batches: list) -> None:
-    """Refuse ``--stats`` collected on other text than the statistics ``batches`` these data options give (as
-    `hf-grow inspect` counts them: every batch): the held-out text could then lie inside the text of the statistics,
-    and the card would name data they were not collected on."""
+    """Refuse ``--stats`` collected on other text than the statistics ``batches`` these data options give (the
+    first ``--max-batches``, as `hf-grow inspect` takes them): the held-out text could then lie inside the text of
+    the statistics, and the card would name data they were not collected on."""
     tokens = sum(int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
                  for batch in batches)
     if (statistics.num_tokens, statistics.num_batches) != (tokens, len(batches)):
@@ -181,7 +181,7 @@ def check_statistics_text(args: argparse.Namespace, statistics: GrowthStatistics
             f"--stats {args.stats} holds the statistics of {statistics.num_tokens:,} tokens in "
             f"{statistics.num_batches:,} batches, but these data options give {tokens:,} tokens in {len(batches):,} "
             "batches for the statistics: pass the data options of the `hf-grow inspect --save-stats` run (--data or "
-            "--dataset, --max-tokens, --seq-len, --batch-size and the held-out options)"
+            "--dataset, --max-tokens, --seq-len, --batch-size, --max-batches and the held-out options)"
         )
 
 

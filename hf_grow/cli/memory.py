@@ -28,7 +28,8 @@ from .loading import DTYPES
 
 
 def check_memory(
-    args: argparse.Namespace, objective: str, show_progress: bool, statistics: GrowthStatistics | None = None
+    args: argparse.Namespace, objective: str, show_progress: bool, statistics: GrowthStatistics | None = None,
+    inspection: bool = False,
 ) -> MemoryPlan:
     """Plan the run from the model's config alone (a model on the meta device), print the plan (on stdout with
     ``--dry-run``, else with the progress lines) and refuse a run that would not fit the free memory. Before
@@ -40,10 +41,14 @@ def check_memory(
 
     With ``--offload-dir``, M is planned on disk, refused where that folder's free disk cannot hold it. Where M
     does not fit the memory even one layer at a time, the refusal names ``--offload-dir DIR`` and the disk it needs.
+
+    ``inspection``: the plan of ``hf-grow inspect`` (statistics and gains; every layer's M kept with
+    ``--save-stats``).
     """
-    plan_with, model = _planner(args, objective)
+    plan_with, model = _planner(args, objective, inspection)
     local = objective != "pairs" and Path(args.model).is_dir()  # a SentenceTransformer's model: checked when loaded
-    check_model_growth(model, args.config, statistics, checkpoint=args.model if local else None)
+    if not inspection:
+        check_model_growth(model, args.config, statistics, checkpoint=args.model if local else None)
     try:
         plan = plan_with({})
     except ValueError as error:  # a budget below one layer's statistics (`layer_groups`)
@@ -114,9 +119,11 @@ def _rerun_with(changes: dict, plan_with: Callable[[dict], MemoryPlan]) -> str:
     return fix
 
 
-def _planner(args: argparse.Namespace, objective: str) -> tuple[Callable[[dict], MemoryPlan], torch.nn.Module]:
+def _planner(
+    args: argparse.Namespace, objective: str, inspection: bool = False
+) -> tuple[Callable[[dict], MemoryPlan], torch.nn.Module]:
     """``plan_with(changes)``: the plan with some options changed (config fields, batch_size, dtype); and the model
-    as ``--dtype`` loads it, on the meta device."""
+    as ``--dtype`` loads it, on the meta device. ``inspection``: `plan_memory`'s of ``hf-grow inspect``."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
     auto_class = {"masked": AutoModelForMaskedLM, "causal": AutoModelForCausalLM, "pairs": AutoModel}[objective]
@@ -166,6 +173,7 @@ def _planner(args: argparse.Namespace, objective: str) -> tuple[Callable[[dict],
             eval_tokens=eval_tokens, device=args.device, activations=activations[dtype, batch_size],
             processes=int(os.environ.get("WORLD_SIZE", "1")),  # launched with several: one process's plan
             weights_dtype=weights_dtype, given_statistics=given_statistics,
+            inspection=inspection, keep_statistics=inspection and bool(args.save_stats),
         )
         return dataclasses.replace(plan, batch_size=batch_size)  # the flag's value, which a refusal may halve
 

@@ -7,6 +7,8 @@ the same options give the same statistics and held-out text.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import typing
 
 import torch
 from transformers import HfArgumentParser
@@ -92,15 +94,22 @@ FOR_TRAINING_HELP = (
 )
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+def _add_run_arguments(parser: argparse.ArgumentParser, grows: bool = True) -> argparse._ArgumentGroup:
     run = parser.add_argument_group("run")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                      help="where the model runs, e.g. cpu, cuda or cuda:1 (default: cuda where PyTorch sees one)")
     run.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                     help="model dtype, also of the saved grown model (statistics are float32+)")
+                     help="model dtype" + ", also of the saved grown model" * grows + " (statistics are float32+)")
     run.add_argument("--seed", type=int, default=0, help="seed of the masking and the random draws (default 0)")
     run.add_argument("--quiet", action="store_true", help="no progress bars (on a terminal) or lines (in a log)")
     return run
+
+
+DRY_RUN_HELP = ("print the memory plan (predicted peak memory per stage) and exit, reading no data or weights (exit "
+                "status 2, with the flags that fit, where it does not fit)")
+MAX_MEMORY_HELP = ("plan for at most this much memory (e.g. 16GB; host on a CPU, the device's on a GPU), when less "
+                   "than is free")
+IGNORE_MEMORY_PLAN_HELP = "run even where the memory plan predicts more than the free memory"
 
 
 #: The data options only text is read with: `--pairs` refuses them where given other than their defaults.
@@ -143,14 +152,9 @@ def build_parser() -> HfArgumentParser:
                         "model and the same data options: not collected again (the text is read for its held-out part)")
     run = _add_run_arguments(parser)
     run.add_argument("--report", help="also write the JSON growth report to this file")
-    run.add_argument("--dry-run", action="store_true",
-                     help="print the memory plan (predicted peak memory per stage) and exit, reading no data or "
-                     "weights (exit status 2, with the flags that fit, where it does not fit)")
-    run.add_argument("--max-memory", metavar="SIZE",
-                     help="plan for at most this much memory (e.g. 16GB; host on a CPU, the device's on a GPU), "
-                     "when less than is free")
-    run.add_argument("--ignore-memory-plan", action="store_true",
-                     help="run even where the memory plan predicts more than the free memory")
+    run.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+    run.add_argument("--max-memory", metavar="SIZE", help=MAX_MEMORY_HELP)
+    run.add_argument("--ignore-memory-plan", action="store_true", help=IGNORE_MEMORY_PLAN_HELP)
     push = parser.add_argument_group("Hugging Face Hub")
     push.add_argument("--push-to-hub", metavar="REPO_ID", help="also push the grown model and its card to this repo")
     push.add_argument("--private", action="store_true", help="create the repository private")
@@ -158,6 +162,30 @@ def build_parser() -> HfArgumentParser:
     push.add_argument("--commit-message", help="message of the commit")
     parser.add_argument("--version", action="version", version=f"hf-grow {__version__}")
     return parser
+
+
+#: The `GrowthConfig` fields ``hf-grow inspect`` takes: how the statistics are collected and what they may hold (as
+#: the main command's flags of the same names), so that its ``--save-stats`` serves ``hf-grow --stats``.
+INSPECT_CONFIG_FIELDS = (
+    "max_batches", "statistics_method", "compute_dtype", "accumulate_dtype", "query_block", "memory_budget",
+    "offload_dir",
+)
+
+
+def _add_config_options(group: argparse._ArgumentGroup, names: tuple[str, ...]) -> None:
+    """``--name`` (also ``--name_with_underscores``) for each `GrowthConfig` field of ``names``: its type, choices,
+    default and help, as the main command's parser makes them."""
+    hints = typing.get_type_hints(GrowthConfig)
+    for config_field in dataclasses.fields(GrowthConfig):
+        if config_field.name not in names:
+            continue
+        hint = hints[config_field.name]
+        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+        value_type = str if choices else next(kind for kind in (*typing.get_args(hint), hint) if kind is not None
+                                              and kind is not type(None))
+        spellings = dict.fromkeys([f"--{config_field.name.replace('_', '-')}", f"--{config_field.name}"])
+        group.add_argument(*spellings, dest=config_field.name, type=value_type, choices=choices,
+                           default=config_field.default, help=config_field.metadata["help"])
 
 
 def build_inspect_parser() -> argparse.ArgumentParser:
@@ -179,5 +207,9 @@ def build_inspect_parser() -> argparse.ArgumentParser:
     output.add_argument("--save-stats", metavar="FILE", help="save the statistics (safetensors) for `hf-grow --stats`")
     output.add_argument("--cross-fit", action="store_true", help="also sum M over half the batches, and report the "
                         "gains of the cross-fitted M (statistics for `hf-grow --stats FILE --cross-fit`)")
-    _add_run_arguments(parser)
+    _add_config_options(parser.add_argument_group("statistics"), INSPECT_CONFIG_FIELDS)
+    run = _add_run_arguments(parser, grows=False)
+    run.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+    run.add_argument("--max-memory", metavar="SIZE", help=MAX_MEMORY_HELP)
+    run.add_argument("--ignore-memory-plan", action="store_true", help=IGNORE_MEMORY_PLAN_HELP)
     return parser

@@ -156,6 +156,8 @@ def plan_memory(
     processes: int = 1,
     weights_dtype: torch.dtype | None = None,
     given_statistics: int | None = None,
+    inspection: bool = False,
+    keep_statistics: bool = False,
 ) -> MemoryPlan:
     """Predict the peak memory of each stage of growing ``model`` (real or on the meta device) with ``config``
     on statistics batches of ``batch_size`` x ``seq_len`` tokens and ``eval_tokens`` held-out tokens.
@@ -173,6 +175,10 @@ def plan_memory(
     ``given_statistics``: the bytes of statistics given (``grow_model(statistics=...)``, ``hf-grow --stats``): no
     statistics pass (nor its options: ``memory_budget``, ``offload_dir``), and they are held through the solve and
     the line search.
+
+    ``inspection``: the plan of `inspect_growth` instead (``hf-grow inspect``): the statistics pass and the gains,
+    solved at the current widths, no line search and no grown model. ``keep_statistics``: every layer's M is held
+    to the end and saved (``--save-stats``), not freed group by group as each is solved.
     """
     on_device = torch.device(device).type != "cpu"
     # The blocks' outputs on the held-out batches are recorded for what replays them (`search.step_zero`): the
@@ -190,6 +196,8 @@ def plan_memory(
     qk_dims = adapter.qk_head_dims(model_config)
     accumulate = config.torch_accumulate_dtype.itemsize
     compute = config.torch_compute_dtype.itemsize
+    if inspection:  # gains in the metric of C: the whitened solve alone
+        config = config.replace(truncation="whitened")
     if given_statistics is not None:  # collected already: no pass, the statistics options do nothing
         config = config.replace(memory_budget=None, offload_dir=None)
     groups = layer_groups(layers, heads, width - 1, config.memory_budget, accumulate, config.cross_fit)
@@ -216,6 +224,13 @@ def plan_memory(
         their share of each layer where the processes share them)."""
         held = _held_m_and_solved(groups, layer_m, solved // layers)
         (pass_m, earlier_solved), (solve_m, solve_solved) = held
+        earlier_m = {}
+        if keep_statistics:  # every layer's M to the end, solved once all are collected
+            pass_m, earlier_solved, solve_m, solve_solved = layers * layer_m, 0, layers * layer_m, solved
+            if on_device:  # the passes before the last move their layers' M to the host
+                pass_m = max(len(group) for group in groups) * layer_m
+                earlier_m = {"M of earlier passes": (layers - len(groups[-1])) * layer_m}
+                solve_m = len(groups[-1]) * layer_m
         statistics = {
             "model": weights, "activations": int(ACTIVATION_OVERHEAD * activations), "C": second_moments,
             **_named({"M": pass_m, "compact solve of earlier passes": earlier_solved}),
@@ -240,6 +255,14 @@ def plan_memory(
         # the shard being written to the host.
         write = {"grown model": weights}
         shard = {"shard copied to the host": min(weights, SHARD_BYTES)} if on_device else {}
+        if inspection:
+            kept = (("write", {"model": weights, "C": second_moments, **_named({"M": solve_m})}),
+                    ) * keep_statistics
+            # saving copies a device's statistics to the host (`GrowthStatistics.save`)
+            copied = {"statistics copied to the host": solve_m + second_moments} if on_device else {}
+            return (_stage("statistics", statistics, on_device, earlier_m),
+                    *[_stage(name, terms, on_device, {**earlier_m, **copied}) for name, terms in kept],
+                    _stage("gains", solve, on_device, earlier_m))
         stages = (("statistics", statistics), ("solve", solve), ("line search", held_out))[1 if given else 0:]
         return tuple(_stage(name, terms, on_device) for name, terms in stages) + (
             _stage("write", write, on_device, shard),)
@@ -253,16 +276,19 @@ def plan_memory(
     # counted at the widest layer's, as the solved form is (a model grown before may differ layer by layer)
     old_qk = 8 * max(sum(weight.numel() for weight in adapter.read_qk(attention))
                      for attention in adapter.attention_modules(model))
-    solved = {at_ceiling: _solved_bytes(mode, config, owned, heads, width, max(qk_dims), at_ceiling) + owned * old_qk
-              for at_ceiling in (True, False)}
+    added = 0 if inspection else None  # an inspection solves at the current widths
+    solved = {
+        at_ceiling: _solved_bytes(mode, config, owned, heads, width, max(qk_dims), at_ceiling, added) + owned * old_qk
+        for at_ceiling in (True, False)
+    }
     # the line search holds every layer's Q/K weights at the new width in float64 (those of step 0, of the best step
     # and its factors: a GPT-2 small shape's run held the three, 0.32 GiB the plan missed)
     widest = max(qk_dims)  # a budget's dims are spread over the layers, p's added to each
     grown_dims = (min(layers * width, layers * widest + config.budget) if config.budget is not None
                   else layers * min(width, widest + _largest_p(config.p)))
     grown_qk = 3 * old_qk * grown_dims // widest
-    # M on disk: the largest group's accumulators, one group at a time
-    disk = max(len(group) for group in groups) * layer_bytes if offload else 0
+    # M on disk: the largest group's accumulators, one group at a time (each layer's, where all are kept)
+    disk = (layers if keep_statistics else max(len(group) for group in groups)) * layer_bytes if offload else 0
     return MemoryPlan(
         (loading, *stages_after_loading(solved[True])), [] if given_statistics is not None else groups, on_device,
         layers, heads, width, batch_size,
@@ -300,7 +326,8 @@ def _named(terms: dict[str, int]) -> dict[str, int]:
 
 
 def _solved_bytes(
-    mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int, at_ceiling: bool
+    mode: str, config: GrowthConfig, layers: int, heads: int, width: int, qk_dim: int, at_ceiling: bool,
+    added: int | None = None,
 ) -> int:
     """What the solve keeps for the steps (`layer_solve.LayerProblem`) beside the old weights: per head, the compact
     target (`compact.stored_bytes`, one for both truncations: "refactor"), or the unit update of the added dims of
@@ -308,8 +335,9 @@ def _solved_bytes(
 
     The compact rank is certified from each head's spectrum during the solve (`compact.certified_rank`), between
     `compact.compact_rank` and `compact.rank_ceiling`: ``at_ceiling`` counts the ceiling (flat spectra, such as
-    random weights', reach it), else the least rank."""
-    added = config.budget if config.budget is not None else _largest_p(config.p)
+    random weights', reach it), else the least rank. ``added``: the dims added (default: the config's)."""
+    if added is None:
+        added = config.budget if config.budget is not None else _largest_p(config.p)
     grown = min(width, qk_dim + added)
     # The whitened update always (the step norms, the spectrum); the Frobenius one too where a candidate truncates so.
     plain = config.candidate_truncations != ("whitened",)

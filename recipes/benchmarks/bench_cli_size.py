@@ -8,12 +8,14 @@ saves them to a folder, then runs
 
 as a new user would, with stderr going to a pipe (as in a log file). It samples the command's resident memory
 every 0.2 s and splits the run at the command's own progress lines: model and data loading, statistics, solve,
-line search, realized gains, writing the grown model.
+line search, realized gains, writing the grown model (with ``--inspect``, of `hf-grow inspect`: statistics, the
+gains and the statistics file of ``--save-stats``).
 Prints one table row per stage (seconds and peak resident memory within it) and the total, and the peak of its
 anonymous memory (resident memory less file-backed pages, such as the mapping of ``--offload-dir``, which the
 operating system can write back and drop).
 
     python recipes/benchmarks/bench_cli_size.py --shape small            # ~4 minutes on 2 CPU cores
+    python recipes/benchmarks/bench_cli_size.py --shape small --inspect -- --save-stats /tmp/stats.safetensors
     python recipes/benchmarks/bench_cli_size.py --shape medium --batch-size 2   # 15-20 minutes alone, 8.8 GiB
                                                                          # (14.2 GiB at the default batch 8)
     python recipes/benchmarks/bench_cli_size.py --shape llama-1b --max-tokens 2048 --eval-tokens 512 \
@@ -76,6 +78,9 @@ SHAPES = {
 BUILD = "build the grown model, first held-out pass"
 PLAN_STAGES = {"load": ("load model and data",), "statistics": ("statistics",), "solve": ("solve",),
                "line search": (BUILD, "line search", "realized gains"), "write": ("writing the grown model",)}
+#: The same for ``hf-grow inspect`` (``--inspect``): the gains are solved group by group after each pass.
+INSPECT_PLAN_STAGES = {"load": ("load model and data",), "statistics": ("statistics",),
+                       "write": ("writing the statistics",), "gains": ("gains",)}
 STDLIB = sysconfig.get_paths()["stdlib"]
 
 
@@ -232,6 +237,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: a bfloat16 model and device memory sampled")
     parser.add_argument("--stop-after", choices=["load", "first-pass", "statistics", "solve"],
                         help="stop the command once this stage is over (see above)")
+    parser.add_argument("--inspect", action="store_true",
+                        help="run `hf-grow inspect` (statistics and gains; add -- --save-stats FILE to keep M)")
     parser.add_argument("extra", nargs="*", help="more hf-grow options, after --, e.g. -- --memory-budget 4GB")
     args = parser.parse_args()
     transformers_logging.set_verbosity_error()
@@ -245,10 +252,11 @@ def main() -> None:
             parameters = build_model(model_folder, args.shape, args.layers, args.device)
             (model_folder / "size.json").write_text(json.dumps({"parameters": parameters}))
         text = [os.path.join(STDLIB, folder, "*.py") for folder in ("json", "email", "asyncio", "unittest")]
-        command = [sys.executable, "-m", "hf_grow", str(model_folder), "--p", str(args.p), "--data", *text,
-                   "--max-tokens", str(args.max_tokens), "--eval-tokens", str(args.eval_tokens),
-                   "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-                   "--output-dir", str(output), "--overwrite", "--device", args.device, *args.extra]
+        growth = [] if args.inspect else ["--p", str(args.p), "--output-dir", str(output), "--overwrite"]
+        command = [sys.executable, "-m", "hf_grow", *["inspect"] * args.inspect, str(model_folder), *growth,
+                   "--data", *text, "--max-tokens", str(args.max_tokens), "--eval-tokens", str(args.eval_tokens),
+                   "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--device", args.device,
+                   *args.extra]
         print(f"# bench_cli_size {datetime.date.today()} torch {torch.__version__} "
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
               f"{psutil.virtual_memory().total / 2**30:.0f} GiB, {device_name(args.device)}; {name} shape "
@@ -284,10 +292,13 @@ def main() -> None:
     print(f"{'total':<44}{total:>9.1f}{1:>8.0%}" + "".join(
         f"{overall[kind]:>{10 + 2 * column}.2f}" for column, kind in enumerate(kinds)))
     print(f"peak anonymous memory (resident less file-backed pages): {anonymous / 2**30:.2f} GiB")
+    plan_stages = INSPECT_PLAN_STAGES if args.inspect else PLAN_STAGES
     for column, kind in enumerate(kinds):
-        predicted = planned_peaks(plan, column)
+        predicted = planned_peaks(plan, plan_stages, column)
         print(f"\n{'plan stage':<14}{f'planned {kind} GiB':>20}{'measured GiB':>14}{'planned/measured':>18}")
-        for name, covered in PLAN_STAGES.items():
+        for name, covered in plan_stages.items():
+            if name not in predicted:  # not planned (inspect without --save-stats writes no statistics)
+                continue
             measured = max((peaks[kind][stage] for stage in covered if stage in peaks[kind]), default=0) / 2**30
             ratio = f"{predicted[name] / measured:>18.2f}" if measured else f"{'-':>18}"
             print(f"{name:<14}{predicted[name]:>20.2f}{measured:>14.2f}{ratio}")
@@ -295,12 +306,12 @@ def main() -> None:
         print(f"{'peak':<14}{planned:>20.2f}{overall[kind]:>14.2f}{planned / overall[kind]:>18.2f}")
 
 
-def planned_peaks(table: str, column: int = 0) -> dict[str, float]:
-    """GiB per stage from the ``--dry-run`` table (`hf_grow.growth.memory_plan.MemoryPlan.table`): its host
-    column (0) or its device column (1)."""
+def planned_peaks(table: str, stages: dict[str, tuple[str, ...]], column: int = 0) -> dict[str, float]:
+    """GiB per stage of ``stages`` from the ``--dry-run`` table (`hf_grow.growth.memory_plan.MemoryPlan.table`):
+    its host column (0) or its device column (1)."""
     peaks = {}
     for line in table.splitlines():
-        for name in PLAN_STAGES:
+        for name in stages:
             if line.startswith(name + " ") and line[len(name):].strip()[:1].isdigit():
                 value, unit = line[14:].split()[2 * column:2 * column + 2]
                 peaks[name] = float(value) / {"MiB": 1024, "GiB": 1, "KiB": 2**20, "B": 2**30}[unit]
