@@ -323,3 +323,24 @@ def test_the_kept_coordinate_search_reports_the_loss_of_the_model_it_returns(tra
     report = model.growth_report
     assert report.step_size > 0 and report.step_mode == "coordinate"
     assert report.eval_loss_after == pytest.approx(evaluate_loss(model, batches)[0], rel=1e-6, abs=0)
+
+
+def test_a_confirmation_batch_that_overflows_at_every_step_is_never_chosen(trained_gpt2, statistics, stdlib_bytes):
+    """A held-out batch whose loss is NaN at every step but 0 (a float16 overflow), among the confirmation batches:
+    the simplest candidate was kept on a NaN confirmation loss, and the final search took a NaN step
+    (`eval_loss_after` nan) where a single candidate's search walks down to a finite step."""
+    held = lm_batches(stdlib_bytes["eval"], 5, seed=4)
+    marked = held[-1]["input_ids"]
+    with torch.no_grad():
+        old_loss = float(trained_gpt2(**held[-1]).loss)
+
+    def overflowing(model, batch):
+        loss = model(**batch).loss
+        moved = abs(float(loss) - old_loss) > 1e-4
+        return loss * math.nan if torch.equal(batch["input_ids"], marked) and moved else loss
+
+    report = grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held, loss_fn=overflowing,
+                        measure_realized_gains=False).growth_report
+    assert math.isfinite(report.eval_loss_after) and report.eval_loss_after <= report.eval_loss_before
+    assert report.selection_margin is None or math.isfinite(report.selection_margin)
+    assert all(point.loss is None or math.isfinite(point.loss) for point in report.line_search)

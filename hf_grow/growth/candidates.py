@@ -278,13 +278,21 @@ def _choose(
                                          confirmed=(report.step_size, report.confirm_loss))
     simplest = candidates[0]
     best = min(candidates, key=lambda candidate: candidate.report.search_loss)  # the first (simpler) of a tie
-    confirmed = best.report.confirm_loss < simplest.report.confirm_loss
+    # a confirmation loss that is not finite (NaN: a step overflowing in low precision) confirms nothing
+    best_confirm, simplest_confirm = (_or_inf(candidate.report.confirm_loss) for candidate in (best, simplest))
+    confirmed = best_confirm < simplest_confirm
     selection = "fallback" if best is not simplest and not confirmed else "search"
     kept = best if confirmed else simplest
     # in full passes over all the held-out batches: the searches' over their part, the confirmations' over theirs
     cost = passes["search"] * old.share("search") + passes["confirm"] * old.share("confirm")
-    margin = simplest.report.confirm_loss - kept.report.confirm_loss
+    margin = simplest_confirm - _or_inf(kept.report.confirm_loss)
+    margin = margin if math.isfinite(margin) else None
     return (kept.report, kept.outcome, cost), [candidate.report for candidate in candidates], selection, margin
+
+
+def _or_inf(loss: float) -> float:
+    """+inf for a loss that is not finite, so that it compares as the worst (NaN compares false with everything)."""
+    return loss if math.isfinite(loss) else math.inf
 
 
 def _searched_losses(outcome: search.SearchOutcome) -> dict[float, float]:

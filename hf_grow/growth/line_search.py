@@ -152,7 +152,7 @@ def search_step_size(
     A non-finite loss (a step that overflows in low precision) counts as +inf, so it is never the best.
     ``known`` losses (e.g. of the step already taken) are not evaluated again.
     """
-    losses: dict[float, float] = dict(known or {})
+    losses = {step: value if math.isfinite(value) else math.inf for step, value in (known or {}).items()}
 
     def loss(step: float) -> float:
         if step not in losses:
@@ -190,5 +190,6 @@ def search_step_size(
 
 
 def best_step(losses: Mapping[float, float]) -> float:
-    """The step of least loss; of equal losses the smallest step (step 0 wins a tie: nothing is gained)."""
-    return min(losses, key=lambda step: (losses[step], step))
+    """The step of least loss; of equal losses the smallest step (step 0 wins a tie: nothing is gained). A
+    non-finite loss (NaN too, which compares false with everything) is never the least."""
+    return min(losses, key=lambda step: (losses[step] if math.isfinite(losses[step]) else math.inf, step))
