@@ -198,3 +198,62 @@ def test_the_report_reads_the_line_searchs_decomposition_of_the_chosen_step(gpt2
     assert len(calls) == layers * (len(searched) + 1)
     assert [layer.heads for layer in again.layers] == [layer.heads for layer in report.layers]
     assert again.eval_loss_after == report.eval_loss_after and again.step_size == report.step_size
+
+
+def _two_column_loss(model, batch):
+    """A loss_fn running the model once per text column (as a SentenceTransformer's loss does)."""
+    return 0.5 * (model(**batch["a"]).loss + model(**batch["b"]).loss)
+
+
+def _attention_entropy_loss(model, batch):
+    """The LM loss plus the first layer's attention entropy: a loss_fn reading what replayed blocks do not make."""
+    outputs = model(**batch, output_attentions=True)
+    attention = outputs.attentions[0].clamp_min(1e-9)
+    return outputs.loss - 0.5 * (attention * attention.log()).sum(-1).mean()
+
+
+def test_replays_follow_a_loss_fn_that_runs_the_model_twice_or_reads_attentions(gpt2_copy, stdlib_bytes):
+    """`record` kept a block's first output per batch and a replay served one per model call: a loss_fn running the
+    model once per column read the next batch's states (a shape error, or a bare StopIteration). A loss_fn on
+    ``output_attentions`` lost the replayed blocks' attentions (a realized gain of 0.67 where a full pass gives
+    -0.005): such records are dropped, every evaluation a full pass."""
+    from hf_grow.growth.layer_steps import HeldOutPasses
+
+    gpt2_copy.set_attn_implementation("eager")  # attentions are returned by eager attention only
+    adapter = get_adapter(gpt2_copy)
+    columns = [{"a": a, "b": b} for a, b in zip(lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=2),
+                                                 lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=48, seed=3))]
+    single = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=4)
+    for batches, loss_fn in ((columns, _two_column_loss), (single, _attention_entropy_loss)):
+        passes = HeldOutPasses(gpt2_copy, adapter, batches, loss_fn, None)
+        passes.record(0)  # of the two layers', the first block's outputs (nothing replays the last)
+        with torch.no_grad():
+            for parameter in adapter.attention_modules(gpt2_copy)[1].parameters():
+                parameter.mul_(1.5)
+        full = evaluate_loss(gpt2_copy, batches, adapter, loss_fn)[0]
+        assert passes.loss(first_changed=1) == pytest.approx(full, rel=1e-9)
+        assert (passes.recorded == []) == (loss_fn is _attention_entropy_loss)  # kept where the replay is exact
+        recording = HeldOutPasses(gpt2_copy, adapter, batches, loss_fn, None)
+        assert recording.loss_recording()[0] == pytest.approx(full, rel=1e-9)
+        with torch.no_grad():
+            for parameter in adapter.attention_modules(gpt2_copy)[1].parameters():
+                parameter.mul_(0.5)
+        assert recording.loss(first_changed=1) == pytest.approx(evaluate_loss(gpt2_copy, batches, adapter, loss_fn)[0],
+                                                                rel=1e-9)
+
+
+def test_coordinate_steps_with_a_loss_fn_that_runs_the_model_per_column(gpt2_copy, stdlib_bytes):
+    """The coordinate search records block by block (`HeldOutPasses.record`): it failed after the statistics pass
+    with any loss_fn running the model more than once per batch."""
+    def pairs(source: str, count: int, seed: int) -> list[dict]:
+        first = lm_batches(stdlib_bytes[source], count, batch_size=4, seq_len=64, seed=seed)
+        second = lm_batches(stdlib_bytes[source], count, batch_size=4, seq_len=48, seed=seed + 100)
+        return [{"a": a, "b": b} for a, b in zip(first, second)]
+
+    held_out = pairs("eval", 3, 4)
+    grown = grow_model(gpt2_copy, pairs("stats", 3, 3), p=8, eval_dataloader=held_out, loss_fn=_two_column_loss,
+                       step_mode="coordinate")
+    report = grown.growth_report
+    assert report.eval_loss_after == pytest.approx(evaluate_loss(grown, held_out, loss_fn=_two_column_loss)[0],
+                                                   rel=1e-9)
+    assert report.eval_loss_after <= report.eval_loss_before

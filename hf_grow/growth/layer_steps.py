@@ -131,6 +131,7 @@ class HeldOutPasses:
             self.blocks, self.recorded = None, []
         elif outputs:
             self.recorded, self.recorded_bytes = outputs, held[0]
+            self._check_replay(loss)
         return loss, weight
 
     def join_records(self, parts: list[HeldOutPasses | None]) -> None:
@@ -149,10 +150,14 @@ class HeldOutPasses:
         if self.blocks is None or layer != len(self.recorded) or layer >= self.num_layers - 1:
             return
         outputs: list[Any] = []
+        # The model's own loss runs it once a batch: its pass may stop after the block. A loss_fn may run it more
+        # than once (a SentenceTransformer's loss: once per text column), and each call is replayed in turn.
+        stops = self.loss_fn is None
 
         def keep(module: nn.Module, args: Any, output: Any) -> None:
             outputs.append(output)
-            raise _Recorded
+            if stops:
+                raise _Recorded
 
         handle = self.blocks[layer].register_forward_hook(keep)
         modes = module_modes(self.model)
@@ -167,13 +172,27 @@ class HeldOutPasses:
         finally:
             handle.remove()
             restore_modes(modes)
-        self.passes += 1 / self.num_layers
+        self.passes += (1 if stops else self.num_layers - layer) / self.num_layers
         self.recorded_bytes += sum(_bytes(output) for output in outputs)
         if self.recorded_bytes * (self.num_layers - 1) / (layer + 1) > CACHE_BYTES:
             logger.info("held-out hidden states exceed %d bytes: every evaluation is a full pass", CACHE_BYTES)
             self.blocks, self.recorded = None, []
             return
         self.recorded.append(outputs)
+        if layer == 0 and self.loss_fn is not None:
+            self._check_replay(self.loss())
+
+    def _check_replay(self, loss: float) -> None:
+        """Drop the records where a pass replaying them does not give ``loss``, the model's held-out loss as it now
+        is: a ``loss_fn`` may read what replayed blocks do not make (``output_attentions``: the attention modules
+        of a replayed block never run). The model's own loss reads the last block's outputs only: not checked."""
+        if self.loss_fn is None or not self.recorded:
+            return
+        replayed = self.loss(first_changed=len(self.recorded))
+        if abs(replayed - loss) > 1e-6 * max(1.0, abs(loss)):
+            logger.info("the loss_fn's held-out loss differs with the blocks' recorded outputs replayed (%.6g, "
+                        "%.6g without): every evaluation is a full pass", replayed, loss)
+            self.blocks, self.recorded = None, []
 
     @contextlib.contextmanager
     def _replaying(self, count: int) -> Iterator[None]:
@@ -182,7 +201,7 @@ class HeldOutPasses:
         for block, outputs in zip(self.blocks[:count] if count else [], self.recorded):
             replay = iter(outputs)
             patched.append((block, block.__dict__.get("forward")))
-            block.forward = lambda *args, _replay=replay, **kwargs: next(_replay)
+            block.forward = lambda *args, _replay=replay, **kwargs: _next_record(_replay)
         try:
             yield
         finally:
@@ -191,6 +210,16 @@ class HeldOutPasses:
                     del block.forward
                 else:
                     block.forward = forward
+
+
+def _next_record(records: Iterator[Any]) -> Any:
+    try:
+        return next(records)
+    except StopIteration:  # a bare StopIteration would end whatever loop runs the model
+        raise RuntimeError(
+            "the held-out batches ran the model more times than when their blocks' outputs were recorded: a "
+            "loss_fn must run the model the same number of times on a batch each time it is called"
+        ) from None
 
 
 def _bytes(output: Any) -> int:
