@@ -257,3 +257,28 @@ def test_coordinate_steps_with_a_loss_fn_that_runs_the_model_per_column(gpt2_cop
     assert report.eval_loss_after == pytest.approx(evaluate_loss(grown, held_out, loss_fn=_two_column_loss)[0],
                                                    rel=1e-9)
     assert report.eval_loss_after <= report.eval_loss_before
+
+
+@pytest.mark.parametrize("settings", [dict(search="fast", step_mode="per_head"),
+                                      dict(truncation="auto", step_mode="layer_search")])
+def test_line_search_passes_count_every_pass_that_runs(gpt2_copy, stdlib_bytes, settings):
+    """`report.line_search_passes` left out the fast search's full-rank reference (5.0 reported, 13.0 run) and, with
+    candidates searched per layer, the step-0 passes that only record (26.8 reported, 29.0 run)."""
+    from hf_grow import collect_statistics
+
+    batches = lm_batches(stdlib_bytes["stats"], 3, batch_size=4)
+    statistics = collect_statistics(gpt2_copy, batches, get_adapter(gpt2_copy))
+    held_out = lm_batches(stdlib_bytes["eval"], 5, batch_size=4, seed=1)
+    calls = [0]
+
+    def count(module, args):
+        calls[0] += type(module).__name__.endswith("Attention")
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        report = grow_model(gpt2_copy, None, p=8, statistics=statistics, eval_dataloader=held_out,
+                            measure_realized_gains=False, **settings).growth_report
+    finally:
+        handle.remove()
+    passes = calls[0] / (gpt2_copy.config.n_layer * len(held_out)) - 1  # all but the pass at step 0
+    assert report.line_search_passes == pytest.approx(passes, rel=1e-9)

@@ -161,7 +161,7 @@ def line_search(
         loss_after = search.loss(target)
     return SearchOutcome(
         step_size, chosen, loss_before, loss_after, eval_weight, unconstrained_loss, search.points,
-        None if measured is None else search.passes_done() - measured, step_zero, decompositions,
+        None if measured is None else search.passes_done() - measured + search.extra_passes, step_zero, decompositions,
         list(problem.layer_scales),
     )
 
@@ -184,6 +184,8 @@ class _StepSearch:
         self.eval_batches, self.known_part = eval_batches, known_part
         self.passes = None if eval_batches is None else self._new_passes()
         self.points: list[LineSearchPoint] = []
+        #: Passes not counted by ``passes`` (on another object, or before the search's count starts).
+        self.extra_passes = 0.0
         self.loss_before: float | None = None
         self.bar: Any = None
         self._best: dict[str, Any] = {}  # loss, step and decompositions of the best step evaluated
@@ -202,6 +204,7 @@ class _StepSearch:
         """The held-out loss of ``candidate``: the target as it now is, or another model (a full pass)."""
         if candidate is self.target:
             return self.passes.loss()
+        self.extra_passes += 1  # the unconstrained reference's
         return self._evaluate_loss(candidate, self.eval_batches)[0]
 
     def step_zero(
@@ -220,7 +223,10 @@ class _StepSearch:
         if record or (problem.step_mode == "layer_search" and step_size is None):
             if recorded is None:
                 recorded = self._new_passes() if coordinate else self.passes
-                before = recorded.loss_recording()
+                measured = recorded.loss_recording()
+                # a pass for its records alone where the loss was known: a cost of the search
+                self.extra_passes += before is not None
+                before = before or measured
             if not coordinate:
                 self.passes = recorded
             step_zero = recorded if record else None
