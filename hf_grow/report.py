@@ -303,7 +303,8 @@ def selection_line(report: GrowthReport) -> str:
     (`GrowthReport.selection_summary`)."""
     others = len(report.candidates) - 1
     if report.selection == "simplest":
-        return f"{report.candidate_name} kept without a held-out choice (a step size given, or one held-out batch)"
+        return (f"{report.candidate_name} kept without a held-out choice (a step size given, or fewer than two "
+                "held-out batches with loss terms)")
     if report.selection == "fallback":
         searched = min(report.candidates, key=lambda c: math.inf if c.search_loss is None else c.search_loss)
         return (

@@ -344,3 +344,26 @@ def test_a_confirmation_batch_that_overflows_at_every_step_is_never_chosen(train
     assert math.isfinite(report.eval_loss_after) and report.eval_loss_after <= report.eval_loss_before
     assert report.selection_margin is None or math.isfinite(report.selection_margin)
     assert all(point.loss is None or math.isfinite(point.loss) for point in report.line_search)
+
+
+def test_a_loss_without_gradient_and_held_out_batches_without_loss_terms_are_said_once(gpt2_copy, stdlib_bytes,
+                                                                                       caplog):
+    """The zero-gradient warning came once per candidate search, completion and final search (8 times in one
+    growth); held-out batches without loss terms were skipped silently."""
+    batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=4)
+    held_out = lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seed=5)
+
+    def embedding_norm(model, batch):  # no path from the attention scores to the loss
+        return model(**batch, output_hidden_states=True).hidden_states[0].pow(2).mean()
+
+    with caplog.at_level("WARNING", logger="hf_grow"):
+        report = grow_model(gpt2_copy, batches, p=8, eval_dataloader=held_out, loss_fn=embedding_norm,
+                            measure_realized_gains=False, **AUTO).growth_report
+    assert report.step_size == 0
+    assert sum("zero gradient" in record.message for record in caplog.records) == 1
+    caplog.clear()
+    unlabelled = {**held_out[0], "labels": torch.full_like(held_out[0]["labels"], -100)}
+    with caplog.at_level("WARNING", logger="hf_grow"):
+        grow_model(gpt2_copy, batches, p=8, eval_dataloader=[unlabelled, *held_out], step_size=0.0,
+                   measure_realized_gains=False)
+    assert any("skipped 1 held-out batch(es) without loss terms" in record.message for record in caplog.records)

@@ -349,6 +349,8 @@ def prepare_growth(
             check_batch(batch, f"held-out batch {index}", model)
             check_labels(batch, f"held-out batch {index}", model, loss_fn)
         weights = [batch_loss_weight(adapter, model, batch, loss_fn) for batch in eval_batches or ()]
+    if 0 in weights:
+        logger.warning("skipped %d held-out batch(es) without loss terms (every label -100)", weights.count(0))
     device = next(model.parameters()).device
     if eval_batches is not None:  # found now, not after the statistics pass
         if processes.sum_(torch.tensor(sum(weights), dtype=torch.float64, device=device)).item() == 0:
@@ -414,6 +416,8 @@ def prepare_growth(
             warn_unaligned(qk_after, growth)
     return_free_memory()
     seconds["solve"] += time.perf_counter() - tick
+    if config.step_size is None and not problem.has_gradient:  # every search of it takes step 0
+        logger.warning("the loss has zero gradient with respect to every head's scores: nothing to gain, step 0.")
     return PreparedGrowth(
         model, adapter, config, loss_fn, qk_before, qk_after, max_rank, statistics, eval_batches, problem,
         model.num_parameters(), seconds, accelerator, confirmation,

@@ -140,8 +140,7 @@ def line_search(
             f"the held-out loss is {loss_before} before any step: growth needs a finite loss. Check the held-out "
             "data, or load the model in a wider dtype (float16 overflows most easily)."
         )
-    if step_size is None and not problem.has_gradient:
-        logger.warning("the loss has zero gradient with respect to every head's scores: nothing to gain, step 0.")
+    if step_size is None and not problem.has_gradient:  # said once, by `prepare_growth`
         step_size, loss_after = 0.0, loss_before
     if step_size is None:
         with progress_bar(desc="line search", unit="eval", enabled=progress) as bar:
