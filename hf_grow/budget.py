@@ -33,8 +33,9 @@ def check_budget(budget: int, multiple_of: int, max_added: Sequence[int]) -> Non
     capacities = [most // multiple_of * multiple_of for most in max_added]
     if budget > sum(capacities):
         raise ValueError(
-            f"budget {budget} exceeds the {sum(capacities)} dimensions the layers can take (per layer at most "
-            f"hidden_size + 1 minus the current width, in multiples of {multiple_of}): choose a smaller budget."
+            f"budget {budget} exceeds the {sum(capacities)} dimensions the layers can take (per layer at most the "
+            "width of the query/key projections' inputs, hidden_size plus 1 where they have biases, minus the current "
+            f"width, in multiples of {multiple_of}): choose a smaller budget."
         )
 
 

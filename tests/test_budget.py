@@ -101,6 +101,17 @@ def test_bad_budgets_are_refused_before_reading_data(trained_gpt2):
     ]:
         with pytest.raises(ValueError, match=message):
             grow_model(trained_gpt2, never_read(), step_size=0.0, **arguments)
+    # Llama's Q/K have no biases: its scores' rank is at most hidden_size (64), not 65, so 2 x 48 dims at most; 97
+    # passed the early check and was refused after the statistics pass and the solve
+    from transformers import LlamaForCausalLM
+
+    from test_grown_llama import tiny_llama_config
+
+    llama = LlamaForCausalLM(tiny_llama_config())
+    with pytest.raises(ValueError, match="exceeds the 96 dimensions"):
+        grow_model(llama, never_read(), step_size=0.0, budget=97)
+    with pytest.raises(ValueError, match="exceed 64, the width of the query/key projections' inputs"):
+        grow_model(llama, never_read(), step_size=0.0, p=49)
 
 
 def test_saved_statistics_give_the_same_budget_growth(trained_gpt2, statistics, tmp_path):

@@ -234,10 +234,10 @@ def test_a_growth_the_model_cannot_take_is_refused_before_any_text_or_weights(
     for reader in ("text_batches", "load_model", "load_tokenizer"):
         monkeypatch.setattr(f"hf_grow.cli.commands.{reader}", never)
     arguments, message = {
-        "p too wide": (["--p", "1000"], "exceed hidden_size + 1"),
+        "p too wide": (["--p", "1000"], "the width of the query/key projections' inputs"),
         "a budget too large": (["--budget", "100000"], "budget 100000 exceeds"),
         "--stats of another model": (["--stats", str(tmp_path / "other.st")], "collected for another model"),
-        "the pairs": (["--p", "1000", "--pairs", str(corpus)], "exceed hidden_size + 1"),
+        "the pairs": (["--p", "1000", "--pairs", str(corpus)], "the width of the query/key projections' inputs"),
     }[name]
     data = [] if name == "the pairs" else ["--data", str(corpus)]
     monkeypatch.setattr("hf_grow.cli.commands.grow_from_pairs", never)

@@ -244,7 +244,7 @@ def check_growth(
     do: the command checks before it reads any data): the growth mode to run (``mode``, or the architecture's
     default), and the dims each layer gains (None with a budget, which the statistics allocate)."""
     qk_before = adapter.qk_head_dims(model.config)
-    max_rank = adapter.hidden_size(model.config) + 1
+    max_rank = qk_input_width(model, adapter)
     if mode is not None and mode not in SOLVED_MODES:
         raise ValueError(f"mode must be one of {SOLVED_MODES}, got {mode!r}")
     mode = adapter.check_mode(model, mode)
@@ -263,10 +263,20 @@ def check_growth(
     too_wide = {layer: dim for layer, dim in enumerate(qk_after) if dim > max_rank}
     if too_wide:
         raise ValueError(
-            f"query/key widths {too_wide} exceed hidden_size + 1 = {max_rank}, the largest rank a head's scores "
-            "can have: choose a smaller p."
+            f"query/key widths {too_wide} exceed {max_rank}, the width of the query/key projections' inputs "
+            f"({QK_INPUT_WIDTH}) and the largest rank a head's scores can have: choose a smaller p."
         )
     return mode, growth
+
+
+#: What `qk_input_width` is, as the errors say it.
+QK_INPUT_WIDTH = "hidden_size, plus 1 where they have biases"
+
+
+def qk_input_width(model: PreTrainedModel, adapter: ArchitectureAdapter) -> int:
+    """The width of the query/key projections' inputs: hidden_size + 1 where they have biases (X' = [X | 1], GPT-2,
+    BERT, Qwen2), hidden_size where not (Llama, Mistral). The largest rank a head's scores can have."""
+    return adapter.read_qk(adapter.attention_modules(model)[0])[0].shape[-2]
 
 
 def check_weights_in_memory(model: PreTrainedModel) -> None:
@@ -307,7 +317,7 @@ def prepare_growth(
     processes = Processes(accelerator)
     adapter = get_adapter(model)
     qk_before = adapter.qk_head_dims(model.config)
-    max_rank = adapter.hidden_size(model.config) + 1
+    max_rank = qk_input_width(model, adapter)
     mode, growth = check_growth(model, adapter, config, mode)
     check_weights_in_memory(model)
     check_loss_fn(loss_fn)
