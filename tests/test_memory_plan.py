@@ -14,7 +14,8 @@ from hf_grow.cli import memory as cli_memory
 from hf_grow.statistics import collect as collect_module
 from hf_grow.growth.activation_probe import activation_bytes
 from hf_grow.growth.memory_plan import (
-    CUDA_PROCESS_BASELINE_BYTES, OFFLOAD_PLACEHOLDER, PROCESS_BASELINE_BYTES, fitting_changes, plan_memory,
+    CUDA_PROCESS_BASELINE_BYTES, OFFLOAD_PLACEHOLDER, PROCESS_BASELINE_BYTES, RATES_SQUARES_PER_HEAD,
+    SOLVE_SQUARES_PER_HEAD, fitting_changes, plan_memory,
 )
 from hf_grow.progress import format_bytes
 from hf_grow.statistics import layer_groups, statistics_bytes
@@ -455,3 +456,21 @@ def test_on_a_gpu_the_host_keeps_the_cuda_process_and_one_shard_of_the_written_m
     small_plan = plan_memory(small, get_adapter(small), GrowthConfig(p=8), device="cuda", **shape)
     assert small_plan.stages[0].host == CUDA_PROCESS_BASELINE_BYTES  # a small file: the CUDA libraries outweigh it
 
+
+
+def test_the_solve_counts_whole_key_groups_and_the_gain_rates():
+    """The solve takes a whole group of query heads sharing a key at once (16 in Llama-3.1-405B), the plan counted 8;
+    and a budget's gains per added dim hold ~5 more squares a head, which it did not count (1.4-1.7x under)."""
+    shape = dict(batch_size=2, seq_len=32, eval_tokens=256)
+    settings = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=8,
+                    num_attention_heads=16, max_position_embeddings=64)
+    for key_heads, chunk in ((1, 16), (4, 8), (16, 8)):
+        model = meta_model(LlamaForCausalLM, LlamaConfig(**settings, num_key_value_heads=key_heads))
+        plain, budget = (
+            next(stage for stage in plan_memory(model, get_adapter(model), config, **shape).stages
+                 if stage.name == "solve").terms
+            for config in (GrowthConfig(p=8), GrowthConfig(budget=16))
+        )
+        square = chunk * 129 * 129 * 8
+        assert plain[f"solve of {chunk} heads"] == SOLVE_SQUARES_PER_HEAD * square
+        assert budget[f"solve of {chunk} heads"] == (SOLVE_SQUARES_PER_HEAD + RATES_SQUARES_PER_HEAD) * square

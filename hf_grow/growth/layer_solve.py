@@ -18,6 +18,13 @@ from .. import compact, linalg
 
 #: Heads solved together: bounds the solve's transient d x d tensors (a few per head) without giving up batching.
 HEAD_CHUNK = 8
+
+
+def head_chunk(heads: int, groups: int) -> int:
+    """The heads solved at once: `HEAD_CHUNK`, in whole groups of query heads sharing a key (their keys are solved
+    jointly), so the whole group where one holds more (16 query heads a key in Llama-3.1-405B)."""
+    per_group = heads // groups
+    return min(heads, max(per_group, HEAD_CHUNK // per_group * per_group))
 #: How ``solver="auto"`` decomposes each head's direction for the compact solve: once per head, from a cold
 #: start, to a rank s of about twice the grown width. There eigh was never slower than subspace iteration on a
 #: 2-core CPU at GPT-2 medium's width (s + 16 = 160 of 1,025 columns): 1.04x on a trained layer, 1.4x with
@@ -109,7 +116,7 @@ def solve_layer(
     """
     heads = problem.query.shape[0]
     per_group = heads // problem.groups
-    chunk = max(per_group, HEAD_CHUNK // per_group * per_group)  # whole groups: their keys are solved jointly
+    chunk = head_chunk(heads, problem.groups)
     width = problem.query.shape[-1]
     size = problem.query.shape[-2]
     added = max(1, max_width - width)

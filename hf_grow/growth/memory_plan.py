@@ -23,7 +23,7 @@ from ..files import SHARD_BYTES
 from ..progress import format_bytes
 from ..statistics import layer_groups, m_copies, statistics_bytes
 from .activation_probe import activation_bytes, statistics_attention
-from .layer_solve import HEAD_CHUNK
+from .layer_solve import head_chunk
 from .layer_steps import CACHE_BYTES
 from .line_search import can_confirm_a_choice
 from .sharding import plan_owners, solve_cost
@@ -50,6 +50,10 @@ SOLVE_SQUARES_PER_HEAD = 6
 #: halves' means and their whitened forms, a decomposition's input and vectors for each half, the confirmed parts
 #: (counted from its code, not measured).
 CROSS_FIT_SQUARES_PER_HEAD = 9
+#: More (heads, d, d) float64 tensors alive at once where the solve also computes each head's gain per added dim
+#: (`layer_solve._rates`: the whitened Z and P, the scores' decomposition, their projections), measured by a review
+#: as 4.8 squares per head beside the solve's ("refactor", d = 513) and 4.2 ("append").
+RATES_SQUARES_PER_HEAD = 5
 #: The ``offload_dir`` a refusal names where only M on disk fits (the user picks the folder).
 OFFLOAD_PLACEHOLDER = "DIR"
 
@@ -214,8 +218,10 @@ def plan_memory(
     scores = batch_size * heads * seq_len * (seq_len + width) * 4 if reference else 2 * 2**21 * 4
     offload = config.offload_dir is not None and not on_device  # on a GPU the run refuses it (`check_offload_dir`)
     layer_m = 0 if offload else layer_bytes
-    chunk = min(heads, HEAD_CHUNK)
+    chunk = head_chunk(heads, adapter.read_qk(adapter.attention_modules(model)[0])[1].shape[0])
     squares_per_head = CROSS_FIT_SQUARES_PER_HEAD if config.cross_fit else SOLVE_SQUARES_PER_HEAD
+    if config.budget is not None or inspection:  # the gains per added dim: a budget's allocation, an inspection
+        squares_per_head += RATES_SQUARES_PER_HEAD
     # no logits without a language-model head (the transformers model inside a SentenceTransformer)
     vocabulary = 0 if model.get_output_embeddings() is None else getattr(model_config, "vocab_size", 0) or 0
 
@@ -240,7 +246,8 @@ def plan_memory(
         given = {"statistics given": given_statistics} if given_statistics is not None else {}
         solve = {
             "model": weights, "C": second_moments, "metric": layers * width * width * 8,
-            **(given or _named({"M": solve_m})), "solve of 8 heads": squares_per_head * chunk * width * width * 8,
+            **(given or _named({"M": solve_m})),
+            f"solve of {chunk} heads": squares_per_head * chunk * width * width * 8,
             "compact solve": solve_solved if not given else solved,
         }
         held_out = {
