@@ -14,7 +14,7 @@ Some options in more detail:
   ``truncation``). The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`) per unit of
   the searched step size, each head at its own lam (``step_mode``). ``growth_report.budget`` records it.
 - ``step_size``: relative units, ``step_size = lam / lam_unit`` (see `hf_grow.growth`): at 1 the update is as
-  large as Z in the truncation's norm. ``0.0`` gives a grown model that computes exactly the old function.
+  large as Z in the truncation's norm. ``0.0`` gives a grown model that computes the old function (to float32 rounding).
 - ``search``: ``"exact"`` searches the rank-constrained update; ``"fast"`` first brackets the step with the
   full-rank update Z - lam P (no SVD per step, also reported as an upper reference), then refines the
   rank-constrained step from there.
@@ -188,7 +188,7 @@ class GrowthConfig(JsonConfigMixin):
     )
     step_size: Optional[float] = field(
         default=None,
-        metadata={"help": "skip the line search and take this (relative) step; 0 keeps exactly the old function"},
+        metadata={"help": "skip the line search and take this (relative) step; 0 keeps the old function (to float32 rounding)"},
     )
     step_scale: float = field(
         default=1.0,

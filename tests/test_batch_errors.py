@@ -173,3 +173,21 @@ def test_a_memory_budget_below_one_layer_is_refused_before_the_batches_are_read(
 
     with pytest.raises(ValueError, match="memory_budget 1,000 bytes is below the .* bytes the statistics need"):
         grow_model(model, batches(), p=8, memory_budget="1KB")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_growth_problem_refuses_statistics_with_a_non_finite_m(bad):
+    """`GrowthProblem` (exported) on statistics whose M holds a NaN: the layer's step norm was NaN, its lam 0,
+    silently (grow_model checks the statistics first; hand-made statistics reach the problem directly)."""
+    from hf_grow import collect_statistics, get_adapter
+    from hf_grow.growth import GrowthProblem
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_embd=64, n_head=4, n_layer=2)).eval()
+    ids = torch.randint(0, 256, (2, 4, 32))
+    statistics = collect_statistics(
+        model, [{"input_ids": batch, "labels": batch} for batch in ids], get_adapter(model)
+    )
+    statistics.gradients[1][2, 3, 3] = bad
+    with pytest.raises(FloatingPointError, match=r"layer 1's statistics give a non-finite step for heads \[2\]"):
+        GrowthProblem(model, get_adapter(model), statistics, [24, 24], "whitened", 1e-6, "auto")

@@ -221,6 +221,13 @@ class GrowthProblem(StepWeights):
                 self._methods[layer] = solve_layer(
                     part, gradient, self.mode, truncations, self._max_dims[layer], self.solver, self._with_rates
                 )
+                step_norms = part.norms["whitened"][1]
+                if not torch.isfinite(step_norms).all():  # a NaN step norm would make the layer's lam 0, silently
+                    heads = torch.nonzero(~torch.isfinite(step_norms)).flatten().tolist()
+                    raise FloatingPointError(
+                        f"layer {layer}'s statistics give a non-finite step for heads {heads}: M or C holds NaN or "
+                        "Inf (collect_statistics refuses such statistics; check statistics made or changed by hand)"
+                    )
                 self.layers[layer] = part
                 if self._release:
                     self.statistics.release(layer)
