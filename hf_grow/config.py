@@ -188,7 +188,8 @@ class GrowthConfig(JsonConfigMixin):
     )
     step_size: Optional[float] = field(
         default=None,
-        metadata={"help": "skip the line search and take this (relative) step; 0 keeps the old function (to float32 rounding)"},
+        metadata={"help": "skip the line search and take this (relative) step; 0 keeps the old function (to float32 "
+                  "rounding)"},
     )
     step_scale: float = field(
         default=1.0,

@@ -16,10 +16,10 @@ def per_matrix(decomposition: Callable[[Tensor], Any], matrices: Tensor) -> Any:
     threads, each decomposing its share (a worker's LAPACK runs with the process's thread count too, measured with
     MKL: the result is bit for bit the batched call's at the same thread count, and differs in the last bits
     between thread counts). The batched call's multithreaded blocked algorithms synchronize their threads at every
-    panel and stall while another process holds a core: on the 2-core CPU beside other jobs, 144 eighs of 424^2 took 5-139 s
-    batched and 5-7.5 s split; 144 QRs of 769 x 424 130 s batched, 8.5 s split; 12 eighs of 769^2 (GPT-2 small's C)
-    73 s against 3.8 s in one worker thread (BENCHMARKS.md). A single matrix runs in one worker thread for the same
-    reason."""
+    panel and stall while another process holds a core: on the 2-core CPU beside other jobs, 144 eighs of 424^2
+    took 5-139 s batched and 5-7.5 s split; 144 QRs of 769 x 424 130 s batched, 8.5 s split; 12 eighs of 769^2
+    (GPT-2 small's C) 73 s against 3.8 s in one worker thread (BENCHMARKS.md). A single matrix runs in one worker
+    thread for the same reason."""
     if matrices.device.type != "cpu" or torch.get_num_threads() < 2:
         return decomposition(matrices)
     batch = matrices.flatten(0, -3) if matrices.dim() > 2 else matrices[None]
