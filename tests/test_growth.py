@@ -212,6 +212,10 @@ def test_peft_model_is_merged_into_a_copy(architecture, trained_gpt2, data, capl
     assert (expected - actual).abs().max() <= 1e-4
     state = peft_model.state_dict()
     assert state.keys() == before.keys() and all(torch.equal(state[name], before[name]) for name in before)
+    with peft_model.disable_adapter():  # the base model's function: its adapters were merged in all the same
+        grown = grow_model(peft_model, data["stats"][:2], p=8, step_size=0.0)
+        with torch.no_grad():
+            assert (grown(**batch).logits - peft_model(**batch).logits).abs().max() <= 1e-4
 
 
 def test_a_peft_model_with_prompt_learning_adapters_is_refused_before_any_data(trained_gpt2):

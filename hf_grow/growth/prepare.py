@@ -60,6 +60,20 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
             "which cannot be merged into the model: grow its base model (peft_model.get_base_model()) and add the "
             "adapter again"
         )
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    disabled = {layer.disable_adapters for layer in model.modules() if isinstance(layer, BaseTunerLayer)}
+    if disabled == {True, False}:
+        raise ValueError(
+            f"{type(model).__name__}'s adapters are disabled in some layers and not in others: enable or disable "
+            "them all (peft's enable_adapter_layers / disable_adapter_layers) before growing"
+        )
+    if disabled == {True}:  # `with peft_model.disable_adapter():`: the model computes its base model's function
+        logger.warning(
+            "%s's adapters %s are disabled: growing a copy of its base model without them (unload); the input model "
+            "is left unchanged.", type(model).__name__, sorted(model.peft_config),
+        )
+        return copy.deepcopy(model).unload().requires_grad_(True)
     logger.warning(
         "%s wraps PEFT adapters %s: growing a copy of its base model with the adapters merged in "
         "(merge_and_unload); the input model is left unchanged.",
