@@ -64,3 +64,25 @@ def test_dynamic_rope_frequencies_reset_for_short_inputs_as_the_source_does():
     with torch.no_grad():
         for ids in (short, long, short):
             torch.testing.assert_close(grown(ids).logits, model(ids).logits, rtol=0, atol=2e-5)
+
+
+def test_a_head_untied_by_hand_keeps_its_own_weights(tmp_path):
+    """A head given its own Parameter, the config still saying tie_word_embeddings=True (transformers' save and load
+    keep it): the grown model tied it back to the embeddings, 1.4-1.8 off the source at step 0."""
+    for model in (GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)).eval(),
+                  tiny_llama(tie_word_embeddings=True)):
+        head = model.get_output_embeddings()
+        embeddings = model.get_input_embeddings().weight.detach()
+        head.weight = torch.nn.Parameter(embeddings + 0.5 * torch.randn_like(embeddings))
+        ids = torch.randint(0, 64, (2, 16))
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+        for grown in (grow_model(model, [{"input_ids": ids, "labels": ids}], p=8, step_size=0.0),
+                      to_grown_model(model)):
+            with torch.no_grad():
+                torch.testing.assert_close(grown(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+            assert grown.get_output_embeddings().weight is not grown.get_input_embeddings().weight
+            grown.save_pretrained(tmp_path / "grown")
+            reloaded = type(grown).from_pretrained(tmp_path / "grown")
+            with torch.no_grad():
+                torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)

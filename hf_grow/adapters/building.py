@@ -112,6 +112,8 @@ class GrownModelBuilder:
         init, no storage is shared with ``model``, and no third copy of the weights is made.
         """
         config = self.grown_config(model.config, qk_head_dims, attention_scale_dims)
+        if _head_untied(model):  # a head given its own weights, the config not edited: tying would drop them
+            config.tie_word_embeddings = False
         config._attn_implementation_internal = grown_attention(model.config._attn_implementation)
         state_dict = self.grown_state_dict(model, qk_weights)
         with torch.device("meta"):
@@ -149,6 +151,14 @@ class GrownModelBuilder:
 #: (transformers' dynamic and long-context rope update them in the forward: copied, the grown module resets them
 #: for short inputs as the source's does), also per layer type (``{layer_type}_max_seq_len_cached``).
 _ROTARY_STATE = ("max_seq_len_cached", "attention_scaling", "long_inv_freq")
+
+
+def _head_untied(model: PreTrainedModel) -> bool:
+    """Whether the output embeddings hold weights of their own although the config ties them to the input
+    embeddings (a head untied by hand to train it apart, as transformers' save and load keep it)."""
+    output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return bool(tied) and output is not None and embeddings is not None and output.weight is not embeddings.weight
 
 
 def _copy_rotary_state(model: PreTrainedModel, grown: PreTrainedModel) -> None:
