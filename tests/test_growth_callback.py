@@ -267,3 +267,16 @@ def test_each_growth_takes_its_own_batches_of_an_iterable_dataset(stdlib_bytes, 
                              train_dataloader=loader)
     for growth, statistics_rows in enumerate(drawn):  # 3 batches of 4 rows a growth, the first 2 for statistics
         assert torch.equal(statistics_rows, torch.stack(rows[12 * growth : 12 * growth + 8])), growth
+
+
+def test_a_run_resumed_past_a_growth_refuses_a_model_at_the_old_widths(gpt2_copy, tmp_path):
+    """A resume skips the growths already done: a model at the old widths (a PEFT model's checkpoints hold its adapter
+    alone) trained on at them without a word."""
+    from transformers import TrainerControl
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
+    state = TrainerState(global_step=6, log_history=[
+        {"loss": 5.0, "step": 2}, {"step": 3, "growth_mode": "refactor", "qk_head_dims": [24, 24]},
+    ])
+    with pytest.raises(ValueError, match=r"after growths to query/key widths \[24, 24\], but the model has \[16, 16\]"):
+        GrowthCallback({3: 8}).on_train_begin(args, state, TrainerControl(), model=gpt2_copy)

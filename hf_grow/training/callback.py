@@ -134,6 +134,7 @@ class GrowthCallback(TrainerCallback):
         if self.trainer is not None:
             refuse_sharded_training(self.trainer.model_wrapped, self.trainer.accelerator)
         model = model_to_grow(model)
+        _check_resumed_widths(model, state)
         check_growable(model, get_adapter(model), torch_optimizers(optimizer))
         _check_schedule_layers(self.grow_at, self.qk_dims_at, model)
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
@@ -181,6 +182,21 @@ class GrowthCallback(TrainerCallback):
         self.reports[step] = report
         _forget_best_checkpoint(state)
         _log_growth(list(model.config.qk_head_dims), mode, report, args, state, control, self.trainer)
+
+
+def _check_resumed_widths(model: PreTrainedModel, state) -> None:
+    """A run resumed past a growth needs the model of its checkpoint: the growths already done (in the resumed
+    ``log_history``) are not repeated, so a model at the old widths would train on at them without a word (a PEFT
+    model's checkpoints hold its adapter alone, not the grown base)."""
+    grown = [entry["qk_head_dims"] for entry in state.log_history if "qk_head_dims" in entry]
+    widths = get_adapter(model).qk_head_dims(model.config)
+    if grown and list(grown[-1]) != list(widths):
+        raise ValueError(
+            f"resuming at step {state.global_step}, after growths to query/key widths {grown[-1]}, but the model has "
+            f"{widths}: build the model from the checkpoint (AutoModelForCausalLM.from_pretrained(checkpoint)); a "
+            "PEFT model's checkpoints hold its adapter alone, so save its grown base model "
+            "(peft_model.get_base_model().save_pretrained) to resume from"
+        )
 
 
 def _log_growth(qk_head_dims: list[int], mode: str, report: GrowthReport | None, args, state, control,
