@@ -184,8 +184,9 @@ def read_pairs(
 
     A ``.tsv`` file holds two tab-separated fields a line (no header); ``.jsonl`` one object a line; ``.csv`` a
     header row, then one pair a row. ``.jsonl``, ``.csv`` and datasets take the two ``columns`` named, by
-    default their first two. Any other ``source`` that is not a file is a datasets name (its ``config`` and
-    ``split``). Raises ValueError naming the file and line of a pair it cannot read.
+    default their first two (of a ``.jsonl`` file, its first line's, wherever later lines put them). Any other
+    ``source`` that is not a file is a datasets name (its ``config`` and ``split``). Raises ValueError naming the
+    file and line of a pair it cannot read.
     """
     path = Path(source)
     if not path.exists() and path.suffix.lower() in (".tsv", ".jsonl", ".csv"):
@@ -194,7 +195,7 @@ def read_pairs(
         suffix = path.suffix.lower()
         if suffix not in (".tsv", ".jsonl", ".csv"):
             raise ValueError(f"{source}: pairs are read from .tsv, .jsonl or .csv files (or a datasets name)")
-        with open(path, encoding="utf-8", newline="") as file:
+        with open(path, encoding="utf-8-sig", newline="") as file:  # a byte-order mark (Excel's CSV) is no text
             if suffix == ".tsv":
                 rows = [
                     (number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(file, 1) if line.strip()
@@ -203,6 +204,8 @@ def read_pairs(
             elif suffix == ".jsonl":
                 records = [(number, _json_line(line, f"{source} line {number}"))
                            for number, line in enumerate(file, 1) if line.strip()]
+                if columns is None and records and isinstance(records[0][1], Mapping):
+                    columns = list(records[0][1])[:2]  # the file's columns: its first line's, on every line
                 pairs = [_column_pair(record, columns, f"{source} line {number}") for number, record in records]
             else:
                 pairs = [

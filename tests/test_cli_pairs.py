@@ -69,6 +69,11 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
         "".join(json.dumps({"query": d, "code": c, "id": 1}) + "\n" for d, c in pair_list[:3])
     )
     assert read_pairs(str(tmp_path / "p.jsonl")) == pair_list[:3]
+    # the file's columns are its first line's: a later line listing them in another order was read swapped
+    (tmp_path / "order.jsonl").write_text('{"anchor": "a1", "positive": "p1"}\n{"positive": "p2", "anchor": "a2"}\n')
+    assert read_pairs(str(tmp_path / "order.jsonl")) == [("a1", "p1"), ("a2", "p2")]
+    (tmp_path / "bom.csv").write_bytes(b'\xef\xbb\xbfanchor,positive\na,b\n')  # Excel's byte-order mark
+    assert read_pairs(str(tmp_path / "bom.csv"), ["anchor", "positive"]) == [("a", "b")]
     (tmp_path / "p.csv").write_text('id,doc,code\n1,"a, b",c\n2,"d","e ""f"""\n')
     assert read_pairs(str(tmp_path / "p.csv"), ["doc", "code"]) == [("a, b", "c"), ("d", 'e "f"')]
     dataset = tmp_path / "dataset"  # a datasets name: here a local folder of data files, its train split
