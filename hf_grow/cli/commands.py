@@ -67,9 +67,11 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     # --stats is read first, to be checked against the model with the growth (a dry run only plans)
     statistics = load_statistics(args.stats) if args.stats and not args.dry_run else None
     if statistics is not None and args.config.cross_fit and statistics.half_gradients is None:
+        made = ("collect_statistics(..., cross_fit=True)" if args.pairs  # inspect reads no pairs
+                else "`hf-grow inspect --cross-fit --save-stats`")
         raise CommandError(
-            f"--cross-fit{' (of --for-training)' * args.for_training} needs statistics saved by `hf-grow inspect "
-            "--cross-fit --save-stats`, or --cross-fit false for the plain M"
+            f"--cross-fit{' (of --for-training)' * args.for_training} needs statistics with M's halves, saved by "
+            f"{made}, or --cross-fit false for the plain M"
         )
     check_memory(args, objective, show_progress, statistics)  # before any text or weights are read
     if args.dry_run:

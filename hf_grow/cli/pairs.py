@@ -19,6 +19,7 @@ from ..adapters import position_limit
 from ..distributed import OtherProcessFailed, Processes
 from ..growth import grow_model
 from ..progress import stage
+from ..statistics import return_free_memory
 from ..statistics import GrowthStatistics
 from .checks import CommandError, as_command_error, check_cross_fit_batches
 from .loading import DTYPES
@@ -102,22 +103,25 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         held_out_pairs = tokenize_pairs(pairs[-num_eval:], model, args.batch_size)
     except ValueError as error:  # e.g. a tokenizer without a padding token (a decoder's)
         raise CommandError(f"cannot tokenize the pairs for {args.model!r}: {str(error).splitlines()[0]}") from None
+    # --max-batches counts all the processes' batches (grow_model's max_batches counts each process's own)
+    statistics_pairs = statistics_pairs[: args.config.max_batches]
     if statistics is not None and statistics.num_batches != len(statistics_pairs):
         raise CommandError(f"--stats {args.stats} holds the statistics of {statistics.num_batches:,} batches, but "
                            f"these pairs give {len(statistics_pairs):,} for the statistics: pass the --pairs options "
-                           "of the run that saved them (--pairs, --eval-pairs, --batch-size)")
+                           "of the run that saved them (--pairs, --eval-pairs, --batch-size, --max-batches)")
     if statistics is None:
         processes = 1 if accelerator is None else accelerator.num_processes
-        check_cross_fit_batches(args.config.cross_fit, len(statistics_pairs[: args.config.max_batches]), processes)
-    # --max-batches counts all the processes' batches (grow_model's max_batches counts each process's own)
-    statistics_batches = shard_batches(statistics_pairs[: args.config.max_batches], accelerator, "statistics")
+        check_cross_fit_batches(args.config.cross_fit, len(statistics_pairs), processes)
+    statistics_batches = shard_batches(statistics_pairs, accelerator, "statistics")
     held_out_batches = shard_batches(held_out_pairs, accelerator, "held-out")
     with as_command_error(ValueError, TypeError, OtherProcessFailed):
         grown = grow_model(model, None if statistics else statistics_batches, config=args.config,
                            statistics=statistics, eval_dataloader=held_out_batches, accelerator=accelerator,
                            progress=show_progress)
+    del model, statistics  # the grown model holds its own weights: saving it needs neither beside it
+    return_free_memory()
     output = Path(args.output_dir)
-    used = sum(len(next(iter(batch.values()))["input_ids"]) for batch in statistics_pairs[: args.config.max_batches])
+    used = sum(len(next(iter(batch.values()))["input_ids"]) for batch in statistics_pairs)
     data = f"{used} text pairs from {args.pairs}"
 
     def write(folder: Path) -> None:
