@@ -116,8 +116,12 @@ def fine_tune(model, train: list[dict], evaluate, steps: int, at: list[int], lr:
 
 @torch.no_grad()
 def score_change(original, grown, batches: list[dict]) -> float:
-    """Mean over heads of RMS(S_grown - S_original) / RMS(S_original), pre-softmax scores on ``batches``."""
+    """Mean over heads of RMS(S_grown - S_original) / RMS(S_original), pre-softmax scores on ``batches``, over the
+    (query, key) pairs of real tokens (padding never enters attention: counting it doubled the ratio on MiniLM)."""
     captured: dict[str, list[torch.Tensor]] = {"original": [], "grown": []}
+    masks = [batch["attention_mask"].double() if "attention_mask" in batch else torch.ones_like(batch["input_ids"],
+             dtype=torch.float64) for batch in batches]
+    pairs = [(mask[:, None, :, None] * mask[:, None, None, :]) for mask in masks]  # (batch, 1, query, key)
 
     def scores_of(model, name):
         adapter = hf_grow.get_adapter(model)
@@ -133,8 +137,13 @@ def score_change(original, grown, batches: list[dict]) -> float:
     scores_of(original, "original")
     scores_of(grown, "grown")
     ratios = []
-    for before, after in zip(captured["original"], captured["grown"]):
-        rms = lambda tensor: tensor.pow(2).mean(dim=(1, 2, 3)).sqrt()  # noqa: E731 (per head)
+    layers = len(captured["original"]) // len(batches)  # captured batch by batch, layer by layer
+    for index, (before, after) in enumerate(zip(captured["original"], captured["grown"])):
+        real = pairs[index // layers].movedim(1, 0)  # (1, batch, query, key), as the scores' (heads, batch, ...)
+
+        def rms(tensor: torch.Tensor) -> torch.Tensor:  # per head, over real tokens' pairs
+            return (tensor.pow(2) * real).sum(dim=(1, 2, 3)).div(real.sum()).sqrt()
+
         ratios.append(rms(after - before) / rms(before))
     return torch.cat(ratios).mean().item()
 
