@@ -175,6 +175,16 @@ def test_pairs_are_planned_before_any_pair_is_read(tmp_path, capsys, monkeypatch
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "stage needs about" in error[0] and "rerun with --" in error[0], error
     assert not (tmp_path / "out").exists()
+    # sentence-transformers 6 saves the length as the tokenizer's model_max_length only (hf_grow's grown folders
+    # too): the plan counted the 512 positions, 3.8x the memory, and refused runs that fit
+    copied = tmp_path / "saved-by-st6"
+    shutil.copytree(model, copied)
+    settings = json.loads((copied / "sentence_bert_config.json").read_text())
+    del settings["max_seq_length"]
+    (copied / "sentence_bert_config.json").write_text(json.dumps(settings))
+    tokenizer = json.loads((copied / "tokenizer_config.json").read_text())
+    (copied / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "model_max_length": 64}))
+    assert cli_memory._sentence_transformer_parts(str(copied)) == (str(copied), 64)
 
 
 def test_pairs_pushed_to_the_hub(pair_list, tmp_path, capsys, monkeypatch):

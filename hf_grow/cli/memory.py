@@ -191,7 +191,8 @@ def _saved_dtype(model_config) -> torch.dtype:
 
 def _sentence_transformer_parts(model: str) -> tuple[str, int | None]:
     """Where a SentenceTransformer (a local folder or a Hub id) keeps its transformers model's config, and its
-    maximum sequence length where its folder says it (``modules.json``, ``sentence_bert_config.json``)."""
+    maximum sequence length where its folder says it (``modules.json``, ``sentence_bert_config.json``, else the
+    tokenizer's ``model_max_length``, where sentence-transformers 6 saves it)."""
     folder = Path(model)
     if not (folder / "modules.json").is_file():
         return model, None
@@ -204,7 +205,12 @@ def _sentence_transformer_parts(model: str) -> tuple[str, int | None]:
             "and path, is expected there"
         ) from None
     settings = inner / "sentence_bert_config.json"
-    return str(inner), json.loads(settings.read_text()).get("max_seq_length") if settings.is_file() else None
+    length = json.loads(settings.read_text()).get("max_seq_length") if settings.is_file() else None
+    tokenizer = inner / "tokenizer_config.json"  # sentence-transformers 6 keeps it there only
+    if length is None and tokenizer.is_file():
+        length = json.loads(tokenizer.read_text()).get("model_max_length")
+        length = length if isinstance(length, int) and length < 10**6 else None  # 1e30: "no limit"
+    return str(inner), length
 
 
 def _free_memory(device: str) -> tuple[int, int]:
