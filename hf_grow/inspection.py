@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from .adapters import get_adapter
 from .config import GrowthConfig, resolve_config
+from .distributed import unwrap_model
 from .files import write_atomically, write_text_atomically
 from .growth import GrowthProblem, check_statistics, collect_configured_statistics, merged_if_peft
 from .progress import stage
@@ -188,7 +189,7 @@ def inspect_growth(
         query_block=query_block, step_mode=step_mode,
     )
     config = resolve_config(config, {name: value for name, value in overrides.items() if value is not None})
-    model = merged_if_peft(model)
+    model = merged_if_peft(unwrap_model(model))  # as grow_model takes it: compiled, DDP or accelerate-wrapped
     adapter = get_adapter(model)
     qk_dims = adapter.qk_head_dims(model.config)
 

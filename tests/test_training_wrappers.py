@@ -186,3 +186,38 @@ def test_a_grown_checkpoint_loaded_by_its_own_modeling_file_says_how_to_grow_in_
     converted = to_grown_model(remote)  # the way out it names
     grow_in_training(converted, torch.optim.AdamW(converted.parameters()), None, 8, mode="zero")
     assert converted.config.qk_head_dims == [16, 16]
+
+
+def test_wrapped_models_are_taken_or_refused_before_any_data(trained_gpt2, stdlib_bytes):
+    """inspect_growth refused a compiled model that grow_model takes; to_grown_model said a PeftModel "cannot be
+    grown"; adapters injected without a PeftModel (transformers' add_adapter) failed after the statistics pass; a
+    config with return_dict=False was told to put labels in batches that held them."""
+    from peft import LoraConfig, get_peft_model, inject_adapter_in_model
+    from transformers import BertConfig, BertForMaskedLM
+
+    from hf_grow import grow_model, inspect_growth
+
+    batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=4)
+    compiled = torch.compile(copy.deepcopy(trained_gpt2))
+    gains = [layer.marginal_gains for layer in inspect_growth(compiled, batches, max_dims=4).layers]
+    assert gains == [layer.marginal_gains for layer in inspect_growth(trained_gpt2, batches, max_dims=4).layers]
+
+    def never_read():
+        raise AssertionError("data read before the model was checked")
+        yield
+
+    lora = LoraConfig(r=4, target_modules=["c_fc"], init_lora_weights=False)
+    with pytest.raises(ValueError, match="convert the base model before adding the PEFT adapters"):
+        to_grown_model(get_peft_model(copy.deepcopy(trained_gpt2), lora))
+    injected = inject_adapter_in_model(lora, copy.deepcopy(trained_gpt2))
+    for grow in (lambda: grow_model(injected, never_read(), p=8), lambda: to_grown_model(injected),
+                 lambda: inspect_growth(injected, never_read())):
+        with pytest.raises(ValueError, match="holds PEFT adapter layers .* without a PeftModel around it"):
+            grow()
+
+    torch.manual_seed(0)
+    bert = BertForMaskedLM(BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, return_dict=False))
+    ids = torch.randint(5, 256, (2, 4, 16))
+    with pytest.raises(ValueError, match=r"config has return_dict=False; set model.config.return_dict = True"):
+        grow_model(bert, [{"input_ids": batch, "labels": batch} for batch in ids], p=8, step_size=0.0)

@@ -51,7 +51,10 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
     grown model. (peft's own target-module tables list Q and V only; where Q/K live is the adapter's business.)
     """
     peft = sys.modules.get("peft")  # a PeftModel implies peft is imported; no import cost otherwise
-    if peft is None or not isinstance(model, peft.PeftModel):
+    if peft is None:
+        return model
+    if not isinstance(model, peft.PeftModel):
+        check_no_injected_adapters(model)
         return model
     prompt_learning = sorted(name for name, config in model.peft_config.items() if config.is_prompt_learning)
     if prompt_learning:
@@ -84,6 +87,22 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
     # PEFT froze the base weights for its adapters; merged, they are the model's own weights again (the grown model
     # keeps its source's requires_grad)
     return merged.requires_grad_(True)
+
+
+def check_no_injected_adapters(model: torch.nn.Module) -> None:
+    """Refuse PEFT adapter layers injected into a model without a PeftModel around it (transformers' ``add_adapter``,
+    ``load_adapter``, or ``from_pretrained`` of an adapter repository): their wrapped weights are not where the
+    growth reads them, which failed after the statistics pass."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    injected = next((name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)), None)
+    if injected is not None:
+        raise ValueError(
+            f"{type(model).__name__} holds PEFT adapter layers ({injected}) without a PeftModel around it (added by "
+            "add_adapter, load_adapter, or loaded from an adapter repository): pass a PeftModel (grown with its "
+            "adapters merged into a copy), e.g. PeftModel.from_pretrained(base_model, adapter), or the base model "
+            "with the adapters merged (peft's merge_and_unload)"
+        )
 
 
 def check_statistics(

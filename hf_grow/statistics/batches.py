@@ -243,7 +243,13 @@ def compute_loss(model: PreTrainedModel, batch: Any, loss_fn: LossFn | None) -> 
     """``loss_fn(model, batch)``, or the model's own ``outputs.loss``."""
     if loss_fn is not None:
         return loss_fn(model, batch)
-    loss = getattr(model(**batch), "loss", None)  # a model without a head (BertModel) returns no loss field at all
+    outputs = model(**batch)
+    if isinstance(outputs, tuple):  # config.return_dict False (set for TorchScript or ONNX export)
+        raise ValueError(
+            f"{type(model).__name__} returned a tuple, not its outputs with a loss field: its config has "
+            "return_dict=False; set model.config.return_dict = True, or pass loss_fn(model, batch) -> Tensor."
+        )
+    loss = getattr(outputs, "loss", None)  # a model without a head (BertModel) returns no loss field at all
     if loss is None:
         raise ValueError(
             "the model returned no loss: put labels in the batches (e.g. labels=input_ids for a causal LM) "

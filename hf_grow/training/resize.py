@@ -7,6 +7,7 @@ others start as `hf_grow.optimizer_state` says.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Union
 
@@ -17,6 +18,7 @@ from transformers import PreTrainedModel
 from ..adapters import ArchitectureAdapter, get_adapter, scale_dims_after_growth
 from ..adapters.building import attention_scale_entry
 from ..growth import QKWeights
+from ..growth.prepare import check_no_injected_adapters
 from ..optimizer_state import fill_new_moments
 
 #: Optimizer state entries that can be remapped, and their degree in the gradient: when a weight is rescaled by
@@ -51,6 +53,15 @@ def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
     same weights and setup (frozen parameters, training mode, generation config, activation checkpointing); a
     model already of a grown type is returned as is. Convert before creating the optimizer.
     """
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        raise ValueError(
+            "to_grown_model converts a plain model: convert the base model before adding the PEFT adapters "
+            "(to_grown_model(base), then get_peft_model), or grow the PeftModel with grow_model, which merges its "
+            "adapters into a copy"
+        )
+    if peft is not None:
+        check_no_injected_adapters(model)
     adapter = get_adapter(model)
     if isinstance(model, adapter.grown_base_class):
         return model
