@@ -367,3 +367,20 @@ def test_a_loss_without_gradient_and_held_out_batches_without_loss_terms_are_sai
         grow_model(gpt2_copy, batches, p=8, eval_dataloader=[unlabelled, *held_out], step_size=0.0,
                    measure_realized_gains=False)
     assert any("skipped 1 held-out batch(es) without loss terms" in record.message for record in caplog.records)
+
+
+def test_a_held_out_batch_the_old_function_overflows_on_is_named_before_the_searches(trained_gpt2, statistics,
+                                                                                    stdlib_bytes, monkeypatch):
+    """The error came after every candidate's search, and named no batch."""
+    from hf_grow.growth import candidates
+
+    held = lm_batches(stdlib_bytes["eval"], 5, seed=4)
+    marked = held[3]["input_ids"]
+
+    def overflowing(model, batch):
+        loss = model(**batch).loss
+        return loss * math.nan if torch.equal(batch["input_ids"], marked) else loss
+
+    monkeypatch.setattr(candidates, "_choose", lambda *args, **kwargs: pytest.fail("a candidate was searched"))
+    with pytest.raises(FloatingPointError, match=r"before any step \(nan on held-out batch 3 first\)"):
+        grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held, loss_fn=overflowing)

@@ -68,6 +68,8 @@ def search_and_report(
         return report
     tick = time.perf_counter()
     old = OldFunction(prepared, target, *parts, record=measure_realized_gains)
+    # before any candidate's search: both parts' losses are needed anyway (the final search's step 0)
+    search.check_loss_before(old.on_all()[0], prepared, target, prepared.eval_batches)
     (kept, searched, passes), reports, selection, margin = _choose(prepared, target, old, progress=progress)
     problem = prepared.problem
     problem.set_truncation(kept.truncation)  # a problem shared by the candidates holds the last one's settings

@@ -135,11 +135,8 @@ def line_search(
     step_size, loss_after = prepared.config.step_size, None
     chosen: QKWeights | None = None
     unconstrained_loss = None
-    if loss_before is not None and not math.isfinite(loss_before):  # a given step too: reported, it would be NaN
-        raise FloatingPointError(
-            f"the held-out loss is {loss_before} before any step: growth needs a finite loss. Check the held-out "
-            "data, or load the model in a wider dtype (float16 overflows most easily)."
-        )
+    if loss_before is not None:  # a given step too: reported, it would be NaN
+        check_loss_before(loss_before, prepared, target, eval_batches)
     if step_size is None and not problem.has_gradient:  # said once, by `prepare_growth`
         step_size, loss_after = 0.0, loss_before
     if step_size is None:
@@ -162,6 +159,29 @@ def line_search(
         step_size, chosen, loss_before, loss_after, eval_weight, unconstrained_loss, search.points,
         None if measured is None else search.passes_done() - measured + search.extra_passes, step_zero, decompositions,
         list(problem.layer_scales),
+    )
+
+
+def check_loss_before(
+    loss: float, prepared: PreparedGrowth, target: PreTrainedModel, batches: list[dict[str, Tensor]]
+) -> None:
+    """Refuse a held-out loss of the old function that is not finite, naming the first held-out batch whose loss is
+    not (one process: with several, each would have to evaluate the same number of batches)."""
+    if math.isfinite(loss):
+        return
+    where = ""
+    if prepared.accelerator is None or prepared.accelerator.num_processes == 1:
+        for index, batch in enumerate(batches):
+            try:
+                batch_loss = evaluate_loss(target, [batch], prepared.adapter, prepared.loss_fn)[0]
+            except ValueError:  # no loss terms
+                continue
+            if not math.isfinite(batch_loss):
+                where = f" ({batch_loss} on held-out batch {index} first)"
+                break
+    raise FloatingPointError(
+        f"the held-out loss is {loss} before any step{where}: growth needs a finite loss. Check the held-out "
+        "data, or load the model in a wider dtype (float16 overflows most easily)."
     )
 
 
