@@ -120,7 +120,8 @@ class HeldOutPasses:
         handles = [block.register_forward_hook(functools.partial(keep, kept=kept))
                    for block, kept in zip(self.blocks or [], outputs)]
         try:
-            loss, weight = evaluate_loss(self.model, self.batches, self.adapter, self.loss_fn, self.accelerator)
+            with self._watching_attentions():
+                loss, weight = evaluate_loss(self.model, self.batches, self.adapter, self.loss_fn, self.accelerator)
         finally:
             for handle in handles:
                 handle.remove()
@@ -129,9 +130,8 @@ class HeldOutPasses:
         if held[0] > budget:
             logger.info("held-out hidden states exceed %d bytes: every evaluation is a full pass", budget)
             self.blocks, self.recorded = None, []
-        elif outputs:
+        elif outputs and self.blocks is not None:
             self.recorded, self.recorded_bytes = outputs, held[0]
-            self._check_replay(loss)
         return loss, weight
 
     def join_records(self, parts: list[HeldOutPasses | None]) -> None:
@@ -163,7 +163,7 @@ class HeldOutPasses:
         modes = module_modes(self.model)
         self.model.eval()
         try:
-            with self._replaying(layer), torch.no_grad(), without_kv_cache(self.model):
+            with self._replaying(layer), torch.no_grad(), without_kv_cache(self.model), self._watching_attentions():
                 for batch in iterate_batches(self.batches, self.model):
                     if batch_loss_weight(self.adapter, self.model, batch, self.loss_fn) == 0:
                         continue  # evaluate_loss skips it too: the replayed records stay in step
@@ -173,25 +173,33 @@ class HeldOutPasses:
             handle.remove()
             restore_modes(modes)
         self.passes += (1 if stops else self.num_layers - layer) / self.num_layers
+        if self.blocks is None:  # the loss reads attentions
+            return
         self.recorded_bytes += sum(_bytes(output) for output in outputs)
         if self.recorded_bytes * (self.num_layers - 1) / (layer + 1) > CACHE_BYTES:
             logger.info("held-out hidden states exceed %d bytes: every evaluation is a full pass", CACHE_BYTES)
             self.blocks, self.recorded = None, []
             return
         self.recorded.append(outputs)
-        if layer == 0 and self.loss_fn is not None:
-            self._check_replay(self.loss())
 
-    def _check_replay(self, loss: float) -> None:
-        """Drop the records where a pass replaying them does not give ``loss``, the model's held-out loss as it now
-        is: a ``loss_fn`` may read what replayed blocks do not make (``output_attentions``: the attention modules
-        of a replayed block never run). The model's own loss reads the last block's outputs only: not checked."""
-        if self.loss_fn is None or not self.recorded:
-            return
-        replayed = self.loss(first_changed=len(self.recorded))
-        if abs(replayed - loss) > 1e-6 * max(1.0, abs(loss)):
-            logger.info("the loss_fn's held-out loss differs with the blocks' recorded outputs replayed (%.6g, "
-                        "%.6g without): every evaluation is a full pass", replayed, loss)
+    @contextlib.contextmanager
+    def _watching_attentions(self) -> Iterator[None]:
+        """Drop the records (every evaluation a full pass) where the loss asks the model for its attentions
+        (``output_attentions``): a replayed block's attention modules never run, so the loss would see fewer."""
+        asked = []
+
+        def watch(module: nn.Module, args: Any, kwargs: dict) -> None:
+            if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
+                asked.append(True)
+
+        handle = self.model.register_forward_pre_hook(watch, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+        if asked and self.blocks is not None:
+            logger.info("the loss reads the model's attentions, which replayed blocks do not make: every evaluation "
+                        "is a full pass")
             self.blocks, self.recorded = None, []
 
     @contextlib.contextmanager
