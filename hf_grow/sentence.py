@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
+import io
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -195,7 +196,10 @@ def read_pairs(
         suffix = path.suffix.lower()
         if suffix not in (".tsv", ".jsonl", ".csv"):
             raise ValueError(f"{source}: pairs are read from .tsv, .jsonl or .csv files (or a datasets name)")
-        with open(path, encoding="utf-8-sig", newline="") as file:  # a byte-order mark (Excel's CSV) is no text
+        if suffix == ".tsv" and columns:
+            raise ValueError(f"{source}: a .tsv file has no column names (two texts a line, no header); name columns "
+                             "in a .jsonl or .csv file")
+        with io.StringIO(_utf8_text(path), newline="") as file:
             if suffix == ".tsv":
                 rows = [
                     (number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(file, 1) if line.strip()
@@ -231,6 +235,18 @@ def _tab_separated_pair(fields: list[str], where: str) -> tuple[str, str]:
         raise ValueError(f"{where}: {len(fields)} tab-separated fields, where a .tsv pair line holds two; texts with "
                          "tabs in them go in a .jsonl or .csv file")
     return _pair(fields, 0, 1, where)
+
+
+def _utf8_text(path: Path) -> str:
+    """The file's text; a byte-order mark (Excel's "CSV UTF-8") is no text; bytes that are not UTF-8 are named by
+    their line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path} line {line}: byte {data[error.start]:#04x} is not UTF-8 text; save the file as "
+                         "UTF-8") from None
 
 
 def _json_line(line: str, where: str) -> Any:

@@ -74,6 +74,11 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     assert read_pairs(str(tmp_path / "order.jsonl")) == [("a1", "p1"), ("a2", "p2")]
     (tmp_path / "bom.csv").write_bytes(b'\xef\xbb\xbfanchor,positive\na,b\n')  # Excel's byte-order mark
     assert read_pairs(str(tmp_path / "bom.csv"), ["anchor", "positive"]) == [("a", "b")]
+    (tmp_path / "latin1.tsv").write_bytes("a\tb\nc\td\ncaf\u00e9\te\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.tsv line 3: byte 0xe9 is not UTF-8 text"):
+        read_pairs(str(tmp_path / "latin1.tsv"))
+    with pytest.raises(ValueError, match="a .tsv file has no column names"):
+        read_pairs(str(tmp_path / "latin1.tsv"), ["a", "b"])
     (tmp_path / "p.csv").write_text('id,doc,code\n1,"a, b",c\n2,"d","e ""f"""\n')
     assert read_pairs(str(tmp_path / "p.csv"), ["doc", "code"]) == [("a, b", "c"), ("d", 'e "f"')]
     dataset = tmp_path / "dataset"  # a datasets name: here a local folder of data files, its train split
