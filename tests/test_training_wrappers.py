@@ -221,3 +221,28 @@ def test_wrapped_models_are_taken_or_refused_before_any_data(trained_gpt2, stdli
     ids = torch.randint(5, 256, (2, 4, 16))
     with pytest.raises(ValueError, match=r"config has return_dict=False; set model.config.return_dict = True"):
         grow_model(bert, [{"input_ids": batch, "labels": batch} for batch in ids], p=8, step_size=0.0)
+
+
+def test_a_peft_model_with_disabled_adapters_and_a_saved_module_grows_its_base_function():
+    """`modules_to_save` keeps a trained copy of a module beside the original; peft's unload() kept the copy, so a
+    model grown inside `disable_adapter()` computed neither the disabled nor the enabled function (5.9 off)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_grow import grow_model
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                      tie_word_embeddings=False)).eval()
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["c_attn"], modules_to_save=["lm_head"],
+                                                 fan_in_fan_out=True))
+    with torch.no_grad():  # trained: the adapter and the head's copy moved
+        for parameter in peft_model.parameters():
+            if parameter.requires_grad:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    ids = torch.randint(0, 64, (2, 16))
+    with peft_model.disable_adapter(), torch.no_grad():
+        disabled = peft_model(input_ids=ids).logits
+        grown = grow_model(peft_model, [{"input_ids": ids, "labels": ids}], p=8, step_size=0.0)
+        torch.testing.assert_close(grown(input_ids=ids).logits, disabled, rtol=1e-5, atol=1e-5)
+    assert peft_model(input_ids=ids).logits.sub(disabled).abs().max() > 1  # enabled again, the copy in use

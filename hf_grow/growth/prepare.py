@@ -64,8 +64,10 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
             "adapter again"
         )
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper  # modules_to_save, trainable tokens
 
-    disabled = {layer.disable_adapters for layer in model.modules() if isinstance(layer, BaseTunerLayer)}
+    adapted = (BaseTunerLayer, AuxiliaryTrainingWrapper)
+    disabled = {layer.disable_adapters for layer in model.modules() if isinstance(layer, adapted)}
     if disabled == {True, False}:
         raise ValueError(
             f"{type(model).__name__}'s adapters are disabled in some layers and not in others: enable or disable "
@@ -76,7 +78,12 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
             "%s's adapters %s are disabled: growing a copy of its base model without them (unload); the input model "
             "is left unchanged.", type(model).__name__, sorted(model.peft_config),
         )
-        return copy.deepcopy(model).unload().requires_grad_(True)
+        base = copy.deepcopy(model)
+        for name, module in list(base.named_modules()):  # unload() would keep their trained copies
+            if isinstance(module, AuxiliaryTrainingWrapper):
+                parent, _, child = name.rpartition(".")
+                setattr(base.get_submodule(parent), child, module.original_module)
+        return base.unload().requires_grad_(True)
     logger.warning(
         "%s wraps PEFT adapters %s: growing a copy of its base model with the adapters merged in "
         "(merge_and_unload); the input model is left unchanged.",
