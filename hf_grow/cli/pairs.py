@@ -105,10 +105,16 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         raise CommandError(f"cannot tokenize the pairs for {args.model!r}: {str(error).splitlines()[0]}") from None
     # --max-batches counts all the processes' batches (grow_model's max_batches counts each process's own)
     statistics_pairs = statistics_pairs[: args.config.max_batches]
-    if statistics is not None and statistics.num_batches != len(statistics_pairs):
-        raise CommandError(f"--stats {args.stats} holds the statistics of {statistics.num_batches:,} batches, but "
-                           f"these pairs give {len(statistics_pairs):,} for the statistics: pass the --pairs options "
-                           "of the run that saved them (--pairs, --eval-pairs, --batch-size, --max-batches)")
+    # every text column's real tokens, as the statistics count them (one forward pass a column)
+    tokens = sum(int(column["attention_mask"].sum()) if "attention_mask" in column else column["input_ids"].numel()
+                 for batch in statistics_pairs for column in batch.values())
+    if statistics is not None and (statistics.num_batches, statistics.num_tokens) != (len(statistics_pairs), tokens):
+        raise CommandError(
+            f"--stats {args.stats} holds the statistics of {statistics.num_tokens:,} tokens in "
+            f"{statistics.num_batches:,} batches, but these pairs give {tokens:,} tokens in {len(statistics_pairs):,} "
+            f"batches for the statistics (the pairs before the last {num_eval} held out, in batches of "
+            f"{args.batch_size}, the first --max-batches): collect them on those pairs, with these options"
+        )
     if statistics is None:
         processes = 1 if accelerator is None else accelerator.num_processes
         check_cross_fit_batches(args.config.cross_fit, len(statistics_pairs), processes)
