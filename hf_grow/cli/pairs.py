@@ -83,9 +83,9 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         raise CommandError(f"--pairs: {str(error).splitlines()[0]}") from None
     num_eval = args.eval_pairs or default_eval_pairs(len(pairs), args.batch_size)
     if len(pairs) - num_eval < 2:  # one pair alone has no negatives: a loss of 0 whatever the weights
+        lower = "--eval-pairs" if args.eval_pairs else "--batch-size, which sets the default share held out"
         raise CommandError(f"--pairs {args.pairs} holds {len(pairs)} pairs: too few to hold out {num_eval} for the "
-                           "line search and keep two for the statistics (lower --eval-pairs or --batch-size, or pass "
-                           "more pairs)")
+                           f"line search and keep two for the statistics (lower {lower}, or pass more pairs)")
     try:
         model = SentenceTransformer(args.model, device=args.device, model_kwargs={"dtype": DTYPES[args.dtype]})
         transformer_module(model)  # exactly one transformers model inside, or a ValueError saying so

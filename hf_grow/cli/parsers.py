@@ -71,7 +71,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser, eval_fraction: bool = T
     data.add_argument("--text-column", default="text", help="column holding the text (default text)")
     data.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it")
     data.add_argument(
-        "--seq-len", type=int, help="tokens per sequence (default 512, or the model's positions if fewer)"
+        "--seq-len", type=int, help="tokens per sequence (default 512, or the model's positions if fewer; with "
+        "--pairs, the SentenceTransformer's max_seq_length)"
     )
     data.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
     data.add_argument("--max-tokens", type=int, default=500_000, help="tokens for the statistics")
