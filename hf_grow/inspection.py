@@ -27,8 +27,9 @@ from .config import GrowthConfig, resolve_config
 from .distributed import unwrap_model
 from .files import write_atomically, write_text_atomically
 from .growth import GrowthProblem, check_statistics, collect_configured_statistics, merged_if_peft
+from .growth.prepare import check_weights_in_memory
 from .progress import stage
-from .statistics import GrowthStatistics, LossFn
+from .statistics import GrowthStatistics, LossFn, check_loss_fn
 
 
 PLOT_EXTRA = "matplotlib is needed for plots: pip install 'hf_grow[plot]'"
@@ -191,6 +192,8 @@ def inspect_growth(
     config = resolve_config(config, {name: value for name, value in overrides.items() if value is not None})
     model = merged_if_peft(unwrap_model(model))  # as grow_model takes it: compiled, DDP or accelerate-wrapped
     adapter = get_adapter(model)
+    check_weights_in_memory(model)  # offloaded weights: the solve reads Q/K after the statistics pass
+    check_loss_fn(loss_fn)
     qk_dims = adapter.qk_head_dims(model.config)
 
     def solve(statistics: GrowthStatistics, layers: Iterable[int], release: bool) -> GrowthProblem:

@@ -246,3 +246,21 @@ def test_a_peft_model_with_disabled_adapters_and_a_saved_module_grows_its_base_f
         grown = grow_model(peft_model, [{"input_ids": ids, "labels": ids}], p=8, step_size=0.0)
         torch.testing.assert_close(grown(input_ids=ids).logits, disabled, rtol=1e-5, atol=1e-5)
     assert peft_model(input_ids=ids).logits.sub(disabled).abs().max() > 1  # enabled again, the copy in use
+
+
+def test_offloaded_weights_are_refused_before_any_data_by_inspect_and_to_grown_model(trained_gpt2):
+    """inspect_growth ran the whole statistics pass, then failed copying a meta tensor; to_grown_model gave a raw
+    state-dict error (grow_model refused at once)."""
+    from hf_grow import inspect_growth
+
+    offloaded = copy.deepcopy(trained_gpt2)
+    layer_norm = offloaded.transformer.h[1].ln_1
+    layer_norm.weight = torch.nn.Parameter(torch.empty_like(layer_norm.weight, device="meta"))
+
+    def never_read():
+        raise AssertionError("data read before the model was checked")
+        yield
+
+    for call in (lambda: inspect_growth(offloaded, never_read()), lambda: to_grown_model(offloaded)):
+        with pytest.raises(ValueError, match="on the meta device .* cannot be grown"):
+            call()

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from ..adapters import ArchitectureAdapter, get_adapter, scale_dims_after_growth
 from ..adapters.building import attention_scale_entry
 from ..growth import QKWeights
-from ..growth.prepare import check_no_injected_adapters
+from ..growth.prepare import check_no_injected_adapters, check_weights_in_memory
 from ..optimizer_state import fill_new_moments
 
 #: Optimizer state entries that can be remapped, and their degree in the gradient: when a weight is rescaled by
@@ -62,6 +62,7 @@ def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
         )
     if peft is not None:
         check_no_injected_adapters(model)
+    check_weights_in_memory(model)
     adapter = get_adapter(model)
     if isinstance(model, adapter.grown_base_class):
         return model
