@@ -264,3 +264,23 @@ def test_offloaded_weights_are_refused_before_any_data_by_inspect_and_to_grown_m
     for call in (lambda: inspect_growth(offloaded, never_read()), lambda: to_grown_model(offloaded)):
         with pytest.raises(ValueError, match="on the meta device .* cannot be grown"):
             call()
+
+
+def test_a_peft_model_is_evaluated_as_it_is_and_refused_by_the_statistics_with_what_to_pass(trained_gpt2,
+                                                                                              stdlib_bytes):
+    """evaluate_loss said "PeftModel cannot be grown" (it grows nothing); collect_statistics raised an AttributeError
+    from inside the adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_grow import collect_statistics, evaluate_loss, get_adapter
+
+    peft_model = get_peft_model(copy.deepcopy(trained_gpt2), LoraConfig(r=4, target_modules=["c_fc"],
+                                                                         init_lora_weights=False)).eval()
+    batches = lm_batches(stdlib_bytes["eval"], 2, batch_size=4)
+    with torch.no_grad():
+        expected = sum(float(peft_model(**batch).loss) for batch in batches) / len(batches)
+    assert evaluate_loss(peft_model, batches)[0] == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="wraps PEFT adapters: pass its transformers model"):
+        get_adapter(peft_model)
+    with pytest.raises(ValueError, match="wraps PEFT adapters: collect the statistics of the model grow_model grows"):
+        collect_statistics(peft_model, batches, get_adapter(peft_model.get_base_model()))

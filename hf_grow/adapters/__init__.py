@@ -43,12 +43,24 @@ def is_sentence_transformer(model: Any) -> bool:
     return package is not None and isinstance(model, package.SentenceTransformer)
 
 
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` is a peft ``PeftModel`` (peft imported: a PeftModel implies it)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
 def get_adapter(model: PreTrainedModel) -> ArchitectureAdapter:
     """The adapter for ``model``, or a ValueError naming the supported architectures."""
     if is_sentence_transformer(model):
         raise ValueError(
             "a SentenceTransformer is taken whole by grow_model and push_to_hub only: pass its transformers model "
             "(model[0].auto_model), with hf_grow.SentenceLoss(loss) as loss_fn."
+        )
+    if is_peft_model(model):
+        raise ValueError(
+            f"{type(model).__name__} wraps PEFT adapters: pass its transformers model, peft_model.get_base_model() "
+            "(the adapters on), or a merged copy, copy.deepcopy(peft_model).merge_and_unload() (what grow_model "
+            "grows)."
         )
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     adapter = _adapter_for(model_type)
@@ -67,6 +79,7 @@ __all__ = [
     "GPT2Adapter",
     "LlamaAdapter",
     "get_adapter",
+    "is_peft_model",
     "is_sentence_transformer",
     "position_limit",
     "scale_dims_after_growth",

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ..adapters import ArchitectureAdapter, get_adapter
+from ..adapters import ArchitectureAdapter, get_adapter, is_peft_model
 from ..distributed import Processes, unwrap_model
 from ..option_values import held_out_count
 from ..statistics import (
@@ -48,7 +48,7 @@ def evaluate_loss(
     batches and gets the loss over all of them.
     """
     model = unwrap_model(model, accelerator)
-    adapter = adapter or get_adapter(model)
+    adapter = adapter or get_adapter(model.get_base_model() if is_peft_model(model) else model)
     processes = Processes(accelerator)
     device = next(model.parameters()).device
     modes = module_modes(model)

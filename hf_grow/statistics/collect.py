@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ..adapters import ArchitectureAdapter
+from ..adapters import ArchitectureAdapter, is_peft_model
 from ..distributed import Processes, unwrap_model
 from ..option_values import check_statistics_options
 from ..progress import progress_bar
@@ -141,6 +141,11 @@ def collect_statistics(
     offload file); a ValueError unless each half gets a batch with a loss.
     """
     model = unwrap_model(model, accelerator)
+    if is_peft_model(model):  # its wrapped Q/K are not where the adapter reads them
+        raise ValueError(
+            f"{type(model).__name__} wraps PEFT adapters: collect the statistics of the model grow_model grows, a "
+            "merged copy, copy.deepcopy(peft_model).merge_and_unload()"
+        )
     processes = Processes(accelerator)
     config = model.config
     parameter = next(model.parameters())
