@@ -193,6 +193,18 @@ def test_pairs_are_planned_before_any_pair_is_read(tmp_path, capsys, monkeypatch
     (copied / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "model_max_length": 64}))
     assert cli_memory._sentence_transformer_parts(str(copied)) == (str(copied), 64)
 
+    def planned_activations(folder: str, seq_len: int | None) -> int:
+        plan_with, _ = cli_memory._planner(cli_memory.argparse.Namespace(
+            model=folder, seq_len=seq_len, eval_tokens=None, eval_pairs=None, dtype="float32", batch_size=16,
+            device="cpu", config=hf_grow.GrowthConfig(p=8)), "pairs")
+        return next(stage for stage in plan_with({}).stages if stage.name == "statistics").terms["activations"]
+
+    # the run's length: a --seq-len past the saved one was planned at the saved one (11x under); a saved one past
+    # the positions (the tokenizer's 4096 of 512) crashed the plan
+    assert planned_activations(str(copied), 256) > planned_activations(str(copied), None) * 3
+    (copied / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "model_max_length": 4096}))
+    assert planned_activations(str(copied), None) == planned_activations(str(copied), 512)
+
 
 def test_pairs_pushed_to_the_hub(pair_list, tmp_path, capsys, monkeypatch):
     """``--push-to-hub`` commits the whole SentenceTransformer folder (its module folders too), with the card."""

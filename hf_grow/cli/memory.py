@@ -138,8 +138,10 @@ def _planner(
         if model_config.model_type not in supported_model_types():
             raise CommandError(f"hf_grow cannot grow {args.model!r} (model_type={model_config.model_type!r}); "
                                f"supported model types: {', '.join(supported_model_types())}")
-        positions = max_seq_length or getattr(model_config, "max_position_embeddings", None) or 512
-        seq_len = min(args.seq_len or positions, positions)
+        # the run's length: --seq-len where given (the run refuses one past the positions), else the saved one;
+        # sentence-transformers caps either at the positions
+        positions = getattr(model_config, "max_position_embeddings", None) or 512
+        seq_len = min(args.seq_len or max_seq_length or positions, positions)
         eval_tokens = 2 * seq_len * args.eval_pairs if args.eval_pairs else DEFAULT_EVAL_TOKENS
     else:
         model_config = AutoConfig.from_pretrained(args.model)
