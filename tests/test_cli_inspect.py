@@ -146,11 +146,14 @@ def test_cross_fitting_one_statistics_batch_is_refused_before_the_model_loads(mo
     --max-tokens 4096 --seq-len 512)."""
     monkeypatch.setattr(cli.commands, "load_model", lambda *_: pytest.fail("the model was loaded"))
     one_batch = ["--data", TEXT_GLOB, "--seq-len", "64", "--max-tokens", "256", "--batch-size", "8", "--quiet"]
-    for arguments in ([str(model_folder), "--for-training", "--output-dir", str(tmp_path / "out")],
-                      ["inspect", str(model_folder), "--cross-fit", "--save-stats", str(tmp_path / "stats")]):
+    for arguments, off in (([str(model_folder), "--for-training", "--output-dir", str(tmp_path / "out")],
+                            "--cross-fit false"),  # inspect's --cross-fit is a switch: it takes no value
+                           (["inspect", str(model_folder), "--cross-fit", "--save-stats", str(tmp_path / "stats")],
+                            "no --cross-fit")):
         assert cli.main([*arguments, *one_batch]) == 2
         error = capsys.readouterr().err
         assert "--cross-fit sums M over two halves of the statistics batches, but the data gives 1 batch(es)" in error
+        assert error.strip().endswith(f"or {off}")
     assert not list(tmp_path.iterdir())
     # with several processes the batches are dealt in turn: one more than the processes gives one a second batch
     check_cross_fit_batches(True, 3, processes=2)

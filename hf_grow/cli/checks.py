@@ -233,15 +233,16 @@ def _read_json(path: Path) -> object:
         return None
 
 
-def check_cross_fit_batches(cross_fit: bool, batches: int, processes: int = 1) -> None:
+def check_cross_fit_batches(cross_fit: bool, batches: int, processes: int = 1, off: str = "--cross-fit false") -> None:
     """``--cross-fit`` (also of ``--for-training``) sums M over the odd-numbered statistics batches of each process
     too, which needs a second batch on one process at least (dealt in turn: ``processes + 1`` batches): refused
-    once the text or pairs are tokenized, before the statistics pass (it failed after it)."""
+    once the text or pairs are tokenized, before the statistics pass (it failed after it). ``off``: how the
+    command turns it off."""
     if cross_fit and batches < processes + 1:
         raise CommandError(
             f"--cross-fit sums M over two halves of the statistics batches, but the data gives {batches} batch(es)"
             f"{f' for {processes} processes' if processes > 1 else ''}: pass more data (--max-tokens, more pairs), a "
-            "smaller --batch-size, or --cross-fit false"
+            f"smaller --batch-size, or {off}"
         )
 
 

@@ -161,7 +161,7 @@ def run_inspect(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(args)
     statistics_batches, _ = text_batches(args, tokenizer, objective)  # the same split as the main command
     statistics_batches = statistics_batches[: args.config.max_batches]
-    check_cross_fit_batches(args.cross_fit, len(statistics_batches))
+    check_cross_fit_batches(args.cross_fit, len(statistics_batches), off="no --cross-fit")
     model = load_model(args, objective)
     with as_command_error():
         if args.save_stats:  # every layer's M is kept for the file
