@@ -155,7 +155,7 @@ def test_bad_inputs_fail_before_any_work(trained_gpt2, stdlib_bytes):
         grow_model(trained_gpt2, never_called(), p=True)
     with pytest.raises(ValueError, match="names layers \\[5\\]"):
         grow_model(trained_gpt2, never_called(), p={5: 8})
-    with pytest.raises(ValueError, match="exceed hidden_size"):
+    with pytest.raises(ValueError, match="exceed 65, the width of the query/key projections' inputs"):
         grow_model(trained_gpt2, never_called(), p=60)
     with pytest.raises(ValueError, match="truncation"):
         grow_model(trained_gpt2, never_called(), p=8, truncation="spectral")

@@ -171,9 +171,10 @@ def load_statistics(path: str) -> GrowthStatistics:
 
 
 def check_statistics_text(args: argparse.Namespace, statistics: GrowthStatistics, batches: list) -> None:
-    """Refuse ``--stats`` collected on other text than the statistics ``batches`` these data options give (the
-    first ``--max-batches``, as `hf-grow inspect` takes them): the held-out text could then lie inside the text of
-    the statistics, and the card would name data they were not collected on."""
+    """Refuse ``--stats`` of another number of tokens or batches than the statistics ``batches`` these data options
+    give (the first ``--max-batches``, as `hf-grow inspect` takes them): collected with other data options, the
+    held-out text could lie inside the text of the statistics, and the card would name data they were not collected
+    on. Other text of the same size is not detected (the statistics carry no fingerprint of their text)."""
     tokens = sum(int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
                  for batch in batches)
     if (statistics.num_tokens, statistics.num_batches) != (tokens, len(batches)):
