@@ -184,8 +184,12 @@ class HeldOutPasses:
 
     @contextlib.contextmanager
     def _watching_attentions(self) -> Iterator[None]:
-        """Drop the records (every evaluation a full pass) where the loss asks the model for its attentions
-        (``output_attentions``): a replayed block's attention modules never run, so the loss would see fewer."""
+        """Drop the records (every evaluation a full pass) where a ``loss_fn`` asks the model for its attentions
+        (``output_attentions``): a replayed block's attention modules never run, so the loss would see fewer. The
+        model's own loss reads none."""
+        if self.loss_fn is None:
+            yield
+            return
         asked = []
 
         def watch(module: nn.Module, args: Any, kwargs: dict) -> None:
