@@ -96,19 +96,23 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
     return merged.requires_grad_(True)
 
 
-def check_no_injected_adapters(model: torch.nn.Module) -> None:
-    """Refuse PEFT adapter layers injected into a model without a PeftModel around it (transformers' ``add_adapter``,
-    ``load_adapter``, or ``from_pretrained`` of an adapter repository): their wrapped weights are not where the
-    growth reads them, which failed after the statistics pass."""
+#: What to do with a model holding PEFT adapter layers, for `grow_model` and `inspect_growth`.
+GROW_THE_PEFT_MODEL = ("pass a PeftModel (grown with its adapters merged into a copy), e.g. "
+                       "PeftModel.from_pretrained(base_model, adapter), or the model with the adapters merged (peft's "
+                       "merge_and_unload)")
+
+
+def check_no_injected_adapters(model: torch.nn.Module, advice: str = GROW_THE_PEFT_MODEL) -> None:
+    """Refuse PEFT adapter layers in a model without a PeftModel around it (transformers' ``add_adapter``,
+    ``load_adapter``, ``from_pretrained`` of an adapter repository, or a PeftModel's base model): their wrapped
+    weights are not where the growth reads them, which failed after the statistics pass. ``advice``: what to do."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     injected = next((name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)), None)
     if injected is not None:
         raise ValueError(
             f"{type(model).__name__} holds PEFT adapter layers ({injected}) without a PeftModel around it (added by "
-            "add_adapter, load_adapter, or loaded from an adapter repository): pass a PeftModel (grown with its "
-            "adapters merged into a copy), e.g. PeftModel.from_pretrained(base_model, adapter), or the base model "
-            "with the adapters merged (peft's merge_and_unload)"
+            f"add_adapter, load_adapter, loaded from an adapter repository, or a PeftModel's base model): {advice}"
         )
 
 

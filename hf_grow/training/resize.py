@@ -54,14 +54,12 @@ def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
     model already of a grown type is returned as is. Convert before creating the optimizer.
     """
     peft = sys.modules.get("peft")
+    convert_first = ("convert the base model before adding the PEFT adapters (to_grown_model(base), then "
+                     "get_peft_model), or grow the PeftModel with grow_model, which merges its adapters into a copy")
     if peft is not None and isinstance(model, peft.PeftModel):
-        raise ValueError(
-            "to_grown_model converts a plain model: convert the base model before adding the PEFT adapters "
-            "(to_grown_model(base), then get_peft_model), or grow the PeftModel with grow_model, which merges its "
-            "adapters into a copy"
-        )
+        raise ValueError(f"to_grown_model converts a plain model: {convert_first}")
     if peft is not None:
-        check_no_injected_adapters(model)
+        check_no_injected_adapters(model, convert_first)
     check_weights_in_memory(model)
     adapter = get_adapter(model)
     if isinstance(model, adapter.grown_base_class):
