@@ -206,10 +206,11 @@ def _two_column_loss(model, batch):
 
 
 def _attention_entropy_loss(model, batch):
-    """The LM loss plus the first layer's attention entropy: a loss_fn reading what replayed blocks do not make."""
-    outputs = model(**batch, output_attentions=True)
-    attention = outputs.attentions[0].clamp_min(1e-9)
-    return outputs.loss - 0.5 * (attention * attention.log()).sum(-1).mean()
+    """The LM loss plus the first layer's attention entropy: a loss_fn reading what replayed blocks do not make,
+    through the model inside (a pre-hook on the outer model alone missed it)."""
+    inner = model.transformer(input_ids=batch["input_ids"], output_attentions=True)
+    attention = inner.attentions[0].clamp_min(1e-9)
+    return model(**batch).loss - 0.5 * (attention * attention.log()).sum(-1).mean()
 
 
 def test_replays_follow_a_loss_fn_that_runs_the_model_twice_or_reads_attentions(gpt2_copy, stdlib_bytes):

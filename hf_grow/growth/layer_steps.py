@@ -184,9 +184,10 @@ class HeldOutPasses:
 
     @contextlib.contextmanager
     def _watching_attentions(self) -> Iterator[None]:
-        """Drop the records (every evaluation a full pass) where a ``loss_fn`` asks the model for its attentions
-        (``output_attentions``): a replayed block's attention modules never run, so the loss would see fewer. The
-        model's own loss reads none."""
+        """Drop the records (every evaluation a full pass) where a ``loss_fn`` asks the model, or a model inside it,
+        for its attentions (``output_attentions``): a replayed block's attention modules never run, so the loss
+        would see fewer. The model's own loss reads none. (A loss_fn reading the attention modules with hooks of its
+        own is not seen.)"""
         if self.loss_fn is None:
             yield
             return
@@ -196,11 +197,14 @@ class HeldOutPasses:
             if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
                 asked.append(True)
 
-        handle = self.model.register_forward_pre_hook(watch, with_kwargs=True)
+        # the model and every model inside it: a loss_fn may call model.transformer(...) or model.forward(...)
+        handles = [module.register_forward_pre_hook(watch, with_kwargs=True) for module in self.model.modules()
+                   if isinstance(module, PreTrainedModel)]
         try:
             yield
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
         if asked and self.blocks is not None:
             logger.info("the loss reads the model's attentions, which replayed blocks do not make: every evaluation "
                         "is a full pass")
