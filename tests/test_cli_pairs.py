@@ -204,6 +204,8 @@ def test_pairs_are_planned_before_any_pair_is_read(tmp_path, capsys, monkeypatch
     assert planned_activations(str(copied), 256) > planned_activations(str(copied), None) * 3
     (copied / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "model_max_length": 4096}))
     assert planned_activations(str(copied), None) == planned_activations(str(copied), 512)
+    with pytest.raises(cli_memory.CommandError, match="--seq-len 1024 exceeds the 512 positions"):  # as the run
+        planned_activations(str(copied), 1024)
 
 
 def test_pairs_pushed_to_the_hub(pair_list, tmp_path, capsys, monkeypatch):

@@ -280,7 +280,7 @@ def test_a_peft_model_is_evaluated_as_it_is_and_refused_by_the_statistics_with_w
     with torch.no_grad():
         expected = sum(float(peft_model(**batch).loss) for batch in batches) / len(batches)
     assert evaluate_loss(peft_model, batches)[0] == pytest.approx(expected, rel=1e-6)
-    with pytest.raises(ValueError, match="wraps PEFT adapters: pass its transformers model"):
+    with pytest.raises(ValueError, match="wraps PEFT adapters: pass the transformers model that is grown"):
         get_adapter(peft_model)
-    with pytest.raises(ValueError, match="wraps PEFT adapters: collect the statistics of the model grow_model grows"):
+    with pytest.raises(ValueError, match="wraps PEFT adapters: collect the statistics of the model that is grown"):
         collect_statistics(peft_model, batches, get_adapter(peft_model.get_base_model()))

@@ -58,9 +58,9 @@ def get_adapter(model: PreTrainedModel) -> ArchitectureAdapter:
         )
     if is_peft_model(model):
         raise ValueError(
-            f"{type(model).__name__} wraps PEFT adapters: pass its transformers model, peft_model.get_base_model() "
-            "(the adapters on), or a merged copy, copy.deepcopy(peft_model).merge_and_unload() (what grow_model "
-            "grows)."
+            f"{type(model).__name__} wraps PEFT adapters: pass the transformers model that is grown: for grow_model, "
+            "the copy it grows, copy.deepcopy(peft_model).merge_and_unload() (.unload() with the adapters disabled); "
+            "for grow_in_training and GrowthCallback, which grow it in place, peft_model.get_base_model()."
         )
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     adapter = _adapter_for(model_type)

@@ -141,6 +141,8 @@ def _planner(
         # the run's length: --seq-len where given (the run refuses one past the positions), else the saved one;
         # sentence-transformers caps either at the positions
         positions = getattr(model_config, "max_position_embeddings", None) or 512
+        if args.seq_len is not None and args.seq_len > positions:  # the run refuses it too, after loading
+            raise CommandError(f"--seq-len {args.seq_len} exceeds the {positions} positions of {args.model!r}")
         seq_len = min(args.seq_len or max_seq_length or positions, positions)
         eval_tokens = 2 * seq_len * args.eval_pairs if args.eval_pairs else DEFAULT_EVAL_TOKENS
     else:

@@ -143,8 +143,9 @@ def collect_statistics(
     model = unwrap_model(model, accelerator)
     if is_peft_model(model):  # its wrapped Q/K are not where the adapter reads them
         raise ValueError(
-            f"{type(model).__name__} wraps PEFT adapters: collect the statistics of the model grow_model grows, a "
-            "merged copy, copy.deepcopy(peft_model).merge_and_unload()"
+            f"{type(model).__name__} wraps PEFT adapters: collect the statistics of the model that is grown: for "
+            "grow_model, the copy it grows, copy.deepcopy(peft_model).merge_and_unload() (.unload() with the adapters "
+            "disabled); for grow_in_training and GrowthCallback, which grow it in place, peft_model.get_base_model()"
         )
     processes = Processes(accelerator)
     config = model.config
