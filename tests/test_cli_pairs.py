@@ -123,7 +123,8 @@ def test_bad_pairs_are_one_line_errors(tmp_path, capsys, model_folder):  # noqa:
     cases = [
         (["--pairs", str(tmp_path / "bad.tsv")], "bad.tsv line 2: expected two non-empty texts"),
         (["--pairs", str(tmp_path / "few.tsv")], "holds 4 pairs: too few to hold out 8 for the line search and keep "
-         "two for the statistics (lower --batch-size, which sets the default share held out, or pass more pairs)"),
+         "two for the statistics (lower --batch-size, which sets the default share held out, or give a smaller "
+         "--eval-pairs, or pass more pairs)"),
         (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "3"], "(lower --eval-pairs, or pass more pairs)"),
         (["--pairs", str(tmp_path / "p.jsonl"), "--pair-columns", "query", "positive"], "no column 'positive'"),
         (["--pairs", str(tmp_path / "few.tsv"), "--data", "x.txt"], "give no --data"),

@@ -83,7 +83,8 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
         raise CommandError(f"--pairs: {str(error).splitlines()[0]}") from None
     num_eval = args.eval_pairs or default_eval_pairs(len(pairs), args.batch_size)
     if len(pairs) - num_eval < 2:  # one pair alone has no negatives: a loss of 0 whatever the weights
-        lower = "--eval-pairs" if args.eval_pairs else "--batch-size, which sets the default share held out"
+        lower = ("--eval-pairs" if args.eval_pairs else
+                 "--batch-size, which sets the default share held out, or give a smaller --eval-pairs")
         raise CommandError(f"--pairs {args.pairs} holds {len(pairs)} pairs: too few to hold out {num_eval} for the "
                            f"line search and keep two for the statistics (lower {lower}, or pass more pairs)")
     try:
