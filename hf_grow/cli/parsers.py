@@ -173,9 +173,11 @@ INSPECT_CONFIG_FIELDS = (
 )
 
 
-def _add_config_options(group: argparse._ArgumentGroup, names: tuple[str, ...]) -> None:
+def _add_config_options(
+    group: argparse._ArgumentGroup, names: tuple[str, ...], helps: dict[str, str] | None = None
+) -> None:
     """``--name`` (also ``--name_with_underscores``) for each `GrowthConfig` field of ``names``: its type, choices,
-    default and help, as the main command's parser makes them."""
+    default and help, as the main command's parser makes them (``helps``: other help texts, by field)."""
     hints = typing.get_type_hints(GrowthConfig)
     for config_field in dataclasses.fields(GrowthConfig):
         if config_field.name not in names:
@@ -186,7 +188,8 @@ def _add_config_options(group: argparse._ArgumentGroup, names: tuple[str, ...]) 
                                               and kind is not type(None))
         spellings = dict.fromkeys([f"--{config_field.name.replace('_', '-')}", f"--{config_field.name}"])
         group.add_argument(*spellings, dest=config_field.name, type=value_type, choices=choices,
-                           default=config_field.default, help=config_field.metadata["help"])
+                           default=config_field.default, help=(helps or {}).get(config_field.name,
+                                                                                config_field.metadata["help"]))
 
 
 def build_inspect_parser() -> argparse.ArgumentParser:
@@ -208,7 +211,9 @@ def build_inspect_parser() -> argparse.ArgumentParser:
     output.add_argument("--save-stats", metavar="FILE", help="save the statistics (safetensors) for `hf-grow --stats`")
     output.add_argument("--cross-fit", action="store_true", help="also sum M over half the batches, and report the "
                         "gains of the cross-fitted M (statistics for `hf-grow --stats FILE --cross-fit`)")
-    _add_config_options(parser.add_argument_group("statistics"), INSPECT_CONFIG_FIELDS)
+    _add_config_options(parser.add_argument_group("statistics"), INSPECT_CONFIG_FIELDS, {
+        "max_batches": "use the first this many statistics batches (then give hf-grow --stats the same flag)",
+    })
     run = _add_run_arguments(parser, grows=False)
     run.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     run.add_argument("--max-memory", metavar="SIZE", help=MAX_MEMORY_HELP)
