@@ -1,6 +1,8 @@
 """The held-out passes after the line search: the realized gains replay the blocks the step-0 pass recorded,
 no pass builds a key/value cache, and no layer's core is decomposed twice (`hf_grow.growth.layer_steps`)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -220,6 +222,7 @@ def test_replays_follow_a_loss_fn_that_runs_the_model_twice_or_reads_attentions(
     -0.005): such records are dropped, every evaluation a full pass."""
     from hf_grow.growth.layer_steps import HeldOutPasses
 
+    gpt2_copy = copy.deepcopy(gpt2_copy)  # its config is the session model's: set eager attention on a copy's
     gpt2_copy.set_attn_implementation("eager")  # attentions are returned by eager attention only
     adapter = get_adapter(gpt2_copy)
     columns = [{"a": a, "b": b} for a, b in zip(lm_batches(stdlib_bytes["eval"], 3, batch_size=4, seq_len=64, seed=2),

@@ -120,17 +120,16 @@ class HeldOutPasses:
         handles = [block.register_forward_hook(functools.partial(keep, kept=kept))
                    for block, kept in zip(self.blocks or [], outputs)]
         try:
-            with self._watching_attentions():
+            with _attentions_asked(self.model, self.loss_fn) as asked:
                 loss, weight = evaluate_loss(self.model, self.batches, self.adapter, self.loss_fn, self.accelerator)
         finally:
             for handle in handles:
                 handle.remove()
         self.evaluations += 1
         self.passes += 1
-        if held[0] > budget:
-            logger.info("held-out hidden states exceed %d bytes: every evaluation is a full pass", budget)
-            self.blocks, self.recorded = None, []
-        elif outputs and self.blocks is not None:
+        if held[0] > budget or asked:
+            self._forget(ATTENTIONS_ASKED if asked else f"held-out hidden states exceed {budget} bytes")
+        elif outputs:
             self.recorded, self.recorded_bytes = outputs, held[0]
         return loss, weight
 
@@ -139,7 +138,7 @@ class HeldOutPasses:
         what `loss_recording` would have recorded, without its pass. Where a part is None (not recorded) or dropped
         its records, none are kept and every evaluation is a full pass. Needs nothing recorded yet."""
         if any(part is None or part.blocks is None for part in parts):
-            self.blocks, self.recorded = None, []
+            self._forget()
         elif all(part.recorded for part in parts):
             self.recorded = [sum(outputs, []) for outputs in zip(*(part.recorded for part in parts))]
             self.recorded_bytes = sum(part.recorded_bytes for part in parts)
@@ -163,7 +162,8 @@ class HeldOutPasses:
         modes = module_modes(self.model)
         self.model.eval()
         try:
-            with self._replaying(layer), torch.no_grad(), without_kv_cache(self.model), self._watching_attentions():
+            with self._replaying(layer), torch.no_grad(), without_kv_cache(self.model), \
+                    _attentions_asked(self.model, self.loss_fn) as asked:
                 for batch in iterate_batches(self.batches, self.model):
                     if batch_loss_weight(self.adapter, self.model, batch, self.loss_fn) == 0:
                         continue  # evaluate_loss skips it too: the replayed records stay in step
@@ -173,42 +173,17 @@ class HeldOutPasses:
             handle.remove()
             restore_modes(modes)
         self.passes += (1 if stops else self.num_layers - layer) / self.num_layers
-        if self.blocks is None:  # the loss reads attentions
-            return
         self.recorded_bytes += sum(_bytes(output) for output in outputs)
-        if self.recorded_bytes * (self.num_layers - 1) / (layer + 1) > CACHE_BYTES:
-            logger.info("held-out hidden states exceed %d bytes: every evaluation is a full pass", CACHE_BYTES)
-            self.blocks, self.recorded = None, []
+        if asked or self.recorded_bytes * (self.num_layers - 1) / (layer + 1) > CACHE_BYTES:
+            self._forget(ATTENTIONS_ASKED if asked else f"held-out hidden states exceed {CACHE_BYTES} bytes")
             return
         self.recorded.append(outputs)
 
-    @contextlib.contextmanager
-    def _watching_attentions(self) -> Iterator[None]:
-        """Drop the records (every evaluation a full pass) where a ``loss_fn`` asks the model, or a model inside it,
-        for its attentions (``output_attentions``): a replayed block's attention modules never run, so the loss
-        would see fewer. The model's own loss reads none. (A loss_fn reading the attention modules with hooks of its
-        own is not seen.)"""
-        if self.loss_fn is None:
-            yield
-            return
-        asked = []
-
-        def watch(module: nn.Module, args: Any, kwargs: dict) -> None:
-            if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
-                asked.append(True)
-
-        # the model and every model inside it: a loss_fn may call model.transformer(...) or model.forward(...)
-        handles = [module.register_forward_pre_hook(watch, with_kwargs=True) for module in self.model.modules()
-                   if isinstance(module, PreTrainedModel)]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-        if asked and self.blocks is not None:
-            logger.info("the loss reads the model's attentions, which replayed blocks do not make: every evaluation "
-                        "is a full pass")
-            self.blocks, self.recorded = None, []
+    def _forget(self, why: str | None = None) -> None:
+        """Drop the records (``why``, logged once): every evaluation a full pass."""
+        if why is not None and self.blocks is not None:
+            logger.info("%s: every evaluation is a full pass", why)
+        self.blocks, self.recorded = None, []
 
     @contextlib.contextmanager
     def _replaying(self, count: int) -> Iterator[None]:
@@ -226,6 +201,31 @@ class HeldOutPasses:
                     del block.forward
                 else:
                     block.forward = forward
+
+
+#: Why replayed passes are dropped for a loss that asks for attentions (`_attentions_asked`).
+ATTENTIONS_ASKED = "the loss reads the model's attentions, which replayed blocks do not make"
+
+
+@contextlib.contextmanager
+def _attentions_asked(model: nn.Module, loss_fn: LossFn | None) -> Iterator[list[bool]]:
+    """A list that gets an entry where ``loss_fn`` asks the model, or a model inside it, for its attentions
+    (``output_attentions``): a replayed block's attention modules never run, so the loss would see fewer. The
+    model's own loss reads none. (A loss_fn reading the attention modules with hooks of its own is not seen.)"""
+    asked: list[bool] = []
+
+    def watch(module: nn.Module, args: Any, kwargs: dict) -> None:
+        if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
+            asked.append(True)
+
+    # the model and every model inside it: a loss_fn may call model.transformer(...) or model.forward(...)
+    handles = [] if loss_fn is None else [module.register_forward_pre_hook(watch, with_kwargs=True)
+                                          for module in model.modules() if isinstance(module, PreTrainedModel)]
+    try:
+        yield asked
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _next_record(records: Iterator[Any]) -> Any:

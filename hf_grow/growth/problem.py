@@ -221,13 +221,7 @@ class GrowthProblem(StepWeights):
                 self._methods[layer] = solve_layer(
                     part, gradient, self.mode, truncations, self._max_dims[layer], self.solver, self._with_rates
                 )
-                step_norms = part.norms["whitened"][1]
-                if not torch.isfinite(step_norms).all():  # a NaN step norm would make the layer's lam 0, silently
-                    heads = torch.nonzero(~torch.isfinite(step_norms)).flatten().tolist()
-                    raise FloatingPointError(
-                        f"layer {layer}'s statistics give a non-finite step for heads {heads}: M or C holds NaN or "
-                        "Inf (collect_statistics refuses such statistics; check statistics made or changed by hand)"
-                    )
+                _check_finite_step(part, layer)
                 self.layers[layer] = part
                 if self._release:
                     self.statistics.release(layer)
@@ -276,6 +270,17 @@ class GrowthProblem(StepWeights):
             raise RuntimeError("gain rates are computed with the solve: build the problem with with_rates=True")
         unit = self.layer_lam_units[layer] * self.head_factors[layer]  # each head's, before any search per layer
         return linalg.GainRates(rates.without_growth * unit, rates.marginal * unit[:, None])
+
+
+def _check_finite_step(part: LayerProblem, layer: int) -> None:
+    """A step norm that is not finite would make the layer's lam 0, silently: refused, naming the heads."""
+    step_norms = part.norms["whitened"][1]
+    if not torch.isfinite(step_norms).all():
+        heads = torch.nonzero(~torch.isfinite(step_norms)).flatten().tolist()
+        raise FloatingPointError(
+            f"layer {layer}'s statistics give a non-finite step for heads {heads}: M or C holds NaN or Inf "
+            "(collect_statistics refuses such statistics; check statistics made or changed by hand)"
+        )
 
 
 def _layer_problem(

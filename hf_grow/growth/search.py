@@ -188,8 +188,7 @@ def check_loss_before(
 class _StepSearch:
     """The evaluations of one line search: the held-out loss of ``target`` at a step of ``problem``, the points
     searched (shown on ``bar``, a progress bar), and the decompositions of the best step evaluated, from which its
-    weights are made again (the bases' products alone, bit for bit the same) and which the report reads instead
-    of decomposing the chosen step once more."""
+    weights are made again (the bases' products alone, bit for bit) and which the report reads, not decomposing."""
 
     def __init__(
         self,
@@ -203,8 +202,7 @@ class _StepSearch:
         self.eval_batches, self.known_part = eval_batches, known_part
         self.passes = None if eval_batches is None else self._new_passes()
         self.points: list[LineSearchPoint] = []
-        #: Passes not counted by ``passes`` (on another object, or before the search's count starts).
-        self.extra_passes = 0.0
+        self.extra_passes = 0.0  # not counted by ``passes``: on another object, or before the search's count starts
         self.loss_before: float | None = None
         self.bar: Any = None
         self._best: dict[str, Any] = {}  # loss, step and decompositions of the best step evaluated
@@ -235,16 +233,14 @@ class _StepSearch:
         problem, step_size = self.problem, self.prepared.config.step_size
         if self.eval_batches is None:
             return None, 0, None
-        # The pass at step 0 records every block where something replays them: the realized gains, and the search
-        # of each layer alone, which replays the same outputs (the other layers stay at step 0) from the same
-        # object. The coordinate search records each layer's chosen step instead: its own object.
+        # The pass at step 0 records every block where something replays them: the realized gains, and the search of
+        # each layer alone (the other layers at step 0), from the same object; the coordinate search on its own.
         step_zero, coordinate = None, problem.step_mode == "coordinate"
         if record or (problem.step_mode == "layer_search" and step_size is None):
             if recorded is None:
                 recorded = self._new_passes() if coordinate else self.passes
                 measured = recorded.loss_recording()
-                # a pass for its records alone where the loss was known: a cost of the search
-                self.extra_passes += before is not None
+                self.extra_passes += before is not None  # a pass for its records alone: a cost of the search
                 before = before or measured
             if not coordinate:
                 self.passes = recorded
@@ -322,9 +318,8 @@ class _StepSearch:
         full_rank = [part.target.width for part in problem.layers]
         scale_dims = problem.attention_scale_dims(full_rank)
         scalings = [adapter.scaling(self.prepared.model.config, layer, dim) for layer, dim in enumerate(scale_dims)]
-        reference = adapter.build_grown_model(
-            self.target, full_rank, unconstrained_weights(problem, 0.0, scalings), scale_dims
-        )
+        at_zero = unconstrained_weights(problem, 0.0, scalings)
+        reference = adapter.build_grown_model(self.target, full_rank, at_zero, scale_dims)
 
         def evaluate_unconstrained(step: float) -> float:
             write_weights(adapter, reference, unconstrained_weights(problem, step, scalings))
