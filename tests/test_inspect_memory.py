@@ -63,6 +63,7 @@ def test_the_plan_of_an_inspection_holds_every_m_only_where_it_is_saved(trained_
     assert [stage.name for stage in kept.stages] == ["load", "statistics", "write", "gains"]
     assert m_of(freed, "statistics") == m_of(freed, "gains") == layer_m
     assert m_of(kept, "statistics") == m_of(kept, "write") == m_of(kept, "gains") == config.n_layer * layer_m
+    assert trained_gpt2.config._attn_implementation == "sdpa"  # the plan's twin ran eager on the model's own config
     offloaded = plan(budget.replace(offload_dir="somewhere"), keep=True)
     assert m_of(offloaded, "gains") == 0 and offloaded.disk == config.n_layer * layer_m
     assert plan(budget.replace(offload_dir="somewhere"), keep=False).disk == layer_m

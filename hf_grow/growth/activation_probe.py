@@ -5,6 +5,8 @@ attention the statistics run (`statistics_attention`).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
@@ -50,7 +52,7 @@ def activation_bytes(model: PreTrainedModel, batch_size: int, seq_len: int, atte
     ``model`` on the meta device. A model without a head (a SentenceTransformer's) runs without labels: its
     loss on the pooled outputs saves little beside the model's own tensors."""
     with torch.device("meta"):
-        twin = type(model)(model.config)
+        twin = type(model)(copy.deepcopy(model.config))  # its own config: setting its attention leaves the model's
     twin = twin.to(dtype=next(model.parameters()).dtype)
     twin.set_attn_implementation(attention)
     twin.requires_grad_(False)
