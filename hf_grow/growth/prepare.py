@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ..adapters import ArchitectureAdapter, get_adapter
+from ..adapters import ArchitectureAdapter, get_adapter, is_peft_model
 from ..budget import allocate_budget, check_budget
 from ..config import GrowthConfig, check_p
 from ..distributed import Processes
@@ -50,10 +50,9 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
     Growth rewrites the full Q/K weights, so LoRA deltas must be part of them; the grown model is a plain
     grown model. (peft's own target-module tables list Q and V only; where Q/K live is the adapter's business.)
     """
-    peft = sys.modules.get("peft")  # a PeftModel implies peft is imported; no import cost otherwise
-    if peft is None:
+    if "peft" not in sys.modules:  # a PeftModel or adapter layers imply peft is imported; no import cost otherwise
         return model
-    if not isinstance(model, peft.PeftModel):
+    if not is_peft_model(model):
         check_no_injected_adapters(model)
         return model
     prompt_learning = sorted(name for name, config in model.peft_config.items() if config.is_prompt_learning)

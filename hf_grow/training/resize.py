@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ..adapters import ArchitectureAdapter, get_adapter, scale_dims_after_growth
+from ..adapters import ArchitectureAdapter, get_adapter, is_peft_model, scale_dims_after_growth
 from ..adapters.building import attention_scale_entry
 from ..growth import QKWeights
 from ..growth.prepare import check_no_injected_adapters, check_weights_in_memory
@@ -53,12 +53,11 @@ def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
     same weights and setup (frozen parameters, training mode, generation config, activation checkpointing); a
     model already of a grown type is returned as is. Convert before creating the optimizer.
     """
-    peft = sys.modules.get("peft")
     convert_first = ("convert the base model before adding the PEFT adapters (to_grown_model(base), then "
                      "get_peft_model), or grow the PeftModel with grow_model, which merges its adapters into a copy")
-    if peft is not None and isinstance(model, peft.PeftModel):
+    if is_peft_model(model):
         raise ValueError(f"to_grown_model converts a plain model: {convert_first}")
-    if peft is not None:
+    if "peft" in sys.modules:  # adapter layers imply peft is imported
         check_no_injected_adapters(model, convert_first)
     check_weights_in_memory(model)
     adapter = get_adapter(model)
