@@ -160,3 +160,10 @@ def test_cross_fitting_one_statistics_batch_is_refused_before_the_model_loads(mo
     with pytest.raises(CommandError, match="gives 2 batch\\(es\\) for 2 processes"):
         check_cross_fit_batches(True, 2, processes=2)
     check_file_folders(("--json", os.devnull), ("--save-stats", os.devnull))  # a device takes both (files do not)
+
+
+def test_an_output_file_through_a_missing_folder_is_refused(tmp_path):
+    # "missing/.." resolves lexically to tmp_path, but the system cannot open the path: refused before any work
+    with pytest.raises(CommandError, match="the folder of .* does not exist"):
+        check_file_folders(("--report", str(tmp_path / "missing" / ".." / "report.json")))
+    check_file_folders(("--report", str(tmp_path / "report.json")), ("--json", "report2.json"))

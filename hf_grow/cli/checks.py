@@ -256,7 +256,8 @@ def check_file_folders(*options: tuple[str, str | None]) -> None:
         if first != option:
             raise CommandError(f"{first} and {option} name the same file {path}: give each a file of its own")
     for option, path in options:
-        if path and not Path(path).resolve().parent.is_dir():
+        # the folder as written: "a/missing/../r.json" resolves lexically to "a", but cannot be opened
+        if path and not os.path.isdir(os.path.dirname(path) or "."):
             raise CommandError(f"{option}: the folder of {path} does not exist")
         if path and Path(path).is_dir():
             raise CommandError(f"{option} {path} is a folder: give a file name")
