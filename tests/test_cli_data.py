@@ -288,3 +288,14 @@ def test_a_file_named_twice_is_read_once(model_folder, corpus, tmp_path, capsys)
                         f"hf-grow: warning: --data names {str(corpus)!r} more than once: read once"]
     once, twice = load_growth_report(tmp_path / "once"), load_growth_report(tmp_path / "twice")
     assert twice.statistics_tokens == once.statistics_tokens
+
+
+@pytest.mark.filterwarnings("default:query/key widths")  # the suite ignores it elsewhere (pyproject.toml)
+def test_library_warnings_are_lines_of_the_command(model_folder, corpus, tmp_path, capsys):
+    """A library warning points at its caller's line, which for the command is no file of the user's (it read
+    ``<frozen runpy>:88: UserWarning: ...``): the command says it as its own warnings."""
+    arguments = [str(model_folder), "--data", str(corpus), "--seq-len", "128", "--max-batches", "2", "--quiet"]
+    assert cli.main([*arguments, "--p", "3", "--step-size", "0", "--output-dir", str(tmp_path / "out")]) == 0
+    error = capsys.readouterr().err.strip()
+    assert error == ("hf-grow: warning: query/key widths [19] are not multiples of 8; fused attention kernels are "
+                     "fastest with multiples of 8.")

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_inspect_parser().parse_args(argv[1:]) if inspecting else build_parser().parse_args(argv)
     args.written, args.writes = [], True  # what is in place, and whether this process writes: for an interruption
     try:
-        with _terminations_interrupt():
+        with _terminations_interrupt(), _warnings_as_lines():
             if inspecting:
                 run_inspect(args)
             else:
@@ -233,6 +234,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-grow: interrupted; {written}", file=sys.stderr)
         return 130
     return 0
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Warnings as ``hf-grow: warning: ...`` lines: the library points a warning at its caller's line, which for the
+    command is no file of the user's (``<frozen runpy>:88``, the ``hf-grow`` script)."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        kind = "" if category is UserWarning else f"{category.__name__}: "
+        print(f"hf-grow: warning: {kind}{message}", file=sys.stderr if file is None else file)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 @contextlib.contextmanager
