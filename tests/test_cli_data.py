@@ -299,3 +299,15 @@ def test_library_warnings_are_lines_of_the_command(model_folder, corpus, tmp_pat
     error = capsys.readouterr().err.strip()
     assert error == ("hf-grow: warning: query/key widths [19] are not multiples of 8; fused attention kernels are "
                      "fastest with multiples of 8.")
+
+
+def test_the_card_says_where_the_held_out_text_came_from():
+    from argparse import Namespace
+
+    from hf_grow.cli.text import data_description
+
+    options = dict(data=None, dataset="my/corpus", dataset_config=None, split="train")
+    tail, _ = data_description(Namespace(**options, eval_split="train"))  # the tail of the same split
+    assert tail == "`my/corpus`, split `train` (held out: its tail)"
+    other, names = data_description(Namespace(**options, eval_split="validation"))
+    assert other == "`my/corpus`, split `train` (held out: `validation`)" and names == ["my/corpus"]

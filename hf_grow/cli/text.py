@@ -133,4 +133,5 @@ def data_description(args: argparse.Namespace) -> tuple[str, list[str]]:
         return f"local text ({shown}{', ...' if len(args.data) > 3 else ''})", []
     name = args.dataset or "wikitext"
     config = args.dataset_config or (None if args.dataset else "wikitext-2-raw-v1")
-    return f"`{name}`{f' ({config})' if config else ''}, split `{args.split}` (held out: `{args.eval_split}`)", [name]
+    held_out = "its tail" if held_out_of_the_same_text(args) else f"`{args.eval_split}`"
+    return f"`{name}`{f' ({config})' if config else ''}, split `{args.split}` (held out: {held_out})", [name]
