@@ -208,3 +208,17 @@ def test_a_failed_push_comes_after_the_summary(model_folder, tmp_path, capsys, m
     captured = capsys.readouterr()
     assert status == 2 and "the Hub is away" in captured.err and "failed (disk full)" in captured.err
     assert len(captured.err.strip().splitlines()) == 1 and "wall time" in captured.out
+
+
+def test_a_folder_made_for_the_output_keeps_its_permissions(tmp_path):
+    """An empty folder made beforehand (private, or a group's) is replaced by the staged one: it keeps its mode."""
+    from hf_grow.cli.running import write_folder_atomically
+
+    output = tmp_path / "grown"
+    output.mkdir()
+    os.chmod(output, 0o700)
+    written = []
+    write_folder_atomically(output, lambda folder: (folder / "config.json").write_text("{}"), overwrite=False,
+                            done=lambda: written.append(True))
+    assert written and (output / "config.json").read_text() == "{}"
+    assert oct(output.stat().st_mode & 0o777) == oct(0o700)

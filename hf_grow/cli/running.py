@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -44,7 +45,8 @@ def write_folder_atomically(output: Path, write, overwrite: bool, done: Callable
         staging.mkdir()
         write(staging)
         check_output_folder(output, overwrite)
-        if output.exists():
+        if output.exists():  # a folder made for the model keeps its permissions (a shared group's, a private one)
+            os.chmod(staging, stat.S_IMODE(output.stat().st_mode))
             output.rename(replaced)
         staging.rename(output)
         done()
