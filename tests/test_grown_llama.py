@@ -421,7 +421,7 @@ def test_modes_and_settings_rotary_models_cannot_take_are_refused(llama_gqa, std
     with pytest.raises(ValueError, match="LlamaForCausalLM grows by 'append' only: use search='exact'"):
         grow_model(llama_gqa, batches, p=8, search="fast")  # the advice was mode='refactor', which it cannot take
     sliding = MistralForCausalLM(MistralConfig(**llama_settings() | {"sliding_window": 32}))
-    with pytest.raises(ValueError, match="sliding-window attention"):
+    with pytest.raises(ValueError, match="sliding-window attention.*for hf-grow, save it so loaded"):
         grow_model(sliding, batches, p=8)
     with pytest.raises(Exception, match="qk_nope_dims has 1 entries"):
         GrownLlamaConfig(**tiny_llama_config().to_dict() | {"qk_nope_dims": [4]})

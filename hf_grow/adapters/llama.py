@@ -167,8 +167,8 @@ class LlamaAdapter(ArchitectureAdapter):
                 f"{type(model).__name__} uses sliding-window attention (sliding_window={config.sliding_window}), "
                 "which the grown Llama type does not implement: grow a model loaded without it (a Mistral with "
                 "from_pretrained(..., sliding_window=None), a Qwen2 with from_pretrained(..., use_sliding_window="
-                "False, layer_types=['full_attention'] * num_hidden_layers)), whose function differs on sequences "
-                "longer than the window."
+                "False, layer_types=['full_attention'] * num_hidden_layers); for hf-grow, save it so loaded and give "
+                "the command its folder), whose function differs on sequences longer than the window."
             )
         super().check_supported(model)
 
