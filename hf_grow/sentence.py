@@ -23,6 +23,7 @@ import copy
 import csv
 import io
 import json
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -165,14 +166,21 @@ def tokenize_pairs(
     starts = list(range(0, len(pairs), batch_size))
     if len(starts) > 1 and len(pairs) - starts[-1] == 1:
         starts.pop()
-    batches = []
+    batches, repeating = [], 0
     for start, end in zip(starts, [*starts[1:], len(pairs)]):
         chunk = pairs[start:end]
+        repeating += any(len({pair[index] for pair in chunk}) < len(chunk) for index in range(2))
         batches.append(
             {
                 name: dict(sentence_model.preprocess([pair[index] for pair in chunk]))
                 for index, name in enumerate(columns)
             }
+        )
+    if repeating:
+        warnings.warn(
+            f"{repeating} of {len(batches)} batches of pairs hold a text twice in a column: in-batch losses "
+            "(MultipleNegativesRankingLoss) count its copy as a negative; drop duplicates or shuffle them apart",
+            stacklevel=2,
         )
     return batches
 
@@ -261,8 +269,11 @@ def _column_pair(record: Any, columns: Sequence[str] | None, where: str) -> tupl
         raise ValueError(f"{where}: expected an object with the pair's columns, got {type(record).__name__}")
     names = list(columns) if columns else list(record)[:2]
     missing = [name for name in names if name not in record]
-    if missing or len(names) < 2:
-        raise ValueError(f"{where}: no column {missing[0] if missing else 'for the positive'!r} (columns: "
+    if not missing and len(names) < 2:
+        raise ValueError(f"{where}: one column ({', '.join(map(str, record))}), where a pair takes two: the anchor's "
+                         "text and the positive's")
+    if missing:
+        raise ValueError(f"{where}: no column {missing[0]!r} (columns: "
                          f"{', '.join(map(str, record))}); name the pair's columns with --pair-columns")
     not_texts = [name for name in names if not (isinstance(record[name], str) and record[name].strip())]
     if not_texts:

@@ -4,6 +4,7 @@ search, the output folder loading as a SentenceTransformer; bad pair files are o
 import json
 import random
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 import hf_grow
 from hf_grow.cli import main
 from hf_grow.cli.pairs import default_eval_pairs
-from hf_grow.sentence import read_pairs
+from hf_grow.sentence import read_pairs, tokenize_pairs
 from sentence_pairs import docstring_code_pairs, stdlib_files
 
 from test_cli import model_folder  # noqa: F401 (the fixture)
@@ -96,6 +97,9 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"q": "a", "c": "b"}\n\n{"q": "e", "c": \n')
     with pytest.raises(ValueError, match=r"broken.jsonl line 3: not a JSON object \(Expecting value at column 17"):
         read_pairs(str(tmp_path / "broken.jsonl"))
+    (tmp_path / "one.csv").write_text("text\na docstring\n")  # it said "no column 'for the positive'"
+    with pytest.raises(ValueError, match=r"one.csv line 2: one column \(text\), where a pair takes two"):
+        read_pairs(str(tmp_path / "one.csv"))
     (tmp_path / "tabs.tsv").write_text("a\tb\t\ndef f():\treturn 1\tand more\n")  # trailing tabs are no field
     with pytest.raises(ValueError, match=r"tabs.tsv line 2: 3 tab-separated fields"):
         read_pairs(str(tmp_path / "tabs.tsv"))
@@ -297,3 +301,18 @@ def test_cross_fitting_one_batch_of_pairs_is_refused_before_the_statistics(pair_
                    "16", "--eval-pairs", "8", "--seq-len", "32", "--for-training", "--output-dir",
                    str(tmp_path / "grown"), "--quiet"])
     assert status == 2 and "but the data gives 1 batch(es)" in capsys.readouterr().err
+
+
+def test_a_text_twice_in_a_batch_is_a_warning():
+    """In-batch losses take every other text of a batch as a negative: a copy of the positive is one."""
+
+    class Tokenizing:
+        def preprocess(self, texts):
+            return {"input_ids": torch.tensor([[len(text)] for text in texts])}
+
+    pairs = [("a", "x"), ("b", "y"), ("c", "x"), ("d", "z"), ("e", "w"), ("f", "v")]
+    with pytest.warns(UserWarning, match="1 of 2 batches of pairs hold a text twice in a column"):
+        assert len(tokenize_pairs(pairs, Tokenizing(), batch_size=3)) == 2  # ("a", "x") and ("c", "x") together
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tokenize_pairs(pairs, Tokenizing(), batch_size=2)  # the copies in batches of their own
