@@ -98,7 +98,9 @@ class Processes:
         dist.all_gather_object(values, value)
         return values
 
-    def check_same(self, value: dict[str, Any], what: str) -> None:
+    def check_same(
+        self, value: dict[str, Any], what: str, advice: str = "call it with the same options on every process"
+    ) -> None:
         """Refuse, with a ValueError on every process, where ``value`` (picklable, by name) differs from the main
         process's: processes given different options would each compute their part differently (a model that
         neither option describes) or wait forever in a collective that another process does not take."""
@@ -111,7 +113,7 @@ class Processes:
         if differing:
             where = "; ".join(here) if here else f"on {differing} other process(es)"
             raise ValueError(
-                f"{what} differ between the processes ({where}): call it with the same options on every process"
+                f"{what} differ between the processes ({where}): {advice}"
             )
 
     @contextlib.contextmanager

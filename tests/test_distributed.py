@@ -12,6 +12,7 @@ from transformers import GPT2LMHeadModel
 
 from hf_grow import collect_statistics, get_adapter, grow_model
 from hf_grow.distributed import OtherProcessFailed
+from hf_grow.statistics import statistics_bytes
 
 from conftest import lm_batches
 
@@ -67,6 +68,31 @@ def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batch
         collect_statistics(model, unread(), get_adapter(model), accelerator=accelerator, cross_fit=rank == 1)
     except ValueError as error:
         refusals.append(str(error))
+    # What differs in the data or the model, or fails on one process alone: every process stops, none waits.
+    drills = {}
+    other_weights = copy.deepcopy(model)
+    with torch.no_grad():
+        other_weights.transformer.wte.weight.add_(1e-3 * rank)
+    one_layer = statistics_bytes(model.config.n_layer, model.config.n_head, model.config.n_embd, 2)  # a layer a pass
+    for name, drill in {
+        "other weights": lambda: grow_model(other_weights, unread(), p=8, eval_dataloader=eval_shard,
+                                            accelerator=accelerator, **ONE_CANDIDATE),
+        "each process's statistics": lambda: grow_model(wrapped, None, p=8, statistics=local,
+                                                        eval_dataloader=eval_shard, accelerator=accelerator,
+                                                        **ONE_CANDIDATE),
+        "p too wide on one": lambda: grow_model(wrapped, unread(), p=(8, 1000)[rank], eval_dataloader=eval_shard,
+                                                accelerator=accelerator, **ONE_CANDIDATE),
+        "one-shot on one": lambda: collect_statistics(model, iter(shard) if rank else shard, get_adapter(model),
+                                                      accelerator=accelerator, memory_budget=one_layer),
+    }.items():
+        try:
+            drill()
+            drills[name] = None
+        except (ValueError, OtherProcessFailed) as error:
+            drills[name] = (type(error).__name__, str(error))
+    # "auto" on held-out shards of other sizes: its choice, and its report, the same on every process
+    uneven = eval_batches[:2] if rank == 0 else [*eval_batches[2:], *shard]
+    auto = grow_model(wrapped, shard, p=8, eval_dataloader=uneven, accelerator=accelerator)
     # A process without held-out batches (fewer batches than processes): the others' held-out losses serve.
     no_eval_shard = grow_model(wrapped, shard, p=8, eval_dataloader=eval_shard if rank == 0 else [],
                                accelerator=accelerator, **ONE_CANDIDATE)
@@ -82,6 +108,8 @@ def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batch
         "refusals": refusals,
         "no_eval_shard": no_eval_shard.state_dict(),
         "one_sided": (one_sided.method, one_sided.num_batches),
+        "drills": drills,
+        "auto": (auto.growth_report.to_dict(), auto.state_dict()),
     }
     torch.save(result, f"{folder}/rank{rank}.pt")
     accelerator.end_training()
@@ -151,6 +179,20 @@ def test_two_processes_equal_one(trained_gpt2, stdlib_bytes, tmp_path):
     assert "step_size 0.1 here, None on the main process" in results[1]["refusals"][1]
     assert "cross_fit True here, False on the main process" in results[1]["refusals"][2]
     assert "(on 1 other process(es))" in results[0]["refusals"][0]
+    drills = [result["drills"] for result in results]
+    other_weights, statistics = (drill["other weights"] for drill in drills), (
+        drill["each process's statistics"] for drill in drills)
+    assert all(error[0] == "ValueError" and "the models' weights differ between the processes" in error[1]
+               and "load the same checkpoint on every process" in error[1] for error in other_weights)
+    assert all(error[0] == "ValueError" and "the statistics given differ between the processes" in error[1]
+               for error in statistics)  # collected by each process on its shard alone: each shard's, not the sum
+    for drill, failing in (("p too wide on one", "ValueError"), ("one-shot on one", "ValueError")):
+        assert [drills[0][drill][0], drills[1][drill][0]] == ["OtherProcessFailed", failing], drill
+    assert "one-shot iterator" in drills[1]["one-shot on one"][1]
+    (report, weights), (other_report, other_weights) = (result["auto"] for result in results)
+    assert report["line_search_passes"] == other_report["line_search_passes"]  # from each process's own count
+    assert {key for key in report if report[key] != other_report[key]} <= {"seconds"}
+    assert all(torch.equal(tensor, other_weights[name]) for name, tensor in weights.items())
     # A process without held-out batches: the line search on the other's, as one process on those alone.
     alone = grow_model(trained_gpt2, batches, p=8, eval_dataloader=eval_batches[0::2], **ONE_CANDIDATE)
     same_architecture.load_state_dict(results[1]["no_eval_shard"])

@@ -42,7 +42,7 @@ from .memory import check_memory
 from .loading import check_statistics_text, load_model, load_statistics, load_tokenizer, model_objective
 from .pairs import check_pairs_arguments, grow_from_pairs
 from .parsers import INSPECT_CONFIG_FIELDS, build_inspect_parser, build_parser, text_options_given
-from .running import (accelerator_for, finish_run, shard_batches, start_run, write_card,
+from .running import (MAIN_WRITES, accelerator_for, finish_run, shard_batches, start_run, write_card,
                       write_folder_atomically)
 from .text import data_description, text_batches
 
@@ -110,7 +110,7 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
             if is_main:
                 _write_outputs(args, grown, tokenizer, started, accelerator, show_progress)
     except OtherProcessFailed as error:
-        raise CommandError(f"{error}: nothing was written") from None
+        raise CommandError(f"{error}: {MAIN_WRITES}") from None
 
 
 def _write_outputs(

@@ -53,10 +53,11 @@ def check_memory(
         plan = plan_with({})
     except ValueError as error:  # a budget below one layer's statistics (`layer_groups`)
         raise CommandError(f"--memory-budget {args.config.memory_budget}: {error}") from None
-    if args.dry_run and os.environ.get("RANK", "0") == "0":  # launched with several (no process group): once
-        print(plan.table())
-    elif show_progress:
-        print("memory plan:\n" + plan.table(), file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # launched with several, once (a dry run starts no process group)
+        if args.dry_run:
+            print(plan.table())
+        elif show_progress:
+            print("memory plan:\n" + plan.table(), file=sys.stderr)
     # The processes launched on this machine share its memory and the disk of --offload-dir (each maps its M
     # there); each has a device of its own.
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -23,7 +23,7 @@ from ..statistics import return_free_memory
 from ..statistics import GrowthStatistics
 from .checks import CommandError, as_command_error, check_cross_fit_batches
 from .loading import DTYPES
-from .running import finish_run, shard_batches, write_card, write_folder_atomically
+from .running import MAIN_WRITES, finish_run, shard_batches, write_card, write_folder_atomically
 
 
 def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,7 +142,7 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
                     write_folder_atomically(output, write, args.overwrite,
                                             done=lambda: args.written.append(f"the grown model to {output}"))
     except OtherProcessFailed as error:
-        raise CommandError(f"{error}: nothing was written") from None
+        raise CommandError(f"{error}: {MAIN_WRITES}") from None
     except (OSError, SafetensorError) as error:
         raise CommandError(f"writing {output} failed ({error}); nothing was written") from None
     if is_main:

@@ -29,6 +29,10 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet
 
 
+#: What a process that writes nothing says when the main process failed while writing or after (a push, --report).
+MAIN_WRITES = "the main process writes the outputs, and its error says what was written"
+
+
 def write_folder_atomically(output: Path, write, overwrite: bool, done: Callable[[], None]) -> None:
     """Write into a temporary sibling folder, then rename it into place: no half-written model, ever.
 

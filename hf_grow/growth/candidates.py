@@ -31,9 +31,11 @@ import math
 import time
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from ..distributed import Processes
 from ..report import CandidateReport, GrowthReport
 from . import search
 from .layer_steps import CACHE_BYTES, HeldOutPasses
@@ -117,6 +119,12 @@ class OldFunction:
     ):
         self.prepared, self.target, self.record = prepared, target, record
         self.batches = {"search": search_batches, "confirm": confirm_batches}
+        # every process's batches (each holds its own shard): the shares, and the report, the same on all of them
+        counts = Processes(prepared.accelerator).sum_(torch.tensor(
+            [float(len(search_batches)), float(len(confirm_batches))], dtype=torch.float64,
+            device=next(target.parameters()).device,
+        ))
+        self.counts = {"search": counts[0].item(), "confirm": counts[1].item()}
         self.recordings: dict[str, HeldOutPasses] = {}
         self.weights = prepared.problem.weights(0.0)  # the old function at the grown widths, whatever the candidate
         self.losses: dict[str, tuple[float, int]] = {}
@@ -147,7 +155,7 @@ class OldFunction:
 
     def share(self, part: str) -> float:
         """The ``part``'s share of the held-out batches: what a pass over it costs in passes over all of them."""
-        return len(self.batches[part]) / sum(len(batches) for batches in self.batches.values())
+        return self.counts[part] / sum(self.counts.values())
 
     def recorded_on(self, batches: Batches) -> HeldOutPasses:
         """The passes over ``batches`` (the search batches, then the confirmation batches, as the held-out batches

@@ -26,6 +26,8 @@ from ..statistics import (
     GrowthStatistics, LossFn, batch_loss_weight, check_batch, check_labels, check_loss_fn, check_statistics_arguments,
     collect_statistics, layer_groups, return_free_memory, weight_sample,
 )
+from ..statistics.collect import check_same_weights
+from ..statistics.container import statistics_fingerprint
 from .line_search import NO_LOSS_TERMS, confirmation_split, split_batches
 from .problem import GrowthProblem
 from .sharding import Sharding, solve_cost
@@ -358,12 +360,13 @@ def prepare_growth(
     """Check what the config could not check alone (before any work), collect or check the statistics and
     solve the problem. ``mode`` None: the architecture's default (`ArchitectureAdapter.growth_modes`)."""
     processes = Processes(accelerator)
-    adapter = get_adapter(model)
-    qk_before = adapter.qk_head_dims(model.config)
-    max_rank = qk_input_width(model, adapter)
-    mode, growth = check_growth(model, adapter, config, mode)
-    check_weights_in_memory(model)
-    check_loss_fn(loss_fn)
+    with processes.failing_together():  # a check failing on one process alone must not leave the others waiting
+        adapter = get_adapter(model)
+        qk_before = adapter.qk_head_dims(model.config)
+        max_rank = qk_input_width(model, adapter)
+        mode, growth = check_growth(model, adapter, config, mode)
+        check_weights_in_memory(model)
+        check_loss_fn(loss_fn)
     # Every process must grow alike: each solves its own layers and takes the same collectives. (The offload
     # folder may be each process's own.)
     processes.check_same(
@@ -372,6 +375,12 @@ def prepare_growth(
          "statistics given": statistics is not None},
         "the growth options",
     )
+    check_same_weights(processes, model)
+    if statistics is not None:  # collected by each process on its own shard, they would be its shard's alone
+        processes.check_same(
+            {"statistics (a hash of their counts and C)": statistics_fingerprint(statistics)}, "the statistics given",
+            "pass the statistics collected with the accelerator (summed over the processes) to every process",
+        )
     if growth is not None:
         qk_after = [dim + extra for dim, extra in zip(qk_before, growth)]
         warn_unaligned(qk_after, growth)

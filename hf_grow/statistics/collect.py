@@ -23,7 +23,7 @@ from ..option_values import check_statistics_options
 from ..progress import progress_bar
 from .batches import LossFn, batch_loss_weight, check_loss_fn, iterate_batches
 from .collector import Collector, statistics_mode
-from .container import GrowthStatistics, weight_sample
+from .container import GrowthStatistics, fingerprint, weight_sample
 from .kernels import triton_available
 from .memory import layer_groups, return_free_memory
 from .offload import check_offload_dir, offload_folder
@@ -73,6 +73,15 @@ def check_method_runs(method: str, device: torch.device) -> None:
             f"model is on {device}{missing}: use 'auto' or 'chunked' (method= here, statistics_method= in "
             f"grow_model and GrowthConfig, --statistics-method in the command)."
         )
+
+
+def check_same_weights(processes: Processes, model: PreTrainedModel) -> None:
+    """Refuse, on every process, models whose weights differ between the processes: their statistics would be summed
+    over two functions and each layer solved from its owner's weights, a model that no process had."""
+    processes.check_same(
+        {"weights (a hash of a sample)": fingerprint(weight_sample(model))}, "the models' weights",
+        "load the same checkpoint on every process (or seed them alike before building the model)",
+    )
 
 
 def collect_statistics(
@@ -150,33 +159,35 @@ def collect_statistics(
     processes = Processes(accelerator)
     config = model.config
     parameter = next(model.parameters())
-    check_statistics_arguments(
-        method, parameter.device, compute_dtype, query_block, max_batches, memory_budget, accumulate_dtype, offload_dir,
-        tf32,
-    )
-    check_loss_fn(loss_fn)
-    eager_model = config._attn_implementation == "eager"
-    num_layers = len(adapter.attention_modules(model))
-    if owners is not None and (len(owners) != num_layers or not all(0 <= o < processes.world_size for o in owners)):
-        raise ValueError(
-            f"owners must name a process (0..{processes.world_size - 1}) for each of the {num_layers} layers, got "
-            f"{list(owners)}: plan them with hf_grow.growth.sharding.plan_owners."
+    with processes.failing_together():  # a check failing on one process alone must not leave the others waiting
+        check_statistics_arguments(
+            method, parameter.device, compute_dtype, query_block, max_batches, memory_budget, accumulate_dtype,
+            offload_dir, tf32,
         )
+        check_loss_fn(loss_fn)
+        num_layers = len(adapter.attention_modules(model))
+        if owners is not None and (len(owners) != num_layers or not all(0 <= o < processes.world_size for o in owners)):
+            raise ValueError(
+                f"owners must name a process (0..{processes.world_size - 1}) for each of the {num_layers} layers, "
+                f"got {list(owners)}: plan them with hf_grow.growth.sharding.plan_owners."
+            )
+        groups = layer_groups(
+            num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget,
+            accumulate_dtype.itemsize, cross_fit,
+        )
+        if len(groups) > 1 and iter(dataloader) is dataloader:
+            raise ValueError(
+                f"memory_budget needs {len(groups)} passes over the data, but the dataloader is a one-shot iterator: "
+                "pass a list of batches or a DataLoader, or a larger memory_budget."
+            )
     processes.check_same(  # processes collecting differently would wait in each other's collectives
         {"method": method, "compute_dtype": str(compute_dtype), "accumulate_dtype": str(accumulate_dtype),
          "max_batches": max_batches, "memory_budget": memory_budget, "cross_fit": cross_fit,
          "owners": None if owners is None else list(owners), "model": type(model).__name__, "layers": num_layers},
         "the statistics options",
     )
-    groups = layer_groups(
-        num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget, accumulate_dtype.itemsize,
-        cross_fit,
-    )
-    if len(groups) > 1 and iter(dataloader) is dataloader:
-        raise ValueError(
-            f"memory_budget needs {len(groups)} passes over the data, but the dataloader is a one-shot iterator: "
-            "pass a list of batches or a DataLoader, or a larger memory_budget."
-        )
+    check_same_weights(processes, model)
+    eager_model = config._attn_implementation == "eager"
     if tf32 is None:
         tf32 = parameter.dtype in (torch.bfloat16, torch.float16) or method == "triton"
     to_cpu = len(groups) > 1 and on_group is None  # a solve per group frees M where it was collected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -182,6 +183,18 @@ def weight_sample(model: PreTrainedModel, per_parameter: int = 8) -> Tensor:
             positions = torch.tensor(_sample_positions(flat.numel(), per_parameter), device=flat.device)
             samples.append(flat[positions].to(torch.float64).cpu())
     return torch.cat(samples)
+
+
+def fingerprint(values: Tensor) -> str:
+    """A short hash of ``values`` (in float64): what processes compare to find that they hold other weights or
+    statistics (`Processes.check_same`), a dozen characters instead of the values themselves."""
+    return hashlib.sha256(values.detach().to(torch.float64).cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
+
+
+def statistics_fingerprint(statistics: GrowthStatistics) -> str:
+    """`fingerprint` of the counts and of each layer's C (held by every process, also where M is sharded)."""
+    counts = [statistics.num_tokens, statistics.num_batches, statistics.loss_weight or 0]
+    return fingerprint(torch.tensor(counts + [float(c.sum(dtype=torch.float64)) for c in statistics.second_moments]))
 
 
 def checkpoint_weight_sample(model: nn.Module, folder: str | os.PathLike, per_parameter: int = 8) -> Tensor | None:
