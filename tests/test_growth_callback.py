@@ -280,3 +280,31 @@ def test_a_run_resumed_past_a_growth_refuses_a_model_at_the_old_widths(gpt2_copy
     ])
     with pytest.raises(ValueError, match=r"after growths to query/key widths \[24, 24\], but the model has \[16, 16\]"):
         GrowthCallback({3: 8}).on_train_begin(args, state, TrainerControl(), model=gpt2_copy)
+
+
+def test_a_peft_run_resumes_past_a_growth_as_readme_says(stdlib_bytes, tmp_path):
+    """README's recipe: the grown base saved without the adapter's layers, the adapter from the checkpoint. The
+    advice was get_base_model().save_pretrained, whose adapted modules (lora_A, base_layer) did not load into the
+    grown model: its MLPs came back random."""
+    import copy
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    dataset = trainer_dataset(stdlib_bytes, 64, seed=5)
+
+    def trainer(model):
+        return Trainer(model=model, args=trainer_arguments(tmp_path / "run"), train_dataset=dataset,
+                       callbacks=[GrowthCallback({3: 8}, mode="zero")])
+
+    lora = LoraConfig(r=4, target_modules=["c_fc", "c_proj"], fan_in_fan_out=True)
+    peft_model = get_peft_model(grown_model(), lora)
+    trainer(peft_model).train()  # grows at step 3, a checkpoint at step 4 holds the adapter alone
+    copy.deepcopy(peft_model).unload().save_pretrained(tmp_path / "grown-base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "grown-base")
+    assert base.config.qk_head_dims == [16, 16]
+    resumed = PeftModel.from_pretrained(base, tmp_path / "run" / "checkpoint-4", is_trainable=True)
+    trainer(resumed).train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    finished = dict(peft_model.named_parameters())
+    for name, parameter in resumed.named_parameters():  # every weight, the adapted MLPs' and the adapter's
+        torch.testing.assert_close(parameter, finished[name], rtol=1e-6, atol=1e-7, msg=name)
