@@ -240,6 +240,19 @@ def synchronize_after_growth(
         rebuild_ddp_buckets_(wrapper)
 
 
+def refuse_unsupported_ddp(model: nn.Module) -> None:
+    """Refuse, before any work, DistributedDataParallel options whose reducer `rebuild_ddp_buckets_` cannot rebuild
+    after the resize (found at its end, the model was left grown with a reducer that no longer synchronizes)."""
+    for ddp in ddp_wrappers(model):
+        if getattr(ddp, "_delay_all_reduce_params", None) or getattr(ddp, "_use_python_reducer", False):
+            raise ValueError(
+                "growth during training does not support DDP with delayed all-reduce "
+                "(delay_all_reduce_named_params) or the Python reducer: wrap the model without them"
+            )
+        if getattr(ddp, "mixed_precision", None) is not None:
+            raise ValueError("growth during training does not support DDP's own mixed_precision: use autocast instead")
+
+
 def rebuild_ddp_buckets_(ddp: nn.parallel.DistributedDataParallel) -> None:
     """Rebuild ``ddp``'s reducer for its module's current parameter shapes, in place (after a resize).
 
@@ -252,10 +265,7 @@ def rebuild_ddp_buckets_(ddp: nn.parallel.DistributedDataParallel) -> None:
     """
     from torch.distributed.utils import _verify_param_shape_across_processes
 
-    if getattr(ddp, "_delay_all_reduce_params", None) or getattr(ddp, "_use_python_reducer", False):
-        raise ValueError("growth during training does not support DDP with delayed all-reduce or the Python reducer")
-    if getattr(ddp, "mixed_precision", None) is not None:
-        raise ValueError("growth during training does not support DDP's own mixed_precision: use autocast instead")
+    refuse_unsupported_ddp(ddp)
     parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
     _verify_param_shape_across_processes(ddp.process_group, parameters)
     ddp.reducer._remove_autograd_hooks()  # the old reducer must not fire, even if something keeps it alive

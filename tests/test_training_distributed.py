@@ -281,3 +281,17 @@ def test_the_trainer_recipe_runs_under_torchrun(tmp_path):
     assert "step 3: grew to qk_head_dims [16, 16]" in result.stdout
     assert "2 process(es): final held-out loss" in result.stdout
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_ddp_options_growth_cannot_follow_are_refused_before_any_change(one_process_group):
+    """Refused at the end of the growth, they left the model grown under a reducer that no longer synchronized (the
+    replicas drifted apart from the next step on)."""
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    delayed = torch.nn.parallel.DistributedDataParallel(
+        model, delay_all_reduce_named_params=[("transformer.wte.weight", model.transformer.wte.weight)],
+        param_to_hook_all_reduce=model.transformer.ln_f.weight,
+    )
+    with pytest.raises(ValueError, match="does not support DDP with delayed all-reduce"):
+        grow_in_training(delayed, optimizer, None, 8, mode="zero")
+    assert model.config.qk_head_dims == [8, 8] and model.transformer.h[0].attn.c_attn.weight.shape[1] == 2 * 4 * 8 + 64

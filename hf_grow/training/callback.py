@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from ..adapters import get_adapter
 from ..config import GrowthConfig, check_p, resolve_config
-from ..distributed import refuse_sharded_training, sharded_training_message
+from ..distributed import refuse_sharded_training, refuse_unsupported_ddp, sharded_training_message
 from ..growth import check_fast_search, check_memory_budget, resolve_growth
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
@@ -133,6 +133,7 @@ class GrowthCallback(TrainerCallback):
             )
         if self.trainer is not None:
             refuse_sharded_training(self.trainer.model_wrapped, self.trainer.accelerator)
+            refuse_unsupported_ddp(self.trainer.model_wrapped)
         model = model_to_grow(model)
         _check_resumed_widths(model, state)
         check_growable(model, get_adapter(model), torch_optimizers(optimizer))

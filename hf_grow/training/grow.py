@@ -13,7 +13,9 @@ from transformers import PreTrainedModel
 
 from ..adapters import ArchitectureAdapter, get_adapter, scale_dims_after_growth
 from ..config import GrowthConfig, resolve_config, training_options
-from ..distributed import Processes, ddp_wrappers, refuse_sharded_training, synchronize_after_growth, unwrap_model
+from ..distributed import (
+    Processes, ddp_wrappers, refuse_sharded_training, refuse_unsupported_ddp, synchronize_after_growth, unwrap_model,
+)
 from ..growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
 from ..growth.line_search import batches_read
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
@@ -226,6 +228,7 @@ def grow_in_training(
     check_new_moments(new_moments)
     overrides = overrides if p is None else {**overrides, "p": p}
     refuse_sharded_training(model, accelerator)
+    refuse_unsupported_ddp(model)
     wrappers, model, processes = ddp_wrappers(model), model_to_grow(model, accelerator), Processes(accelerator)
     is_main = processes.is_main
     adapter = get_adapter(model)
