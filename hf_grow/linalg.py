@@ -57,11 +57,17 @@ class Metric:
         return self.eigenvectors @ matrix @ self.eigenvectors.mT
 
 
+#: The least ``rtol``: a few hundred float64 epsilons, below which C's eigenvalues are rounding noise of its null
+#: directions (LayerNorm'd inputs), which a smaller tolerance would invert as data (a 1e-17 grew Z's norm 7e10x).
+MIN_RTOL = 1e-13
+
+
 def check_rtol(rtol: float) -> None:
-    """A ValueError for a relative eigenvalue tolerance outside (0, 1)."""
-    if not 0 < rtol < 1:
+    """A ValueError for a relative eigenvalue tolerance outside [`MIN_RTOL`, 1)."""
+    if not MIN_RTOL <= rtol < 1:
         raise ValueError(
-            f"rtol must be in (0, 1): C's eigenvalues below rtol times its largest are dropped, got {rtol}"
+            f"rtol must be in [{MIN_RTOL:g}, 1): C's eigenvalues below rtol times its largest are dropped, and below "
+            f"{MIN_RTOL:g} they are float64 rounding noise; got {rtol}"
         )
 
 

@@ -64,6 +64,7 @@ def test_defaults_are_the_ones_grow_model_always_had_but_the_measured_choices():
         ({"step_size": float("nan")}, ValueError, "step_size must be a finite number"),
         ({"initial_step_size": 0.0}, ValueError, "initial_step_size must be a finite number > 0"),
         ({"rtol": 2.0}, ValueError, "rtol must be in"),
+        ({"rtol": 1e-17}, ValueError, "below 1e-13 they are float64 rounding noise"),  # it inverted that noise
         ({"eval_fraction": 1.0}, ValueError, "eval_fraction must be in"),
         ({"max_batches": 0}, ValueError, "max_batches must be a positive int"),
         ({"memory_budget": "lots"}, ValueError, "is not a size"),

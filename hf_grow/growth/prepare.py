@@ -145,6 +145,18 @@ def check_statistics(
             f"the statistics were collected for another model: {found[0]} layers of M with shape {found[1]}, but "
             f"{type(model).__name__} has {layers} layers of {heads} heads over inputs of width {width - 1} (+1)."
         )
+    shapes = [("C", statistics.second_moments, (width, width)), ("M", statistics.gradients, expected[1]),
+              ("M's half", statistics.half_gradients or [], expected[1])]
+    for name, sums, shape in shapes:  # every layer's (a damaged file failed inside the solve)
+        wrong = [(layer, tuple(tensor.shape)) for layer, tensor in enumerate(sums)
+                 if tensor is not None and tuple(tensor.shape) != shape]
+        if wrong or (name == "C" and len(sums) != layers):
+            raise ValueError(
+                f"the statistics hold {name} of layer {wrong[0][0]} with shape {wrong[0][1]}, where "
+                f"{type(model).__name__} needs {shape}: the file is damaged or of another model; collect them again."
+                if wrong else f"the statistics hold C for {len(sums)} layers, where {type(model).__name__} has "
+                f"{layers}: the file is damaged or of another model; collect them again."
+            )
     missing = [layer for layer in range(layers) if layer not in held and (sharding is None or sharding.owns(layer))]
     if missing:
         owners = "" if sharding is None else (
