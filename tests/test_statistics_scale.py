@@ -1,9 +1,11 @@
 """Statistics at scale on one process: several passes within a memory budget, gradient checkpointing, wrapped
 models, half precision and autocast, non-finite values named by layer and batch."""
 
+import copy
+
 import pytest
 import torch
-from transformers import GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_grow import collect_statistics, get_adapter, grow_model
 from hf_grow.statistics import collector as collector_module
@@ -174,6 +176,36 @@ def test_autocast_does_not_lower_the_statistics_precision(trained_gpt2, stdlib_b
     for layer in range(2):
         error = (single.gradients[layer] - double.gradients[layer]).norm() / double.gradients[layer].norm()
         assert error < 1e-5  # bf16 products would be ~1e-2 away
+
+
+def test_a_float16_models_score_gradients_keep_float32_digits():
+    """The reference method (what "auto" takes on a CPU for short batches, and for eager models) hooked scores formed
+    in the model's float16: their gradients came rounded to float16, M of the last layer 5.9e-2 off the float64
+    model's, where the chunked method's float32 recomputation is 4.2e-3 off (review rK of session 33's case)."""
+    torch.manual_seed(0)
+    vocab = 60
+
+    def batch(size: int, length: int, padded: bool) -> dict:
+        ids, mask = torch.randint(1, vocab, (size, length)), torch.ones(size, length, dtype=torch.long)
+        for row in range(size if padded else 0):
+            mask[row, length - (row * 3) % (length // 2):] = 0
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=vocab, n_positions=256)).eval()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(40):
+        model(**batch(8, 64, padded=False)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    batches = [batch(8, 128, padded=True) for _ in range(4)]
+    exact = collect_statistics(copy.deepcopy(model).double(), batches, get_adapter(model), compute_dtype=torch.float64)
+    half = model.half()
+    reference, chunked = (collect_statistics(half, batches, get_adapter(half), method=method)
+                          for method in ("reference", "chunked"))
+    for layer in range(2):
+        errors = [float((sums.mean_gradient(layer) - exact.mean_gradient(layer)).norm()
+                        / exact.mean_gradient(layer).norm()) for sums in (reference, chunked)]
+        assert errors[0] < 2 * errors[1], (layer, errors)
 
 
 def test_bfloat16_model_grows(trained_gpt2, stdlib_bytes):
