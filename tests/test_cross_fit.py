@@ -77,6 +77,30 @@ def test_several_passes_equal_one_and_count_both_accumulators(three_layers, batc
         layer_groups(3, 4, 64, statistics_bytes(3, 4, 64, 2), cross_fit=True)
 
 
+def test_batches_reordered_between_passes_are_refused_for_halves(three_layers, stdlib_bytes):
+    """A loader that shuffles on each pass (DataLoader(shuffle=True)) gave the layers of later passes halves over
+    other batches than the loss terms counted in pass 1 (a half mean 110% off); without halves the sums commute."""
+    sized = [lm_batches(stdlib_bytes["stats"], 1, batch_size=size, seq_len=32, seed=70 + size)[0] for size in (1, 2, 3)]
+
+    class Shuffling:
+        orders = [[0, 1, 2], [1, 0, 2], [2, 1, 0]]
+
+        def __init__(self):
+            self.passes = 0
+
+        def __iter__(self):
+            order, self.passes = self.orders[self.passes % 3], self.passes + 1
+            return iter([sized[index] for index in order])
+
+    budget = statistics_bytes(3, 4, 64, 3)
+    with pytest.raises(ValueError, match=r"another order in pass 2 than in pass 1 .* 62 in pass 1, 31 in pass 2"):
+        collect_statistics(three_layers, Shuffling(), get_adapter(three_layers), memory_budget=budget, cross_fit=True)
+    whole = collect_statistics(three_layers, sized, get_adapter(three_layers))
+    passes = collect_statistics(three_layers, Shuffling(), get_adapter(three_layers), memory_budget=budget)
+    for layer in range(3):
+        torch.testing.assert_close(passes.gradients[layer], whole.gradients[layer], rtol=1e-12, atol=1e-12)
+
+
 def test_halves_on_disk_equal_those_in_memory_and_are_freed_after_each_solve(three_layers, batches, cross_fitted,
                                                                              tmp_path):
     seen = []

@@ -10,7 +10,7 @@ import importlib.util
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -175,7 +175,7 @@ def collect_statistics(
             num_layers, adapter.num_heads(config), adapter.hidden_size(config), memory_budget,
             accumulate_dtype.itemsize, cross_fit,
         )
-        if len(groups) > 1 and iter(dataloader) is dataloader:
+        if len(groups) > 1 and isinstance(dataloader, Iterator):  # (iter() would draw a shuffle order, or workers)
             raise ValueError(
                 f"memory_budget needs {len(groups)} passes over the data, but the dataloader is a one-shot iterator: "
                 "pass a list of batches or a DataLoader, or a larger memory_budget."
@@ -193,6 +193,7 @@ def collect_statistics(
     to_cpu = len(groups) > 1 and on_group is None  # a solve per group frees M where it was collected
     statistics: GrowthStatistics | None = None
     first_pass: tuple[int, int, int, int, float] | None = None
+    half_weight: int | None = None
     methods_used: set[str] = set()
     with offload_folder(offload_dir) as folder, statistics_mode(model, tf32):
         for index, group in enumerate(groups):
@@ -212,7 +213,16 @@ def collect_statistics(
                 sums = collector.sums
                 counts = (sums.num_tokens, sums.batch_index, skipped, sums.loss_weight, sums.loss_sum)
                 first_pass = first_pass or counts
+                half_weight = half_weight if index else sums.half_loss_weight
                 methods_used |= collector.products.methods_used
+                if sums.half_loss_weight != half_weight:  # each layer's half and rest would weigh other batches
+                    raise ValueError(
+                        f"the batches came in another order in pass {index + 1} than in pass 1 (the odd-numbered "
+                        f"ones' loss terms: {half_weight} in pass 1, {sums.half_loss_weight} in pass {index + 1}): "
+                        "cross_fit with a "
+                        "memory_budget needs the same order on every pass: pass a list of batches or a DataLoader "
+                        "without shuffle, or a larger budget for a single pass."
+                    )
                 if counts[:4] != first_pass[:4] or not math.isclose(counts[4], first_pass[4], rel_tol=1e-6):
                     raise ValueError(
                         "the data changed between passes over it (tokens, batches, skipped, loss terms, loss sum: "
