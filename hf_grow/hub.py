@@ -45,6 +45,12 @@ MODE_NOTES = {
 SENTENCE_MODULES = "modules.json"
 #: The model id sentence-transformers replaces with the repository's in a card's snippets when it pushes.
 SENTENCE_PLACEHOLDER = "sentence_transformers_model_id"
+#: What transformers' Trainer writes beside a model it saves into its output folder, which a push leaves out (as
+#: the Trainer's own push does): its run's arguments (a pickle), state, results and a checkpoint's state.
+TRAINING_FILES = re.compile(
+    r"training_args\.bin|(optimizer|scheduler|scaler)\.(pt|bin)|rng_state(_\d+)?\.pth|trainer_state\.json"
+    r"|(all|train|eval|test|predict)_results\.json"
+)
 #: The Hub pipeline tag of each Auto class a grown checkpoint declares (None: no pipeline fits).
 PIPELINE_TAGS: dict[str, str | None] = {
     "AutoModelForCausalLM": "text-generation",
@@ -350,9 +356,21 @@ def _files_to_push(folder: Path) -> list[Path]:
     missing = sorted(name for name in needed if not (folder / name).is_file())
     if missing:
         raise ValueError(f"{folder} lacks {', '.join(missing)}: save the grown model with its save_pretrained")
-    # every file, those of a SentenceTransformer's module folders (1_Pooling/, ...) too; none hidden
-    files = sorted(path for path in folder.rglob("*") if path.is_file()
-                   and not any(part.startswith(".") for part in path.relative_to(folder).parts))
+    # every file, those of a SentenceTransformer's module folders (1_Pooling/, ...) too; none hidden, none of a
+    # Trainer's run in the same folder (its checkpoints, optimizer state, pickled arguments)
+    modules = json.loads((folder / SENTENCE_MODULES).read_text()) if (folder / SENTENCE_MODULES).is_file() else []
+    module_folders = {str(module.get("path") or "") for module in modules if isinstance(module, dict)}
+    files, left_out = [], []
+    for path in sorted(folder.rglob("*")):
+        parts = path.relative_to(folder).parts
+        if not path.is_file() or any(part.startswith(".") for part in parts):
+            continue
+        training = TRAINING_FILES.fullmatch(parts[0]) if len(parts) == 1 else parts[0] not in module_folders
+        (left_out if training else files).append(path)
+    if left_out:
+        names = sorted({path.relative_to(folder).parts[0] for path in left_out})
+        shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+        logger.warning("not pushed from %s, not the model's (a training run's): %s", folder, shown)
     if not any(path.suffix == ".safetensors" for path in files):
         raise ValueError(f"{folder} holds no safetensors weights: save with save_pretrained(safe_serialization=True)")
     return files
@@ -361,9 +379,12 @@ def _files_to_push(folder: Path) -> list[Path]:
 def _stale_weights(in_repo: Iterable[str], pushed: Collection[str]) -> list[str]:
     """The weight files (and shard indexes) of a model pushed to the repository before that this push does not
     replace: from_pretrained reads ``model.safetensors`` before a sharded index, so a single file left beside the
-    shards of a later push would load the old weights (the Hub keeps what a commit does not delete)."""
+    shards of a later push would load the old weights (the Hub keeps what a commit does not delete); and a PEFT
+    adapter pushed there before, which from_pretrained would apply to the grown model."""
+    weights = r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"
+    adapter = r"adapter_config\.json|adapter_model\.(safetensors|bin)"
     return sorted(name for name in in_repo if name not in pushed and "/" not in name
-                  and re.fullmatch(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?", name))
+                  and re.fullmatch(f"{weights}|{adapter}", name))
 
 
 def _save_model(model: nn.Module, folder: Path, tokenizer: PreTrainedTokenizerBase | None, repo_id: str) -> str | None:

@@ -1,6 +1,7 @@
 """Pushing grown models to the Hub (offline, with a fake HfApi) and their model cards."""
 
 import json
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -129,7 +130,8 @@ def test_a_push_deletes_the_weights_of_an_earlier_push_that_it_does_not_replace(
     shards = {path.name for path in (tmp_path / "sharded").glob("model-*.safetensors")}
     assert len(shards) > 1 and "model.safetensors.index.json" in api.files and shards <= set(api.files)
     assert {"model.safetensors", "pytorch_model.bin"}.isdisjoint(api.files)  # an unrelated file stays
-    assert {"notes/model.safetensors", "adapter_model.safetensors", ".gitattributes"} <= set(api.files)
+    assert {"notes/model.safetensors", ".gitattributes"} <= set(api.files)
+    assert "adapter_model.safetensors" not in api.files  # from_pretrained would apply it to the grown model
     model.save_pretrained(tmp_path / "single")  # and back: the shards and their index go
     push_to_hub(tmp_path / "single", "me/grown", api=api)
     assert {name for name in api.files if name.startswith(("model.", "model-"))} == {"model.safetensors"}
@@ -282,3 +284,21 @@ def test_cli_keeps_the_attention_scale_and_the_card_says_so(model_folder, tmp_pa
     assert json.loads((outputs["kept"] / "growth_report.json").read_text())["config"]["keep_attention_scale"]
     assert AutoModelForCausalLM.from_pretrained(outputs["folded"]).config.attention_scale_dims is None
     assert "Attention scale: follows the new query/key width" in (outputs["folded"] / "README.md").read_text()
+
+
+def test_a_trainer_output_folder_pushes_the_model_alone(grown, tmp_path, caplog):
+    """A grown model fine-tuned with Trainer(output_dir=folder) and saved there holds the run's checkpoints, state
+    and pickled arguments beside it: all were committed (7x the model's size for two checkpoints)."""
+    model, _ = grown
+    folder = tmp_path / "run"
+    model.save_pretrained(folder)
+    for name in ("checkpoint-2/optimizer.pt", "checkpoint-2/model.safetensors", "runs/events.out", "training_args.bin",
+                 "trainer_state.json", "all_results.json"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"training")
+    api = FakeApi({"adapter_config.json": b"{}", "adapter_model.safetensors": b"old adapter"})
+    with caplog.at_level(logging.WARNING, logger="hf_grow"):
+        push_to_hub(folder, "me/grown", api=api)
+    assert set(api.files) == GROWN_FILES  # the stale adapter deleted, nothing of the run added
+    assert "not pushed from" in caplog.text
+    assert "all_results.json, checkpoint-2, runs, trainer_state.json, training_args.bin" in caplog.text
