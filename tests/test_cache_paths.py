@@ -172,3 +172,30 @@ def test_continuous_batching_of_a_grown_bert_decoder_is_refused(added):
     generate_batch returned empty outputs."""
     with pytest.raises(NotImplementedError, match="cannot generate with continuous batching"):
         grown_bert_decoder(added).generate_batch([[1, 2, 3]], generation_config=GenerationConfig(**GREEDY))
+
+
+def test_a_grown_models_cache_pickles_and_loads_in_a_fresh_process(static_build, tmp_path):
+    """The cache layer classes of grown widths were made with type() and named in no module (`abc`): a cache, and
+    any output holding one (torch.save(model(...))), could not be pickled."""
+    import pickle
+    import subprocess
+    import sys
+
+    model = static_build(GROWTHS["mixed"])
+    ids = torch.arange(1, 9)[None]
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    static = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=static, use_cache=True)
+    for kept in (cache, static):
+        loaded = pickle.loads(pickle.dumps(kept))
+        assert [type(layer) for layer in loaded.layers] == [type(layer) for layer in kept.layers]
+        assert all(torch.equal(a.keys, b.keys) for a, b in zip(loaded.layers, kept.layers))
+    torch.save(static, tmp_path / "cache.pt")  # a width no grown model of the fresh process has made yet
+    widths = [tuple(layer.keys.shape) for layer in static.layers]
+    script = (f"import torch, hf_grow; cache = torch.load({str(tmp_path / 'cache.pt')!r}, weights_only=False); "
+              "print([tuple(layer.keys.shape) for layer in cache.layers])")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == str(widths)

@@ -8,7 +8,7 @@ copied next to a checkpoint and loaded with `trust_remote_code=True` where hf_gr
 import torch
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
-from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, DynamicLayer, StaticLayer
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING, DynamicLayer, StaticLayer
 
 
 class GrownStaticLayer(StaticLayer):
@@ -36,10 +36,24 @@ def cache_layer_type(key_head_dim: int, value_head_dim: int) -> str:
         return "full_attention"
     layer_type = f"grown_attention_qk{key_head_dim}"
     if layer_type not in STATIC_LAYER_TYPE_MAPPING:
-        attributes = {"_layer_type": layer_type, "key_head_dim": key_head_dim}
-        type(f"GrownStaticLayerQK{key_head_dim}", (GrownStaticLayer,), attributes)
-        type(f"GrownDynamicLayerQK{key_head_dim}", (DynamicLayer,), {"_layer_type": layer_type})
+        for name, base, attributes in (
+            (f"GrownStaticLayerQK{key_head_dim}", GrownStaticLayer, {"key_head_dim": key_head_dim}),
+            (f"GrownDynamicLayerQK{key_head_dim}", DynamicLayer, {}),
+        ):
+            # named in this module, where pickle looks a cache's layer classes up (`__getattr__` below)
+            attributes = {**attributes, "_layer_type": layer_type, "__module__": __name__, "__qualname__": name}
+            globals()[name] = type(name, (base,), attributes)
     return layer_type
+
+
+def __getattr__(name: str) -> type:
+    """A cache layer class of `cache_layer_type` by its name, made where this process has not yet made it: a
+    pickled cache (`torch.save` of a model's outputs) loads in a fresh process."""
+    kind, _, width = name.removeprefix("Grown").partition("LayerQK")
+    if kind not in ("Static", "Dynamic") or not width.isdigit():
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    layer_type = cache_layer_type(int(width), -1)  # made here, or already by another grown model's module
+    return (STATIC_LAYER_TYPE_MAPPING if kind == "Static" else DYNAMIC_LAYER_TYPE_MAPPING)[layer_type]
 
 
 @strict
