@@ -26,9 +26,9 @@ from ..distributed import refuse_sharded_training, refuse_unsupported_ddp, shard
 from ..growth import check_fast_search, check_memory_budget, resolve_growth
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
-from ..statistics import check_statistics_arguments
-from .grow import (DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, _in_training_defaults, grow_in_training, model_to_grow,
-                   resolved_mode)
+from ..statistics import check_loss_fn, check_statistics_arguments
+from .grow import (DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, _in_training_defaults, check_init_std, grow_in_training,
+                   model_to_grow, resolved_mode)
 from .resize import check_growable, torch_optimizers
 
 logger = logging.getLogger("hf_grow")
@@ -108,6 +108,9 @@ class GrowthCallback(TrainerCallback):
         if statistics_batches < 1 or eval_batches < 1:
             raise ValueError("statistics_batches and eval_batches must be at least 1")
         _check_growth_options(mode, config, growth_kwargs)
+        for name, batches in (("dataloader", dataloader), ("eval_dataloader", eval_dataloader)):
+            if isinstance(batches, Sized) and len(batches) == 0:  # refused at the growth step, after the training to it
+                raise ValueError(f"{name} holds no batches: pass batches, or None to draw them from the training set")
         self.grow_at = dict(grow_at) if grow_at is not None else None
         self.qk_dims_at = dict(qk_dims_at) if qk_dims_at is not None else None
         self.mode = mode
@@ -141,11 +144,12 @@ class GrowthCallback(TrainerCallback):
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
         mode = resolved_mode(model, self.mode)
         if mode in SOLVED_MODES:
+            statistics_batches = self.statistics_batches  # a small training set shares fewer (cross_fit needs two)
+            if self.dataloader is None:
+                eval_count = 0 if self.eval_dataloader is not None else self.eval_batches
+                statistics_batches = _check_training_set_size(train_dataloader, args, statistics_batches, eval_count)
             _check_solved_growth(model, mode, self.config, self.growth_kwargs, self.dataloader, self.eval_dataloader,
-                                 self.statistics_batches)
-        if self.dataloader is None and mode in SOLVED_MODES:
-            eval_count = 0 if self.eval_dataloader is not None else self.eval_batches
-            _check_training_set_size(train_dataloader, args, self.statistics_batches, eval_count)
+                                 statistics_batches)
         _warn_about_training_settings(schedule, args, state, self.trainer, self.growth_kwargs)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
@@ -282,6 +286,9 @@ def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_
     unknown = sorted(set(growth_kwargs) - _CONFIG_FIELDS - set(inspect.signature(grow_in_training).parameters))
     if unknown:
         raise TypeError(f"unknown growth option(s) {unknown}: GrowthConfig's fields or grow_in_training's keywords")
+    if growth_kwargs.get("init_std") is not None:
+        check_init_std(growth_kwargs["init_std"])
+    check_loss_fn(growth_kwargs.get("loss_fn"))
     owned = sorted(set(growth_kwargs) & _SET_BY_THE_CALLBACK)
     if owned:
         raise TypeError(
@@ -350,12 +357,13 @@ def _split_counts(available: int, statistics_batches: int, eval_batches: int) ->
 
 
 def _check_training_set_size(train_dataloader: DataLoader | None, args, statistics_batches: int,
-                             eval_batches: int) -> None:
+                             eval_batches: int) -> int:
     """Refuse, before training, a training set too small to draw a growth's batches from; say how a small one is
-    shared (a set of known length: an IterableDataset is found short at the growth step)."""
+    shared (a set of known length: an IterableDataset is found short at the growth step). The statistics batches
+    each growth gets."""
     dataset = getattr(train_dataloader, "dataset", None)
     if not isinstance(dataset, Sized) or isinstance(dataset, IterableDataset):
-        return
+        return statistics_batches
     batch_size = args.per_device_train_batch_size
     available = math.ceil(len(dataset) / batch_size) // args.world_size
     statistics, held_out = _split_counts(available, statistics_batches, eval_batches)
@@ -370,6 +378,7 @@ def _check_training_set_size(train_dataloader: DataLoader | None, args, statisti
             "the training set gives %d batches of %d per process: each growth uses %d for the statistics and %d held "
             "out (asked: %d and %d).", available, batch_size, statistics, held_out, statistics_batches, eval_batches
         )
+    return statistics
 
 
 def _warn_about_training_settings(schedule: Mapping[int, Any], args, state, trainer: Any | None,

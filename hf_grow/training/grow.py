@@ -153,6 +153,11 @@ def resolved_mode(model: PreTrainedModel, mode: str | None) -> str:
     return DEFAULT_MODE if DEFAULT_MODE in adapter.growth_modes else adapter.check_mode(model, None)
 
 
+def check_init_std(init_std: float) -> None:
+    if not (isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std >= 0):
+        raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
+
+
 def grow_in_training(
     model: PreTrainedModel,
     optimizer: Optimizers,
@@ -251,8 +256,7 @@ def grow_in_training(
     if mode in ("zero", "random"):
         added = resolve_growth(config.p, len(adapter.attention_modules(model)))
         std = getattr(model.config, "initializer_range", 0.02) if init_std is None else init_std
-        if not math.isfinite(std) or std < 0:
-            raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
+        check_init_std(std)
         weights = _initialized_weights(model, adapter, added, mode, std, seed, config.keep_attention_scale)
         resize_qk_(
             model, weights, optimizers, keep_moments=True, new_moments=new_moments,

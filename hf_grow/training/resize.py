@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -135,8 +135,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, model_parameters: set[int
             f"the {name} holds none of the model's parameters, so its steps would not train the grown model: "
             "create the optimizer from the model being grown (after hf_grow.to_grown_model)."
         )
-    for parameter_name, parameter in qk_parameters:
-        state = optimizer.state.get(parameter, {})
+    states = [(parameter_name, optimizer.state.get(parameter, {})) for parameter_name, parameter in qk_parameters]
+    if qk_parameters and not any(state for _, state in states):  # before the first step: the state it will create
+        states = [(f"{qk_parameters[0][0]} (at the first step)", _first_step_state(optimizer))]
+    for parameter_name, state in states:
         unknown = sorted(key for key, value in state.items()
                          if isinstance(value, Tensor) and value.dim() > 0 and key not in OPTIMIZER_STATE_DEGREES)
         if unknown:
@@ -144,6 +146,20 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, model_parameters: set[int
                 f"cannot remap the {name} state {unknown} of {parameter_name}: supported state entries are "
                 f"{sorted(OPTIMIZER_STATE_DEGREES)} ({SUPPORTED_OPTIMIZERS}) and scalars."
             )
+
+
+def _first_step_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The state an optimizer of this type and options creates at its first step, from a throwaway one on a small
+    parameter: checked before training, where the state is not there yet (empty where no such copy can be made or
+    step, e.g. a CUDA-only or third-party optimizer that takes other arguments)."""
+    parameter = torch.nn.Parameter(torch.zeros(2, 2))
+    try:
+        probe = type(optimizer)([parameter], **optimizer.defaults)
+        parameter.grad = torch.ones_like(parameter)
+        probe.step()
+    except Exception:  # noqa: BLE001 (whatever the copy cannot do, the check at the growth step still does)
+        return {}
+    return dict(probe.state.get(parameter, {}))
 
 
 def _group_option(optimizer: torch.optim.Optimizer, parameter: Tensor, name: str) -> float:
