@@ -107,10 +107,7 @@ class GrowthCallback(TrainerCallback):
         check_new_moments(new_moments)
         if statistics_batches < 1 or eval_batches < 1:
             raise ValueError("statistics_batches and eval_batches must be at least 1")
-        _check_growth_options(mode, config, growth_kwargs)
-        for name, batches in (("dataloader", dataloader), ("eval_dataloader", eval_dataloader)):
-            if isinstance(batches, Sized) and len(batches) == 0:  # refused at the growth step, after the training to it
-                raise ValueError(f"{name} holds no batches: pass batches, or None to draw them from the training set")
+        _check_growth_options(mode, config, growth_kwargs, dataloader, eval_dataloader)
         self.grow_at = dict(grow_at) if grow_at is not None else None
         self.qk_dims_at = dict(qk_dims_at) if qk_dims_at is not None else None
         self.mode = mode
@@ -280,9 +277,14 @@ def _growth_options(config: GrowthConfig | None, growth_kwargs: Mapping[str, Any
     return resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in _CONFIG_FIELDS})
 
 
-def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_kwargs: Mapping[str, Any]) -> None:
+def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_kwargs: Mapping[str, Any],
+                          dataloader: Iterable[Any] | None, eval_dataloader: Iterable[Any] | None) -> None:
     """Refuse, when the callback is made, growth options that `grow_in_training` would refuse at the growth step,
-    mid-training: unknown names, bad values, and the fast search in a mode that cannot take it."""
+    mid-training: unknown names, bad values, the fast search in a mode that cannot take it, fixed batches that are
+    none."""
+    for name, batches in (("dataloader", dataloader), ("eval_dataloader", eval_dataloader)):
+        if isinstance(batches, Sized) and len(batches) == 0:
+            raise ValueError(f"{name} holds no batches: pass batches, or None to draw them from the training set")
     unknown = sorted(set(growth_kwargs) - _CONFIG_FIELDS - set(inspect.signature(grow_in_training).parameters))
     if unknown:
         raise TypeError(f"unknown growth option(s) {unknown}: GrowthConfig's fields or grow_in_training's keywords")
