@@ -156,7 +156,9 @@ def test_save_pretrained_with_push_to_hub_uploads_a_complete_folder(grown, tmp_p
         delete_file=lambda path, repo_id, **options: deleted.append((path, repo_id, options["revision"])),
     )
     monkeypatch.setattr(transformers_hub, "hf_api", lambda: api)
-    monkeypatch.setattr(transformers_hub, "create_and_tag_model_card", lambda *_, **__: ModelCard("---\n---\ncard"))
+    tagged = []
+    monkeypatch.setattr(transformers_hub, "create_and_tag_model_card",
+                        lambda repo_id, tags, **__: tagged.append(tags) or ModelCard("---\n---\ncard"))
     monkeypatch.setattr(transformers_hub.PushToHubMixin, "_upload_modified_files", upload)
     model, _ = grown
     out = tmp_path / "out"
@@ -164,6 +166,7 @@ def test_save_pretrained_with_push_to_hub_uploads_a_complete_folder(grown, tmp_p
     # the folder itself is uploaded, the card transformers makes written there, as transformers' own save does
     assert uploads == [(out, "me/grown", {"commit_message": "grown", "token": None}, GROWN_FILES)]
     assert {path.name for path in out.iterdir()} == GROWN_FILES and repos[0]["private"] is True
+    assert tagged == [["grown-attention", "hf_grow"]]  # the model's tags, as transformers' own push (they were lost)
     # saved again with the save options (shards): the files this save wrote; a card already there is kept
     (out / "README.md").write_text("---\n---\nthe grown model's own card")
     model.save_pretrained(out, push_to_hub=True, repo_id="me/grown", max_shard_size="100KB")
