@@ -148,6 +148,8 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
     if is_main:
         finish_run(args, grown.growth_report, output, [
             grown.growth_report.summary(),
-            f"wall time {time.perf_counter() - started:.1f} s; grown SentenceTransformer written to {output} "
+            f"wall time {time.perf_counter() - started:.1f} s"
+            f"{f' on {accelerator.num_processes} processes' if accelerator is not None else ''}; grown "
+            f"SentenceTransformer written to {output} "
             f"({used} pairs for the statistics, {num_eval} held out)",
         ])
