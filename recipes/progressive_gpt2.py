@@ -390,7 +390,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     preset = dict(PRESETS[args.preset])
     if args.steps:
         scale = args.steps / preset["steps"]
-        preset["schedule"] = {max(1, round(step * scale)): width for step, width in preset["schedule"].items()}
+        schedule = {max(1, round(step * scale)): width for step, width in preset["schedule"].items()}
+        if len(schedule) < len(preset["schedule"]):  # two growths at one step: the later width alone
+            parser.error(f"--steps {args.steps} puts the preset's {len(preset['schedule'])} growths on fewer steps: "
+                         f"pass at least {preset['steps'] // min(preset['schedule'])}")
+        preset["schedule"] = schedule
         preset["eval_every"] = max(1, round(preset["eval_every"] * scale))
         preset["warmup"] = max(1, round(preset["warmup"] * scale))
         preset["steps"] = args.steps
