@@ -74,7 +74,11 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
             f"--cross-fit{' (of --for-training)' * args.for_training} needs statistics with M's halves, saved by "
             f"{made}, or --cross-fit false for the plain M"
         )
-    check_memory(args, objective, show_progress, statistics)  # before any text or weights are read
+    try:  # before any text or weights are read; a process refused alone would leave the others waiting
+        with Processes(accelerator).failing_together():
+            check_memory(args, objective, show_progress, statistics)
+    except OtherProcessFailed as error:
+        raise CommandError(f"{error}: nothing was written") from None
     if args.dry_run:
         return
     if statistics is not None and accelerator is not None:
