@@ -37,7 +37,7 @@ from .models import (
 from .report import GrowthReport, load_growth_report
 from .sentence import SentenceLoss
 from .statistics import GrowthStatistics, collect_statistics
-from .training import GROWTH_MODES, GrowthCallback, grow_in_training, resize_qk_, to_grown_model
+from .training import GROWTH_MODES, GrowthCallback, grow_in_training, resize_qk_, save_grown_base, to_grown_model
 
 
 __version__ = "0.1.0"
@@ -83,6 +83,7 @@ __all__ = [
     "model_card",
     "push_to_hub",
     "resize_qk_",
+    "save_grown_base",
     "supported_model_types",
     "to_grown_model",
     "__version__",

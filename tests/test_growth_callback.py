@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainerState, TrainingArguments
 
-from hf_grow import GrowthCallback, GrowthConfig, GrownGPT2Config, GrownGPT2LMHeadModel, to_grown_model
+from hf_grow import (GrowthCallback, GrowthConfig, GrownGPT2Config, GrownGPT2LMHeadModel, save_grown_base,
+                     to_grown_model)
 from hf_grow.statistics.memory import statistics_bytes
 
 from conftest import tiny_gpt2_config, trainer_arguments, trainer_dataset
@@ -302,9 +303,8 @@ def test_a_run_resumed_past_a_growth_refuses_a_model_at_the_old_widths(gpt2_copy
 def test_a_peft_run_resumes_past_a_growth_as_readme_says(stdlib_bytes, tmp_path):
     """README's recipe: the grown base saved without the adapter's layers, the adapter from the checkpoint. The
     advice was get_base_model().save_pretrained, whose adapted modules (lora_A, base_layer) did not load into the
-    grown model: its MLPs came back random."""
-    import copy
-
+    grown model: its MLPs came back random; and unload() put modules_to_save's trained copy in place of the
+    frozen original."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -314,14 +314,17 @@ def test_a_peft_run_resumes_past_a_growth_as_readme_says(stdlib_bytes, tmp_path)
         return Trainer(model=model, args=trainer_arguments(tmp_path / "run"), train_dataset=dataset,
                        callbacks=[GrowthCallback({3: 8}, mode="zero")])
 
-    lora = LoraConfig(r=4, target_modules=["c_fc", "c_proj"], fan_in_fan_out=True)
+    lora = LoraConfig(r=4, target_modules=["c_fc", "c_proj"], fan_in_fan_out=True, modules_to_save=["ln_f"])
     peft_model = get_peft_model(grown_model(), lora)
     trainer(peft_model).train()  # grows at step 3, a checkpoint at step 4 holds the adapter alone
-    copy.deepcopy(peft_model).unload().save_pretrained(tmp_path / "grown-base")
+    save_grown_base(peft_model, tmp_path / "grown-base")
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "grown-base")
     assert base.config.qk_head_dims == [16, 16]
     resumed = PeftModel.from_pretrained(base, tmp_path / "run" / "checkpoint-4", is_trainable=True)
     trainer(resumed).train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     finished = dict(peft_model.named_parameters())
-    for name, parameter in resumed.named_parameters():  # every weight, the adapted MLPs' and the adapter's
-        torch.testing.assert_close(parameter, finished[name], rtol=1e-6, atol=1e-7, msg=name)
+    for name, parameter in resumed.named_parameters():  # every weight: the adapted MLPs', the adapter's, and the
+        torch.testing.assert_close(parameter, finished[name], rtol=1e-6, atol=1e-7, msg=name)  # frozen ln_f
+    ids = dataset[0]["input_ids"][None]
+    with torch.no_grad(), resumed.disable_adapter(), peft_model.disable_adapter():  # the base model as it was
+        torch.testing.assert_close(resumed(input_ids=ids).logits, peft_model(input_ids=ids).logits)

@@ -33,6 +33,7 @@ spread); ``"refactor"`` left a retrieval plateau earlier (`recipes/benchmarks/be
 
 from .callback import GrowthCallback
 from .grow import DEFAULT_MODE, GROWTH_MODES, grow_in_training
+from .peft_base import save_grown_base
 from .resize import OPTIMIZER_STATE_DEGREES, resize_qk_, to_grown_model
 
 __all__ = [
@@ -42,5 +43,6 @@ __all__ = [
     "GrowthCallback",
     "grow_in_training",
     "resize_qk_",
+    "save_grown_base",
     "to_grown_model",
 ]

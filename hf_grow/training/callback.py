@@ -196,8 +196,8 @@ def _check_resumed_widths(model: PreTrainedModel, state) -> None:
         raise ValueError(
             f"resuming at step {state.global_step}, after growths to query/key widths {grown[-1]}, but the model has "
             f"{widths}: build the model from the checkpoint (AutoModelForCausalLM.from_pretrained(checkpoint)); a "
-            "PEFT model's checkpoints hold its adapter alone, so save its grown base model without the adapter's "
-            "layers (copy.deepcopy(peft_model).unload().save_pretrained(folder)) and resume with "
+            "PEFT model's checkpoints hold its adapter alone, so save its grown base model after the growth "
+            "(hf_grow.save_grown_base(peft_model, folder)) and resume with "
             "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), checkpoint, is_trainable=True)"
         )
 
