@@ -251,6 +251,11 @@ def refuse_unsupported_ddp(model: nn.Module) -> None:
             )
         if getattr(ddp, "mixed_precision", None) is not None:
             raise ValueError("growth during training does not support DDP's own mixed_precision: use autocast instead")
+        if any(type(state).__name__ == "PowerSGDState" for _, state in getattr(ddp, "_comm_hooks", [])):
+            raise ValueError(  # its per-bucket state, sized for the old buckets, failed the first backward after
+                "growth during training does not support DDP's PowerSGD communication hook, whose state is kept per "
+                "gradient bucket: register a stateless one (allreduce, fp16 or bf16 compression)"
+            )
 
 
 def rebuild_ddp_buckets_(ddp: nn.parallel.DistributedDataParallel) -> None:

@@ -211,14 +211,17 @@ def test_a_failed_push_comes_after_the_summary(model_folder, tmp_path, capsys, m
 
 
 def test_a_folder_made_for_the_output_keeps_its_permissions(tmp_path):
-    """An empty folder made beforehand (private, or a group's) is replaced by the staged one: it keeps its mode."""
+    """An empty folder made beforehand (private, or a group's) is replaced by the staged one: it keeps its mode and
+    its group (with the mode alone, a group's folder shut its group out)."""
     from hf_grow.cli.running import write_folder_atomically
 
     output = tmp_path / "grown"
     output.mkdir()
-    os.chmod(output, 0o700)
+    os.chmod(output, 0o770)
+    group = 1 if os.geteuid() == 0 else output.stat().st_gid  # a group's folder (another group where root may)
+    os.chown(output, -1, group)
     written = []
     write_folder_atomically(output, lambda folder: (folder / "config.json").write_text("{}"), overwrite=False,
                             done=lambda: written.append(True))
     assert written and (output / "config.json").read_text() == "{}"
-    assert oct(output.stat().st_mode & 0o777) == oct(0o700)
+    assert oct(output.stat().st_mode & 0o777) == oct(0o770) and output.stat().st_gid == group  # the group kept

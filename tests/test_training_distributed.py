@@ -295,3 +295,10 @@ def test_ddp_options_growth_cannot_follow_are_refused_before_any_change(one_proc
     with pytest.raises(ValueError, match="does not support DDP with delayed all-reduce"):
         grow_in_training(delayed, optimizer, None, 8, mode="zero")
     assert model.config.qk_head_dims == [8, 8] and model.transformer.h[0].attn.c_attn.weight.shape[1] == 2 * 4 * 8 + 64
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    compressed = torch.nn.parallel.DistributedDataParallel(model)  # its hook's error feedback is kept per bucket
+    compressed.register_comm_hook(powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
+    with pytest.raises(ValueError, match="does not support DDP's PowerSGD communication hook"):
+        grow_in_training(compressed, optimizer, None, 8, mode="zero")
+    assert model.config.qk_head_dims == [8, 8]
