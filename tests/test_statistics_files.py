@@ -101,6 +101,9 @@ def test_precomputed_statistics_are_checked_and_used_in_float64(trained_gpt2, da
         getattr(damaged, field)[layer] = cut(getattr(damaged, field)[layer])
         with pytest.raises(ValueError, match=f"of layer {layer} with shape .* the file is damaged or of another"):
             grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=damaged)
+    short = dataclasses.replace(halves, half_gradients=halves.half_gradients[:1])  # an IndexError in the checks
+    with pytest.raises(ValueError, match="the statistics hold M's half for 1 layers, where .* has 2"):
+        grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=short, cross_fit=True)
     # A held-out loss that is not finite, with a given step too (its report said "nan" before the step).
     with pytest.raises(FloatingPointError, match="the held-out loss is nan before any step"):
         grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=statistics, eval_dataloader=data["eval"][:1],

@@ -242,16 +242,19 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _warnings_as_lines() -> Iterator[None]:
-    """Warnings as ``hf-grow: warning: ...`` lines: the library points a warning at its caller's line, which for the
-    command is no file of the user's (``<frozen runpy>:88``, the ``hf-grow`` script)."""
+    """Warnings written as ``hf-grow: warning: ...`` lines: the library points a warning at its caller's line, which
+    for the command is no file of the user's (``<frozen runpy>:88``, the ``hf-grow`` script). Only their text: a
+    caller recording them (``catch_warnings(record=True)``, ``pytest.warns``) still gets them."""
 
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
+    def line(message, category, filename, lineno, line=None) -> str:
         kind = "" if category is UserWarning else f"{category.__name__}: "
-        print(f"hf-grow: warning: {kind}{message}", file=sys.stderr if file is None else file)
+        return f"hf-grow: warning: {kind}{message}\n"
 
-    with warnings.catch_warnings():
-        warnings.showwarning = show
+    formatting, warnings.formatwarning = warnings.formatwarning, line
+    try:
         yield
+    finally:
+        warnings.formatwarning = formatting
 
 
 @contextlib.contextmanager

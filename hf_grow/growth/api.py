@@ -73,7 +73,8 @@ def grow_model(
         `GrowthReport` as ``grown.growth_report`` (which records the config); `save_pretrained` writes it as
         ``growth_report.json``.
     """
-    config = resolve_config(config, overrides if p is None else {**overrides, "p": p})
+    with Processes(accelerator).failing_together():  # an option refused on one process alone: every process stops
+        config = resolve_config(config, overrides if p is None else {**overrides, "p": p})
     started = time.perf_counter()
     refuse_sharded_training(model)  # FSDP's and DeepSpeed's parameters are shards: their Q/K cannot be read whole
     model = unwrap_model(model, accelerator)

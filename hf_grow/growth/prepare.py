@@ -150,11 +150,11 @@ def check_statistics(
     for name, sums, shape in shapes:  # every layer's (a damaged file failed inside the solve)
         wrong = [(layer, tuple(tensor.shape)) for layer, tensor in enumerate(sums)
                  if tensor is not None and tuple(tensor.shape) != shape]
-        if wrong or (name == "C" and len(sums) != layers):
+        if wrong or len(sums) not in ((layers,) if name == "C" else (0, layers)):
             raise ValueError(
                 f"the statistics hold {name} of layer {wrong[0][0]} with shape {wrong[0][1]}, where "
                 f"{type(model).__name__} needs {shape}: the file is damaged or of another model; collect them again."
-                if wrong else f"the statistics hold C for {len(sums)} layers, where {type(model).__name__} has "
+                if wrong else f"the statistics hold {name} for {len(sums)} layers, where {type(model).__name__} has "
                 f"{layers}: the file is damaged or of another model; collect them again."
             )
     missing = [layer for layer in range(layers) if layer not in held and (sharding is None or sharding.owns(layer))]

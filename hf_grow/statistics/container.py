@@ -191,10 +191,14 @@ def fingerprint(values: Tensor) -> str:
     return hashlib.sha256(values.detach().to(torch.float64).cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
 
 
-def statistics_fingerprint(statistics: GrowthStatistics) -> str:
-    """`fingerprint` of the counts and of each layer's C (held by every process, also where M is sharded)."""
-    counts = [statistics.num_tokens, statistics.num_batches, statistics.loss_weight or 0]
-    return fingerprint(torch.tensor(counts + [float(c.sum(dtype=torch.float64)) for c in statistics.second_moments]))
+def statistics_fingerprint(statistics: GrowthStatistics, per_layer: int = 64) -> str:
+    """`fingerprint` of the counts and of evenly spaced entries of each layer's C (held by every process, also where
+    M is sharded): entries, not sums, whose rounding would depend on the thread count."""
+    counts = torch.tensor([statistics.num_tokens, statistics.num_batches, statistics.loss_weight or 0],
+                          dtype=torch.float64)
+    entries = [c.reshape(-1)[_sample_positions(c.numel(), per_layer)].to(torch.float64).cpu()
+               for c in statistics.second_moments]
+    return fingerprint(torch.cat([counts, *entries]))
 
 
 def checkpoint_weight_sample(model: nn.Module, folder: str | os.PathLike, per_parameter: int = 8) -> Tensor | None:

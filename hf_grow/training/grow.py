@@ -228,16 +228,22 @@ def grow_in_training(
         it), None for the baselines (which clear ``model.growth_report``: an earlier report no longer describes
         the model).
     """
-    if mode is not None and mode not in GROWTH_MODES:
-        raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
-    check_new_moments(new_moments)
-    overrides = overrides if p is None else {**overrides, "p": p}
-    refuse_sharded_training(model, accelerator)
-    refuse_unsupported_ddp(model)
-    wrappers, model, processes = ddp_wrappers(model), model_to_grow(model, accelerator), Processes(accelerator)
+    processes = Processes(accelerator)
+    with processes.failing_together():  # a check failing on one process alone must not leave the others waiting
+        if mode is not None and mode not in GROWTH_MODES:
+            raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
+        check_new_moments(new_moments)
+        overrides = overrides if p is None else {**overrides, "p": p}
+        refuse_sharded_training(model, accelerator)
+        refuse_unsupported_ddp(model)
+        wrappers, model = ddp_wrappers(model), model_to_grow(model, accelerator)
+        adapter = get_adapter(model)
+        mode = resolved_mode(model, mode)
+        # the options' own checks, with this process's defaults (below again with those all the processes agree on)
+        local = {} if config is not None else _in_training_defaults(
+            mode, overrides, dataloader, eval_dataloader, statistics, None, None)
+        resolve_config(config, overrides, **local)
     is_main = processes.is_main
-    adapter = get_adapter(model)
-    mode = resolved_mode(model, mode)
     if config is None:
         device = next(model.parameters()).device
         defaults = _in_training_defaults(mode, overrides, dataloader, eval_dataloader, statistics, processes, device)
