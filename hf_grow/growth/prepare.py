@@ -388,7 +388,7 @@ def prepare_growth(
         "the growth options",
     )
     check_same_weights(processes, model)
-    if statistics is not None:  # collected by each process on its own shard, they would be its shard's alone
+    if statistics is not None and processes.world_size > 1:  # collected by each process on its own shard alone
         processes.check_same(
             {"statistics (a hash of their counts and C)": statistics_fingerprint(statistics)}, "the statistics given",
             "pass the statistics collected with the accelerator (summed over the processes) to every process",
