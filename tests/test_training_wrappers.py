@@ -201,6 +201,10 @@ def test_wrapped_models_are_taken_or_refused_before_any_data(trained_gpt2, stdli
     compiled = torch.compile(copy.deepcopy(trained_gpt2))
     gains = [layer.marginal_gains for layer in inspect_growth(compiled, batches, max_dims=4).layers]
     assert gains == [layer.marginal_gains for layer in inspect_growth(trained_gpt2, batches, max_dims=4).layers]
+    from hf_grow import collect_statistics, get_adapter
+
+    with pytest.raises(ValueError, match=r"a compiled model: pass the model it compiles \(model._orig_mod\)"):
+        collect_statistics(compiled, batches, get_adapter(compiled))  # it said "OptimizedModule cannot be grown"
 
     def never_read():
         raise AssertionError("data read before the model was checked")

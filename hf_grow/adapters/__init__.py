@@ -62,6 +62,11 @@ def get_adapter(model: PreTrainedModel) -> ArchitectureAdapter:
             "the copy it grows, copy.deepcopy(peft_model).merge_and_unload() (.unload() with the adapters disabled); "
             "for grow_in_training and GrowthCallback, which grow it in place, peft_model.get_base_model()."
         )
+    if isinstance(getattr(model, "_orig_mod", None), PreTrainedModel):  # torch.compile's wrapper
+        raise ValueError(
+            f"{type(model).__name__} is a compiled model: pass the model it compiles (model._orig_mod); grow_model "
+            "and grow_in_training take the compiled one whole"
+        )
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     adapter = _adapter_for(model_type)
     if adapter is None:
