@@ -26,11 +26,13 @@ def is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def parse_bytes(size: int | str, name: str = "memory_budget") -> int:
-    """A number of bytes from an int or a string such as ``"2GB"``, ``"1.5 GiB"`` or ``"500MB"`` (``name``: the
-    option, for the error)."""
+def parse_bytes(size: int | float | str, name: str = "memory_budget") -> int:
+    """A number of bytes from an int (or a whole float, 2.5e9) or a string such as ``"2GB"``, ``"1.5 GiB"`` or
+    ``"500MB"`` (``name``: the option, for the error)."""
+    if isinstance(size, float) and size.is_integer():  # 2.5e9, as one writes it
+        size = int(size)
     if isinstance(size, bool) or not isinstance(size, (int, str)):
-        raise TypeError(f"{name} must be a number of bytes or a string like '2GB', got {type(size).__name__}")
+        raise TypeError(f"{name} must be a whole number of bytes or a string like '2GB', got {size!r}")
     if isinstance(size, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
         if match is None or match.group(2).lower() not in _UNITS:

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from hf_grow.option_values import parse_bytes
 from hf_grow import (
     GrowthCallback,
     GrowthConfig,
@@ -107,6 +108,9 @@ def test_json_round_trip_keeps_every_option(tmp_path):
     assert GrowthConfig.from_dict(json.loads(config.to_json_string())) == config
     assert GrowthConfig.from_dict({"p": {"3": 8}}).p == {3: 8}
     assert GrowthConfig(memory_budget=2**31).memory_budget == 2**31  # an int of bytes works in Python
+    assert parse_bytes(GrowthConfig(memory_budget=2.5e9).memory_budget) == 2_500_000_000  # as one writes it
+    with pytest.raises(TypeError, match="memory_budget must be a whole number of bytes .* got 1.5"):
+        GrowthConfig(memory_budget=1.5)
     assert GrowthConfig(offload_dir=tmp_path).offload_dir == str(tmp_path)  # a Path works too, kept as a string
 
 
