@@ -159,10 +159,12 @@ def tokenize_pairs(
     sentence_model: nn.Module,
     batch_size: int,
     columns: tuple[str, str] = ("anchor", "positive"),
+    what: str = "batches of pairs",
 ) -> list[dict]:
     """Batches ``{"anchor": features, "positive": features}`` of ``batch_size`` text pairs, tokenized by the
     model's own tokenizer (its maximum sequence length, padded per column). A last pair left alone joins the batch
-    before it: with MultipleNegativesRankingLoss a batch of one pair has a loss of 0 whatever the weights."""
+    before it: with MultipleNegativesRankingLoss a batch of one pair has a loss of 0 whatever the weights. A batch
+    that holds a text twice in a column is warned about (``what``: the batches' name in the warning)."""
     starts = list(range(0, len(pairs), batch_size))
     if len(starts) > 1 and len(pairs) - starts[-1] == 1:
         starts.pop()
@@ -178,7 +180,7 @@ def tokenize_pairs(
         )
     if repeating:
         warnings.warn(
-            f"{repeating} of {len(batches)} batches of pairs hold a text twice in a column: in-batch losses "
+            f"{repeating} of {len(batches)} {what} hold a text twice in a column: in-batch losses "
             "(MultipleNegativesRankingLoss) count its copy as a negative; drop duplicates or shuffle them apart",
             stacklevel=2,
         )

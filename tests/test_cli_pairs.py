@@ -316,3 +316,5 @@ def test_a_text_twice_in_a_batch_is_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tokenize_pairs(pairs, Tokenizing(), batch_size=2)  # the copies in batches of their own
+    with pytest.warns(UserWarning, match="1 of 2 held-out batches hold"):  # the command names which batches
+        tokenize_pairs(pairs, Tokenizing(), batch_size=3, what="held-out batches")

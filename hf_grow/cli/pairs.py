@@ -100,8 +100,8 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
             raise CommandError(f"--seq-len {args.seq_len} exceeds the {positions} positions of {args.model!r}")
         model.max_seq_length = args.seq_len
     try:
-        statistics_pairs = tokenize_pairs(pairs[:-num_eval], model, args.batch_size)
-        held_out_pairs = tokenize_pairs(pairs[-num_eval:], model, args.batch_size)
+        statistics_pairs = tokenize_pairs(pairs[:-num_eval], model, args.batch_size, what="statistics batches")
+        held_out_pairs = tokenize_pairs(pairs[-num_eval:], model, args.batch_size, what="held-out batches")
     except ValueError as error:  # e.g. a tokenizer without a padding token (a decoder's)
         raise CommandError(f"cannot tokenize the pairs for {args.model!r}: {str(error).splitlines()[0]}") from None
     # --max-batches counts all the processes' batches (grow_model's max_batches counts each process's own)
