@@ -228,13 +228,13 @@ def grow_in_training(
         it), None for the baselines (which clear ``model.growth_report``: an earlier report no longer describes
         the model).
     """
+    refuse_sharded_training(model, accelerator)  # the same on every process (a launch's mode)
     processes = Processes(accelerator)
     with processes.failing_together():  # a check failing on one process alone must not leave the others waiting
         if mode is not None and mode not in GROWTH_MODES:
             raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
         check_new_moments(new_moments)
         overrides = overrides if p is None else {**overrides, "p": p}
-        refuse_sharded_training(model, accelerator)
         refuse_unsupported_ddp(model)
         wrappers, model = ddp_wrappers(model), model_to_grow(model, accelerator)
         adapter = get_adapter(model)
