@@ -136,6 +136,15 @@ def test_several_optimizers_each_have_their_state_remapped(model, stdlib_bytes):
     assert all(torch.isfinite(torch.tensor(losses)))
     with pytest.raises(ValueError, match="the AdamW holds none of the model's parameters"):
         grow_in_training(model, [muon, torch.optim.AdamW(copy.deepcopy(model).parameters())], None, 8, mode="zero")
+    # an optimizer whose state no remap knows, on parameters that do not grow: nothing of it to remap (the check of
+    # the state a first step creates refused it, also after steps)
+    embeddings = [model.transformer.wte.weight, model.transformer.wpe.weight]
+    rest = [p for p in model.parameters() if all(p is not embedding for embedding in embeddings)]
+    adadelta, adamw = torch.optim.Adadelta(embeddings), torch.optim.AdamW(rest, lr=1e-3)
+    grow_in_training(model, [adamw, adadelta], None, 8, mode="zero")
+    train(model, _Both(adamw, adadelta), lm_batches(stdlib_bytes["train"], 1, seed=4))
+    grow_in_training(model, [adamw, adadelta], None, 8, mode="zero")
+    assert model.config.qk_head_dims == [32, 32]
 
 
 class _Both:

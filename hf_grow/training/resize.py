@@ -7,6 +7,7 @@ others start as `hf_grow.optimizer_state` says.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Sequence
 from typing import Any, Union
@@ -135,9 +136,11 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, model_parameters: set[int
             f"the {name} holds none of the model's parameters, so its steps would not train the grown model: "
             "create the optimizer from the model being grown (after hf_grow.to_grown_model)."
         )
-    states = [(parameter_name, optimizer.state.get(parameter, {})) for parameter_name, parameter in qk_parameters]
-    if qk_parameters and not any(state for _, state in states):  # before the first step: the state it will create
-        states = [(f"{qk_parameters[0][0]} (at the first step)", _first_step_state(optimizer))]
+    held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+    held_qk = [(parameter_name, parameter) for parameter_name, parameter in qk_parameters if id(parameter) in held]
+    states = [(parameter_name, optimizer.state.get(parameter, {})) for parameter_name, parameter in held_qk]
+    if held_qk and not optimizer.state:  # before its first step: the state it will create for the Q/K
+        states = [(f"{held_qk[0][0]} (at the first step)", _first_step_state(optimizer, held_qk[0][1]))]
     for parameter_name, state in states:
         unknown = sorted(key for key, value in state.items()
                          if isinstance(value, Tensor) and value.dim() > 0 and key not in OPTIMIZER_STATE_DEGREES)
@@ -148,18 +151,24 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, model_parameters: set[int
             )
 
 
-def _first_step_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The state an optimizer of this type and options creates at its first step, from a throwaway one on a small
-    parameter: checked before training, where the state is not there yet (empty where no such copy can be made or
-    step, e.g. a CUDA-only or third-party optimizer that takes other arguments)."""
-    parameter = torch.nn.Parameter(torch.zeros(2, 2))
+def _first_step_state(optimizer: torch.optim.Optimizer, parameter: Tensor) -> dict[str, Any]:
+    """The state an optimizer of this type creates at its first step with the options of ``parameter``'s group, from
+    a throwaway one on a small parameter: checked before training, where the state is not there yet (empty where no
+    such copy can be made or step, e.g. a CUDA-only or third-party optimizer that takes other arguments). Its step
+    runs torch's global optimizer hooks."""
+    group = next(group for group in optimizer.param_groups if any(held is parameter for held in group["params"]))
+    options = {name: value for name, value in group.items() if name != "params"}
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    if not any(option.kind is option.VAR_KEYWORD for option in accepted.values()):  # a group's extra entries
+        options = {name: value for name, value in options.items() if name in accepted}
+    probe_parameter = torch.nn.Parameter(torch.zeros(2, 2))
     try:
-        probe = type(optimizer)([parameter], **optimizer.defaults)
-        parameter.grad = torch.ones_like(parameter)
+        probe = type(optimizer)([probe_parameter], **options)
+        probe_parameter.grad = torch.ones_like(probe_parameter)
         probe.step()
     except Exception:  # noqa: BLE001 (whatever the copy cannot do, the check at the growth step still does)
         return {}
-    return dict(probe.state.get(parameter, {}))
+    return dict(probe.state.get(probe_parameter, {}))
 
 
 def _group_option(optimizer: torch.optim.Optimizer, parameter: Tensor, name: str) -> float:
