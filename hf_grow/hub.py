@@ -45,12 +45,15 @@ MODE_NOTES = {
 SENTENCE_MODULES = "modules.json"
 #: The model id sentence-transformers replaces with the repository's in a card's snippets when it pushes.
 SENTENCE_PLACEHOLDER = "sentence_transformers_model_id"
-#: What transformers' Trainer writes beside a model it saves into its output folder, which a push leaves out (as
-#: the Trainer's own push does): its run's arguments (a pickle), state, results and a checkpoint's state.
-TRAINING_FILES = re.compile(
+#: What a push leaves out of a folder: what transformers' Trainer writes beside a model it saves into its output
+#: folder (its run's arguments, a pickle; state, results, a checkpoint's state; as the Trainer's own push does), and
+#: a PEFT adapter saved there, which from_pretrained would apply to the grown model.
+LEFT_OUT_FILES = re.compile(
     r"training_args\.bin|(optimizer|scheduler|scaler)\.(pt|bin)|rng_state(_\d+)?\.pth|trainer_state\.json"
-    r"|(all|train|eval|test|predict)_results\.json"
+    r"|(all|train|eval|test|predict)_results\.json|adapter_config\.json|adapter_model\.(safetensors|bin)"
 )
+#: The folders a Trainer's run writes in its output folder (checkpoints, TensorBoard logs), left out of a push.
+RUN_FOLDERS = re.compile(r"checkpoint-\d+|runs")
 #: The Hub pipeline tag of each Auto class a grown checkpoint declares (None: no pipeline fits).
 PIPELINE_TAGS: dict[str, str | None] = {
     "AutoModelForCausalLM": "text-generation",
@@ -356,21 +359,20 @@ def _files_to_push(folder: Path) -> list[Path]:
     missing = sorted(name for name in needed if not (folder / name).is_file())
     if missing:
         raise ValueError(f"{folder} lacks {', '.join(missing)}: save the grown model with its save_pretrained")
-    # every file, those of a SentenceTransformer's module folders (1_Pooling/, ...) too; none hidden, none of a
-    # Trainer's run in the same folder (its checkpoints, optimizer state, pickled arguments)
-    modules = json.loads((folder / SENTENCE_MODULES).read_text()) if (folder / SENTENCE_MODULES).is_file() else []
-    module_folders = {str(module.get("path") or "") for module in modules if isinstance(module, dict)}
+    # every file, those of its folders too (a SentenceTransformer's modules, a tokenizer's chat templates); none
+    # hidden, none of a Trainer's run in the same folder (`LEFT_OUT_FILES`, `RUN_FOLDERS`), no PEFT adapter
     files, left_out = [], []
     for path in sorted(folder.rglob("*")):
         parts = path.relative_to(folder).parts
         if not path.is_file() or any(part.startswith(".") for part in parts):
             continue
-        training = TRAINING_FILES.fullmatch(parts[0]) if len(parts) == 1 else parts[0] not in module_folders
-        (left_out if training else files).append(path)
+        run = RUN_FOLDERS.fullmatch(parts[0]) or (folder / parts[0] / "trainer_state.json").is_file()
+        leave = LEFT_OUT_FILES.fullmatch(parts[0]) if len(parts) == 1 else run
+        (left_out if leave else files).append(path)
     if left_out:
         names = sorted({path.relative_to(folder).parts[0] for path in left_out})
         shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
-        logger.warning("not pushed from %s, not the model's (a training run's): %s", folder, shown)
+        logger.warning("not pushed from %s: %s (a training run's, or a PEFT adapter's)", folder, shown)
     if not any(path.suffix == ".safetensors" for path in files):
         raise ValueError(f"{folder} holds no safetensors weights: save with save_pretrained(safe_serialization=True)")
     return files

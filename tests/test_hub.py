@@ -296,12 +296,15 @@ def test_a_trainer_output_folder_pushes_the_model_alone(grown, tmp_path, caplog)
     folder = tmp_path / "run"
     model.save_pretrained(folder)
     for name in ("checkpoint-2/optimizer.pt", "checkpoint-2/model.safetensors", "runs/events.out", "training_args.bin",
-                 "trainer_state.json", "all_results.json"):
+                 "trainer_state.json", "all_results.json", "adapter_config.json", "adapter_model.safetensors",
+                 "additional_chat_templates/tool_use.jinja"):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(b"training")
     api = FakeApi({"adapter_config.json": b"{}", "adapter_model.safetensors": b"old adapter"})
     with caplog.at_level(logging.WARNING, logger="hf_grow"):
         push_to_hub(folder, "me/grown", api=api)
-    assert set(api.files) == GROWN_FILES  # the stale adapter deleted, nothing of the run added
-    assert "not pushed from" in caplog.text
-    assert "all_results.json, checkpoint-2, runs, trainer_state.json, training_args.bin" in caplog.text
+    # the stale adapter deleted, nothing of the run or of an adapter saved there added (from_pretrained would apply
+    # it), a tokenizer's further chat templates kept
+    assert set(api.files) == GROWN_FILES | {"additional_chat_templates/tool_use.jinja"}
+    left_out = "adapter_config.json, adapter_model.safetensors, all_results.json, checkpoint-2, runs, trainer_state"
+    assert "not pushed from" in caplog.text and left_out in caplog.text
