@@ -84,6 +84,9 @@ def grow_on_shard(rank: int, config, state_dict: dict, batches: list, eval_batch
                                                 accelerator=accelerator, **ONE_CANDIDATE),
         "an option refused on one": lambda: grow_model(wrapped, unread(), p=8, rtol=(1e-6, 1e-17)[rank],
                                                        eval_dataloader=eval_shard, accelerator=accelerator),
+        "an offload folder refused on one": lambda: grow_model(  # each process's own folder
+            wrapped, unread(), p=8, offload_dir=(None, "/nonexistent/hf_grow")[rank], eval_dataloader=eval_shard,
+            accelerator=accelerator, **ONE_CANDIDATE),
         "one-shot on one": lambda: collect_statistics(model, iter(shard) if rank else shard, get_adapter(model),
                                                       accelerator=accelerator, memory_budget=one_layer),
     }.items():
@@ -189,7 +192,8 @@ def test_two_processes_equal_one(trained_gpt2, stdlib_bytes, tmp_path):
     assert all(error[0] == "ValueError" and "the statistics given differ between the processes" in error[1]
                for error in statistics)  # collected by each process on its shard alone: each shard's, not the sum
     for drill, failing in (("p too wide on one", "ValueError"), ("one-shot on one", "ValueError"),
-                           ("an option refused on one", "ValueError")):
+                           ("an option refused on one", "ValueError"),
+                           ("an offload folder refused on one", "ValueError")):
         assert [drills[0][drill][0], drills[1][drill][0]] == ["OtherProcessFailed", failing], drill
     assert "one-shot iterator" in drills[1]["one-shot on one"][1]
     (report, weights), (other_report, other_weights) = (result["auto"] for result in results)

@@ -399,16 +399,18 @@ def prepare_growth(
 
     seconds: dict[str, float] = {}
     tick = time.perf_counter()
-    if statistics is None:
-        if dataloader is None:
-            raise ValueError("growth needs a dataloader, or statistics collected before.")
-        check_statistics_arguments(
-            config.statistics_method, next(model.parameters()).device, config.torch_compute_dtype, config.query_block,
-            config.max_batches, config.memory_budget, config.torch_accumulate_dtype, config.offload_dir,
-        )
-        check_memory_budget(model, adapter, config)  # before the batches are read (the held-out ones split off)
-    elif eval_dataloader is None and config.step_size is None:
-        raise ValueError("with precomputed statistics, pass an eval_dataloader for the line search (or a step_size).")
+    with processes.failing_together():  # an offload folder, a device: each process's own
+        if statistics is None:
+            if dataloader is None:
+                raise ValueError("growth needs a dataloader, or statistics collected before.")
+            check_statistics_arguments(
+                config.statistics_method, next(model.parameters()).device, config.torch_compute_dtype,
+                config.query_block, config.max_batches, config.memory_budget, config.torch_accumulate_dtype,
+                config.offload_dir,
+            )
+            check_memory_budget(model, adapter, config)  # before the batches are read (the held-out ones split off)
+        elif eval_dataloader is None and config.step_size is None:
+            raise ValueError("with precomputed statistics, pass an eval_dataloader to search on (or a step_size).")
     # With several processes each layer's M goes to one owner, which alone solves it (`sharding`).
     costs = [solve_cost(adapter.num_heads(model.config), max_rank)] * len(qk_before)
     sharding = Sharding.planned(processes, costs) if processes.world_size > 1 else None
