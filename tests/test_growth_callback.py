@@ -106,6 +106,15 @@ def test_options_the_callback_sets_itself_are_refused_when_it_is_made():
                              ({"eval_dataloader": []}, "eval_dataloader holds no batches")):
         with pytest.raises(ValueError, match=message):
             GrowthCallback({3: 8}, mode="zero", **options)
+    with pytest.raises(ValueError, match="init_std must be a finite number >= 0, got True"):
+        GrowthCallback({3: 8}, mode="zero", init_std=True)
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield {"input_ids": torch.zeros(4, dtype=torch.long)}
+
+    # a DataLoader of a stream has no length (its len() raises TypeError), and a NumPy float is a number
+    GrowthCallback({3: 8}, mode="zero", dataloader=DataLoader(Stream()), init_std=numpy.float32(0.02))
 
 
 def test_adafactor_is_refused_before_training(stdlib_bytes, tmp_path):

@@ -28,7 +28,7 @@ from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
 from ..statistics import check_loss_fn, check_statistics_arguments
 from .grow import (DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, _in_training_defaults, check_init_std, grow_in_training,
-                   model_to_grow, resolved_mode)
+                   known_length, model_to_grow, resolved_mode)
 from .resize import check_growable, torch_optimizers
 
 logger = logging.getLogger("hf_grow")
@@ -283,7 +283,7 @@ def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_
     mid-training: unknown names, bad values, the fast search in a mode that cannot take it, fixed batches that are
     none."""
     for name, batches in (("dataloader", dataloader), ("eval_dataloader", eval_dataloader)):
-        if isinstance(batches, Sized) and len(batches) == 0:
+        if known_length(batches) == 0:
             raise ValueError(f"{name} holds no batches: pass batches, or None to draw them from the training set")
     unknown = sorted(set(growth_kwargs) - _CONFIG_FIELDS - set(inspect.signature(grow_in_training).parameters))
     if unknown:

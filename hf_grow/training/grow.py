@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Iterable, Mapping, Sized
 from typing import TYPE_CHECKING, Any
@@ -119,7 +120,7 @@ def _in_training_defaults(
     if statistics is not None:
         halves = statistics.half_gradients is not None
     else:
-        count = len(dataloader) if isinstance(dataloader, Sized) else None
+        count = known_length(dataloader)
         max_batches = overrides.get("max_batches")
         # without held-out batches, every search (coordinate steps too) holds out the last ones (`split_batches`)
         if count is not None and eval_dataloader is None and overrides.get("step_size") is None:
@@ -154,8 +155,19 @@ def resolved_mode(model: PreTrainedModel, mode: str | None) -> str:
 
 
 def check_init_std(init_std: float) -> None:
-    if not (isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std >= 0):
-        raise ValueError(f"init_std must be a finite number >= 0, got {init_std}")
+    if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not (
+        math.isfinite(init_std) and init_std >= 0
+    ):
+        raise ValueError(f"init_std must be a finite number >= 0, got {init_std!r}")
+
+
+def known_length(batches: Iterable[Any] | None) -> int | None:
+    """The number of batches where it is known: None for an iterable without one, such as a DataLoader over an
+    IterableDataset (a DataLoader has ``__len__``, which raises TypeError there)."""
+    try:
+        return len(batches) if isinstance(batches, Sized) else None
+    except TypeError:
+        return None
 
 
 def grow_in_training(
