@@ -95,6 +95,16 @@ def test_batches_reordered_between_passes_are_refused_for_halves(three_layers, s
     budget = statistics_bytes(3, 4, 64, 3)
     with pytest.raises(ValueError, match=r"another order in pass 2 than in pass 1 .* 62 in pass 1, 31 in pass 2"):
         collect_statistics(three_layers, Shuffling(), get_adapter(three_layers), memory_budget=budget, cross_fit=True)
+
+    class Masking(Shuffling):  # in order, labels masked anew on each pass: the data changed, not the order
+        def __iter__(self):
+            self.passes += 1
+            return iter([{**batch, "labels": batch["labels"].masked_fill(
+                torch.rand(batch["labels"].shape, generator=torch.Generator().manual_seed(self.passes)) < 0.3, -100)}
+                for batch in sized])
+
+    with pytest.raises(ValueError, match="the data changed between passes over it"):
+        collect_statistics(three_layers, Masking(), get_adapter(three_layers), memory_budget=budget, cross_fit=True)
     whole = collect_statistics(three_layers, sized, get_adapter(three_layers))
     passes = collect_statistics(three_layers, Shuffling(), get_adapter(three_layers), memory_budget=budget)
     for layer in range(3):

@@ -217,20 +217,22 @@ def collect_statistics(
                 first_pass = first_pass or counts
                 half_weight = half_weight if index else sums.half_loss_weight
                 methods_used |= collector.products.methods_used
-                if sums.half_loss_weight != half_weight:  # each layer's half and rest would weigh other batches
-                    raise ValueError(
-                        f"the batches came in another order in pass {index + 1} than in pass 1 (the odd-numbered "
-                        f"ones' loss terms: {half_weight} in pass 1, {sums.half_loss_weight} in pass {index + 1}): "
-                        "cross_fit with a "
-                        "memory_budget needs the same order on every pass: pass a list of batches or a DataLoader "
-                        "without shuffle, or a larger budget for a single pass."
-                    )
                 if counts[:4] != first_pass[:4] or not math.isclose(counts[4], first_pass[4], rel_tol=1e-6):
                     raise ValueError(
                         "the data changed between passes over it (tokens, batches, skipped, loss terms, loss sum: "
                         f"{first_pass} in pass 1, {counts} in pass {index + 1}): memory_budget needs the same "
                         "batches on every pass (no random masking or cropping in the collator), or a larger budget "
                         "for a single pass."
+                    )
+                # each layer's half and rest would weigh other batches (batches of equal weight in another order
+                # pass: each layer's halves are then another split of the same data, each consistent)
+                if sums.half_loss_weight != half_weight:
+                    raise ValueError(
+                        f"the batches came in another order in pass {index + 1} than in pass 1 (the odd-numbered "
+                        f"ones' loss terms: {half_weight} in pass 1, {sums.half_loss_weight} in pass {index + 1}): "
+                        "cross_fit with a "
+                        "memory_budget needs the same order on every pass: pass a list of batches or a DataLoader "
+                        "without shuffle, or a larger budget for a single pass."
                     )
             if statistics is None:
                 second_moments = [processes.sum_(moment) for moment in sums.second_moments]
