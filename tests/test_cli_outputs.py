@@ -225,3 +225,4 @@ def test_a_folder_made_for_the_output_keeps_its_permissions(tmp_path):
                             done=lambda: written.append(True))
     assert written and (output / "config.json").read_text() == "{}"
     assert oct(output.stat().st_mode & 0o777) == oct(0o770) and output.stat().st_gid == group  # the group kept
+    assert (output / "config.json").stat().st_gid == group  # its files' too
