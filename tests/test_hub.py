@@ -182,6 +182,8 @@ def test_save_pretrained_with_push_to_hub_uploads_a_complete_folder(grown, tmp_p
     finally:
         model.growth_report = report  # the module's fixture
     assert deleted == [("growth_report.json", "me/grown", "v2")] and not (out / "growth_report.json").exists()
+    model.save_pretrained(tmp_path / "tagged", push_to_hub=True, repo_id="me/grown", tags="mine")  # not its letters
+    assert tagged[-1] == ["grown-attention", "hf_grow", "mine"]
 
 
 def test_the_card_of_a_step_zero_growth_says_so(model_folder, tmp_path):

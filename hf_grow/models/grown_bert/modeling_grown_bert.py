@@ -257,7 +257,8 @@ class GrownBertPreTrainedModel(BertPreTrainedModel):
             repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
             card = Path(save_directory) / "README.md"
             if not card.is_file():
-                tags = sorted(set(self.model_tags or []) | set(tags or []))  # as transformers' own push_to_hub
+                tags = [tags] if isinstance(tags, str) else tags or []  # a tag, or tags
+                tags = sorted(set(self.model_tags or []) | set(tags))  # as transformers' own push_to_hub
                 transformers_hub.create_and_tag_model_card(repo_id, tags, token=token).save(card)
             before.pop(card.name, None)  # the card is uploaded whenever it was written
             self._upload_modified_files(save_directory, repo_id, before, token=token, **hub_kwargs)
