@@ -297,3 +297,25 @@ def test_a_peft_model_is_evaluated_as_it_is_and_refused_by_the_statistics_with_w
         get_adapter(peft_model)
     with pytest.raises(ValueError, match="wraps PEFT adapters: collect the statistics of the model that is grown"):
         collect_statistics(peft_model, batches, get_adapter(peft_model.get_base_model()))
+
+
+def test_the_grown_base_of_any_peft_wrapping_is_saved(model, tmp_path):
+    """save_grown_base learned the names from a rebuilt model (refused a model built with other arguments) and knew
+    LoRA's and modules_to_save's wrappers alone (refused trainable tokens, suggesting an in-place merge)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hf_grow import save_grown_base
+
+    lora = LoraConfig(r=4, target_modules=["c_fc"], fan_in_fan_out=True, trainable_token_indices={"wte": [1, 2]},
+                      init_lora_weights=False)
+    peft_model = get_peft_model(copy.deepcopy(model), lora)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if parameter.requires_grad:  # as after training: the adapter and the tokens' deltas moved
+                parameter.add_(0.1)
+    save_grown_base(peft_model, tmp_path / "base")
+    ids = torch.arange(1, 17)[None]
+    with torch.no_grad(), peft_model.disable_adapter():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "base")(input_ids=ids).logits,
+                                   peft_model(input_ids=ids).logits, rtol=0, atol=0)
