@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any, Generic, TypeVar
 
 from tqdm.auto import tqdm
@@ -21,6 +21,15 @@ from tqdm.auto import tqdm
 LOG_INTERVAL_SECONDS = 30.0
 
 T = TypeVar("T")
+
+
+def known_length(items: Iterable[Any] | None) -> int | None:
+    """The number of items where it is known: None for an iterable without one, such as a DataLoader over an
+    IterableDataset (a DataLoader has ``__len__``, which raises TypeError there)."""
+    try:
+        return len(items) if isinstance(items, Sized) else None
+    except TypeError:
+        return None
 
 
 def progress_bar(
@@ -45,9 +54,7 @@ class LogProgress(Generic[T]):
 
     def __init__(self, iterable: Iterable[T] | None, *, desc: str, unit: str, total: int | None = None):
         self.iterable, self.desc, self.unit = iterable, desc, unit
-        if total is None and iterable is not None and hasattr(iterable, "__len__"):
-            total = len(iterable)
-        self.total = total
+        self.total = known_length(iterable) if total is None else total
         self.count = 0
         self.postfix = ""
         self.started = self.last_line = time.monotonic()

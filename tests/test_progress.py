@@ -92,3 +92,31 @@ def test_unknown_totals_give_counts_without_time_left(log, monkeypatch):
     bar = LogProgress(iter(range(3)), desc="statistics", unit="batch")
     assert list(bar) == [0, 1, 2]
     assert all("left" not in line for line in log.getvalue().splitlines())
+
+
+def test_a_loader_over_a_stream_counts_as_unknown_and_its_statistics_are_collected():
+    """A DataLoader over an IterableDataset has __len__, which raises TypeError: the progress line and the
+    statistics pass crashed on it (the training options took it as of unknown length)."""
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_grow import collect_statistics, get_adapter
+    from hf_grow.progress import known_length
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            generator = torch.Generator().manual_seed(0)
+            for _ in range(4):
+                ids = torch.randint(0, 50, (16,), generator=generator)
+                yield {"input_ids": ids, "labels": ids}
+
+    loader = DataLoader(Stream(), batch_size=2)
+    assert known_length(loader) is None and known_length([1, 2]) == 2 and known_length(iter([1])) is None
+    assert LogProgress(loader, desc="statistics", unit="batch").total is None
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=50, n_positions=32))
+    streamed = collect_statistics(model, loader, get_adapter(model), progress=True)
+    listed = collect_statistics(model, list(loader), get_adapter(model))
+    assert streamed.num_batches == listed.num_batches == 2
+    assert torch.equal(streamed.gradients[0], listed.gradients[0])

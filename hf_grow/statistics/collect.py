@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from ..adapters import ArchitectureAdapter, is_peft_model
 from ..distributed import Processes, unwrap_model
 from ..option_values import check_statistics_options
-from ..progress import progress_bar
+from ..progress import known_length, progress_bar
 from .batches import LossFn, batch_loss_weight, check_loss_fn, iterate_batches
 from .collector import Collector, statistics_mode
 from .container import GrowthStatistics, fingerprint, weight_sample
@@ -319,7 +319,7 @@ def _collect_pass(
     skipped. The collector is built within the pass's progress: allocating its accumulators (M of a group, up to
     gigabytes) belongs to the pass's time and memory, not to whatever ran before it."""
     skipped = 0
-    total = len(dataloader) if hasattr(dataloader, "__len__") else None
+    total = known_length(dataloader)
     if max_batches is not None:
         total = max_batches if total is None else min(total, max_batches)
     with progress_bar(desc=description, unit="batch", total=total, enabled=progress) as bar:

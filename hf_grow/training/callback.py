@@ -25,10 +25,11 @@ from ..config import GrowthConfig, check_p, resolve_config
 from ..distributed import refuse_sharded_training, refuse_unsupported_ddp, sharded_training_message
 from ..growth import check_fast_search, check_memory_budget, resolve_growth
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
+from ..progress import known_length
 from ..report import GrowthReport
 from ..statistics import check_loss_fn, check_statistics_arguments
 from .grow import (DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, _in_training_defaults, check_init_std, grow_in_training,
-                   known_length, model_to_grow, resolved_mode)
+                   model_to_grow, resolved_mode)
 from .resize import check_growable, torch_optimizers
 
 logger = logging.getLogger("hf_grow")

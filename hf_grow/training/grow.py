@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +20,7 @@ from ..distributed import (
 from ..growth import QKWeights, prepare_growth, resolve_growth, search_and_report, write_weights
 from ..growth.line_search import batches_read
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
+from ..progress import known_length
 from ..option_values import SOLVED_MODES, held_out_count
 from ..report import GrowthReport
 from ..statistics import GrowthStatistics, LossFn
@@ -160,14 +161,6 @@ def check_init_std(init_std: float) -> None:
     ):
         raise ValueError(f"init_std must be a finite number >= 0, got {init_std!r}")
 
-
-def known_length(batches: Iterable[Any] | None) -> int | None:
-    """The number of batches where it is known: None for an iterable without one, such as a DataLoader over an
-    IterableDataset (a DataLoader has ``__len__``, which raises TypeError there)."""
-    try:
-        return len(batches) if isinstance(batches, Sized) else None
-    except TypeError:
-        return None
 
 
 def grow_in_training(
