@@ -48,9 +48,10 @@ SENTENCE_PLACEHOLDER = "sentence_transformers_model_id"
 #: What a push leaves out of a folder: what transformers' Trainer writes beside a model it saves into its output
 #: folder (its run's arguments, a pickle; state, results, a checkpoint's state; as the Trainer's own push does), and
 #: a PEFT adapter saved there, which from_pretrained would apply to the grown model.
+ADAPTER_FILES = r"adapter_config\.json|adapter_model\.(safetensors|bin)"  # which from_pretrained applies
 LEFT_OUT_FILES = re.compile(
     r"training_args\.bin|(optimizer|scheduler|scaler)\.(pt|bin)|rng_state(_\d+)?\.pth|trainer_state\.json"
-    r"|(all|train|eval|test|predict)_results\.json|adapter_config\.json|adapter_model\.(safetensors|bin)"
+    rf"|(all|train|eval|test|predict)_results\.json|{ADAPTER_FILES}"
 )
 #: The folders a Trainer's run writes in its output folder (checkpoints, TensorBoard logs), left out of a push.
 RUN_FOLDERS = re.compile(r"checkpoint-\d+|runs")
@@ -384,9 +385,8 @@ def _stale_weights(in_repo: Iterable[str], pushed: Collection[str]) -> list[str]
     shards of a later push would load the old weights (the Hub keeps what a commit does not delete); and a PEFT
     adapter pushed there before, which from_pretrained would apply to the grown model."""
     weights = r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"
-    adapter = r"adapter_config\.json|adapter_model\.(safetensors|bin)"
     return sorted(name for name in in_repo if name not in pushed and "/" not in name
-                  and re.fullmatch(f"{weights}|{adapter}", name))
+                  and re.fullmatch(f"{weights}|{ADAPTER_FILES}", name))
 
 
 def _save_model(model: nn.Module, folder: Path, tokenizer: PreTrainedTokenizerBase | None, repo_id: str) -> str | None:

@@ -131,12 +131,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, model_parameters: set[int
             f"cannot remap the state of {name}: {reason}. Supported: optimizers whose state entries are "
             f"{sorted(OPTIMIZER_STATE_DEGREES)} ({SUPPORTED_OPTIMIZERS}) and scalars."
         )
-    if not any(id(parameter) in model_parameters for group in optimizer.param_groups for parameter in group["params"]):
+    held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+    if not held & model_parameters:
         raise ValueError(
             f"the {name} holds none of the model's parameters, so its steps would not train the grown model: "
             "create the optimizer from the model being grown (after hf_grow.to_grown_model)."
         )
-    held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
     held_qk = [(parameter_name, parameter) for parameter_name, parameter in qk_parameters if id(parameter) in held]
     states = [(parameter_name, optimizer.state.get(parameter, {})) for parameter_name, parameter in held_qk]
     if held_qk and not optimizer.state:  # before its first step: the state it will create for the Q/K
@@ -156,8 +156,7 @@ def _first_step_state(optimizer: torch.optim.Optimizer, parameter: Tensor) -> di
     a throwaway one on a small parameter: checked before training, where the state is not there yet (empty where no
     such copy can be made or step, e.g. a CUDA-only or third-party optimizer that takes other arguments). Its step
     runs torch's global optimizer hooks."""
-    group = next(group for group in optimizer.param_groups if any(held is parameter for held in group["params"]))
-    options = {name: value for name, value in group.items() if name != "params"}
+    options = {name: value for name, value in _param_group(optimizer, parameter).items() if name != "params"}
     accepted = inspect.signature(type(optimizer).__init__).parameters
     if not any(option.kind is option.VAR_KEYWORD for option in accepted.values()):  # a group's extra entries
         options = {name: value for name, value in options.items() if name in accepted}
@@ -171,10 +170,9 @@ def _first_step_state(optimizer: torch.optim.Optimizer, parameter: Tensor) -> di
     return dict(probe.state.get(probe_parameter, {}))
 
 
-def _group_option(optimizer: torch.optim.Optimizer, parameter: Tensor, name: str) -> float:
-    """``name`` of the param group that holds ``parameter`` (0 where the group has none)."""
-    group = next(group for group in optimizer.param_groups if any(held is parameter for held in group["params"]))
-    return group.get(name, 0.0)
+def _param_group(optimizer: torch.optim.Optimizer, parameter: Tensor) -> dict[str, Any]:
+    """The param group of ``optimizer`` that holds ``parameter``."""
+    return next(group for group in optimizer.param_groups if any(held is parameter for held in group["params"]))
 
 
 def _pad(tensor: Tensor, width: int) -> Tensor:
@@ -290,7 +288,7 @@ def _new_states(
             new_query = fill_new_moments(new_query, old_query, start, degree, new_moments)
             new_key = fill_new_moments(new_key, old_key, start, degree, new_moments)
             if state_key == "sum" and new_moments == "zero":  # a fresh Adagrad starts its sums at this value
-                initial = _group_option(optimizer, parameters[next(iter(held))], "initial_accumulator_value")
+                initial = _param_group(optimizer, parameters[next(iter(held))]).get("initial_accumulator_value", 0.0)
                 new_query[..., start:], new_key[..., start:] = initial, initial
             for name, value in adapter.qk_parameters(attention, new_query, new_key, source).items():
                 if name in held:
