@@ -38,9 +38,8 @@ from .report import GrowthReport, load_growth_report
 from .sentence import SentenceLoss
 from .statistics import GrowthStatistics, collect_statistics
 from .training import GROWTH_MODES, GrowthCallback, grow_in_training, resize_qk_, save_grown_base, to_grown_model
+from .version import __version__
 
-
-__version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_TRUNCATION",

@@ -257,6 +257,7 @@ def _card_body(
         else "follows the new query/key width, the change folded into the old queries"
     )
     step_zero = ": this model took step 0, the new dimensions left for training to use" * (report.step_size == 0)
+    version = f"\n- Grown with hf_grow {report.hf_grow_version}." if report.hf_grow_version else ""
     configuration = ""
     if report.config is not None:  # reports written before GrowthConfig have none
         configuration = (
@@ -278,7 +279,7 @@ rounding{step_zero}.
 - Mode: {MODE_NOTES.get(report.mode, f"`{report.mode}`")}.
 - Held-out loss: {loss}.
 - Step: {step}; truncation `{report.truncation}`.{budget}{_selection(report)}
-- Attention scale: {scale}.
+- Attention scale: {scale}.{version}
 
 | layer | Q/K dims before | Q/K dims after | expected gain | realized gain | score RMS before -> after | Z norm |
 |---|---|---|---|---|---|---|

@@ -194,6 +194,8 @@ class GrowthReport:
     searched_step_size: float | None = None
     #: Whether the losses are the model's own (``outputs.loss``); False where a ``loss_fn`` gave them.
     model_loss: bool = True
+    #: The hf_grow version that grew the model (None in reports written before it was recorded).
+    hf_grow_version: str | None = None
 
     @property
     def step_fraction(self) -> str | None:

@@ -10,6 +10,7 @@ import torch
 from huggingface_hub import CommitOperationDelete, ModelCard
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
+import hf_grow
 from hf_grow import cli, grow_model, hub, load_growth_report, push_to_hub
 from quickstart import train_small_gpt2
 from conftest import tiny_gpt2_config
@@ -85,6 +86,7 @@ def test_push_a_model_commits_everything_once(grown, model_folder, tmp_path):
     assert api.calls[1][2]["revision"] is None
     assert set(api.files) == GROWN_FILES | TOKENIZER_FILES
     config = json.loads(api.files["config.json"])
+    assert config["hf_grow_version"] == model.growth_report.hf_grow_version == hf_grow.__version__
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_grown_gpt2.GrownGPT2LMHeadModel"
     card = ModelCard(api.files["README.md"].decode())
     assert card.data.base_model == "openai-community/gpt2" and card.data.library_name == "transformers"
@@ -93,7 +95,8 @@ def test_push_a_model_commits_everything_once(grown, model_folder, tmp_path):
     for fact in (f"{report.parameters_added:,} added", f"λ = {report.lam:.4g}", f"{report.eval_loss_after:.4f}",
                  "trust_remote_code=True", 'from_pretrained("me/grown-gpt2")', "allocated to the layers",
                  f"`step_mode` {report.step_mode}", "- Gradient M: the mean over all statistics batches.",
-                 "- Mode: `refactor`, every query/key weight rewritten", "(perplexity "):
+                 "- Mode: `refactor`, every query/key weight rewritten", "(perplexity ",
+                 f"- Grown with hf_grow {hf_grow.__version__}."):
         assert fact in card.text, fact
     for layer in report.layers:
         assert f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} |" in card.text

@@ -14,13 +14,15 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from ..version import __version__
+
 logger = logging.getLogger(__name__)
 
 # Config entries that describe a checkpoint rather than the architecture, or that grown configs derive from their
 # query/key widths (`layer_types`, e.g. Qwen2's): the grown config sets its own.
 CONFIG_KEYS_NOT_INHERITED = (
     "model_type", "qk_head_dims", "attention_scale_dims", "architectures", "auto_map", "transformers_version",
-    "layer_types",
+    "layer_types", "hf_grow_version",
 )
 
 
@@ -64,6 +66,7 @@ class GrownModelBuilder:
             **inherited,
             qk_head_dims=list(qk_head_dims),
             attention_scale_dims=attention_scale_entry(qk_head_dims, attention_scale_dims),
+            hf_grow_version=__version__,
         )
 
     def grown_class(self, model: PreTrainedModel) -> type[PreTrainedModel]:

@@ -13,7 +13,7 @@ import typing
 import torch
 from transformers import HfArgumentParser
 
-from .. import __version__
+from ..version import __version__
 from ..config import FOR_TRAINING, GrowthConfig
 from ..data import DEFAULT_EVAL_TOKENS
 from .loading import DTYPES

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from ..progress import progress_bar
 from ..report import CandidateReport, GrowthReport, LayerReport, LineSearchPoint
+from ..version import __version__
 from .head_reports import head_reports, weight_norms
 from .layer_steps import HeldOutPasses, search_coordinates, search_layers_alone
 from .line_search import best_step, evaluate_loss, search_step_size
@@ -468,6 +469,7 @@ def write_report(
         selection_margin=selection_margin,
         cross_fit=problem.cross_fit,
         searched_step_size=outcome.searched_step_size,
+        hf_grow_version=__version__,
     )
     logger.info("grew %s: %s", type(model).__name__, report.summary())
     return report
