@@ -9,7 +9,7 @@ path must generate the tokens plain `generate` does (ported from transformers' g
 import pytest
 import torch
 from transformers import AutoConfig, BertConfig, ContinuousBatchingConfig, GenerationConfig
-from transformers.cache_utils import StaticCache
+from transformers.cache_utils import Fp8QuantizedLayer, QuantizedCache, StaticCache
 from transformers.integrations.executorch import (
     TorchExportableModuleWithStaticCache,
     convert_and_export_with_cache,
@@ -199,3 +199,19 @@ def test_a_grown_models_cache_pickles_and_loads_in_a_fresh_process(static_build,
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == str(widths)
+
+
+def test_a_quantized_cache_runs_on_wider_keys(static_build, added):
+    """`cache_implementation="quantized"` (fp8: the backend that needs no other package) was refused where a
+    layer's keys are wider than its values: transformers' `QuantizedCache` read the grown config's layer types, one
+    per key width (for static caches), as layers that are not full attention. The scores stay within fp8's
+    rounding of the dynamic cache's, and greedy decoding picks the same tokens."""
+    model, prompt = static_build(added), prompts()
+    settings = SETTINGS | dict(return_dict_in_generate=True, output_scores=True)
+    expected = model.generate(prompt, **settings)
+    quantized = model.generate(prompt, cache_implementation="quantized", cache_config={"backend": "fp8"}, **settings)
+    assert isinstance(quantized.past_key_values, QuantizedCache)
+    assert all(isinstance(layer, Fp8QuantizedLayer) for layer in quantized.past_key_values.layers)
+    assert torch.equal(quantized.sequences, expected.sequences)
+    errors = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(quantized.scores[1:], expected.scores[1:])]
+    assert 0 < max(errors) < 0.1, errors  # the steps after the prompt's read the rounded keys and values

@@ -12,15 +12,18 @@ This file imports only torch and transformers, so that `save_pretrained` can cop
 people without hf_grow can load the checkpoint with `trust_remote_code=True`.
 """
 
+import copy
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.generation import GenerationConfig
 from transformers.generation.continuous_batching import (
     ContinuousBatchingManager,
     ContinuousMixin,
@@ -182,6 +185,21 @@ class GrownLlamaPreTrainedModel(LlamaPreTrainedModel):
 
     def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
         raise ValueError(_UNSUPPORTED_ATTENTION.format(type(self).__name__, "flex_attention"))
+
+    def _prepare_cache_for_generation(self, generation_config: GenerationConfig, *args, **kwargs) -> Any:
+        """transformers' cache for `generate`, a quantized one (`cache_implementation="quantized"`) included.
+
+        transformers' `QuantizedCache` takes layers of type "full_attention" only, and a grown config names a layer
+        type per key width (for static caches); quantized layers store keys of any width, so the cache is built
+        from a config whose layers are all "full_attention" (unless `cache_config` gives its own `config`).
+        """
+        cache_config = generation_config.cache_config or {}
+        if generation_config.cache_implementation == "quantized" and "config" not in cache_config:
+            layers = self.config.get_text_config(decoder=True).num_hidden_layers
+            view = PreTrainedConfig(num_hidden_layers=layers, layer_types=["full_attention"] * layers)
+            generation_config = copy.copy(generation_config)  # the caller's, whose cache_config generate copies
+            generation_config.cache_config = {**cache_config, "config": view}
+        return super()._prepare_cache_for_generation(generation_config, *args, **kwargs)
 
     @staticmethod
     def create_masks_for_generate(
