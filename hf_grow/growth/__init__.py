@@ -23,18 +23,16 @@ from .api import grow_model
 from .line_search import best_step, evaluate_loss, search_step_size, split_batches
 from ..config import AUTO_CHOICES, DEFAULT_TRUNCATION, SEARCHES, STEP_MODES
 from .prepare import (
-    WEIGHTS_RTOL,
     PreparedGrowth,
     check_fast_search,
     check_growth,
     check_memory_budget,
-    check_statistics,
-    check_weight_sample,
     collect_configured_statistics,
     merged_if_peft,
     prepare_growth,
     resolve_growth,
 )
+from .statistics_checks import WEIGHTS_RTOL, check_statistics, check_weight_sample
 from ..option_values import SOLVED_MODES as MODES
 from .problem import GrowthProblem, QKWeights, write_weights
 from .candidates import search_and_report
