@@ -101,6 +101,10 @@ def test_precomputed_statistics_are_checked_and_used_in_float64(trained_gpt2, da
         getattr(damaged, field)[layer] = cut(getattr(damaged, field)[layer])
         with pytest.raises(ValueError, match=f"of layer {layer} with shape .* the file is damaged or of another"):
             grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=damaged)
+    flipped = dataclasses.replace(statistics, second_moments=[c * sign for c, sign in zip(statistics.second_moments,
+                                                                                           (1, -1))])
+    with pytest.raises(ValueError, match="a C of layer 1 with negative diagonal entries"):  # was: "no tokens"
+        grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=flipped)
     short = dataclasses.replace(halves, half_gradients=halves.half_gradients[:1])  # an IndexError in the checks
     with pytest.raises(ValueError, match="the statistics hold M's half for 1 layers, where .* has 2"):
         grow_model(trained_gpt2, None, p=8, step_size=0.05, statistics=short, cross_fit=True)

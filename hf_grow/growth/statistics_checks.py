@@ -76,6 +76,11 @@ def check_statistics(
             raise FloatingPointError(
                 f"the statistics of layer {layer} hold NaN or Inf: collect them again (in float32 or float64)."
             )
+        if (torch.diagonal(sums[0]) < 0).any():  # sums of squares; a damaged C was taken as one of no tokens
+            raise ValueError(
+                f"the statistics hold a C of layer {layer} with negative diagonal entries, which sums of squares "
+                "cannot have: the file is damaged; collect them again."
+            )
     if not next(model.parameters()).is_meta:  # a meta model has no weights yet
         check_weight_sample(weight_sample(model), statistics)
 
