@@ -64,7 +64,8 @@ def to_grown_model(model: PreTrainedModel) -> PreTrainedModel:
     adapter = get_adapter(model)
     if isinstance(model, adapter.grown_base_class):
         return model
-    return adapter.build_grown_model(model, adapter.qk_head_dims(model.config), {})
+    config = model.config  # a grown model of another class (remote code) keeps its layers' attention scale
+    return adapter.build_grown_model(model, adapter.qk_head_dims(config), {}, adapter.attention_scale_dims(config))
 
 
 #: One optimizer, or several that share the model's parameters (e.g. Muon for the weight matrices, AdamW for the
