@@ -215,3 +215,18 @@ def test_a_quantized_cache_runs_on_wider_keys(static_build, added):
     assert torch.equal(quantized.sequences, expected.sequences)
     errors = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(quantized.scores[1:], expected.scores[1:])]
     assert 0 < max(errors) < 0.1, errors  # the steps after the prompt's read the rounded keys and values
+
+
+def test_a_grown_config_ignores_a_sources_full_attention_layer_types(static_build, tmp_path):
+    """README's Qwen2 recipe loads the source with `layer_types=["full_attention"] * layers`; the same call on the
+    grown folder failed with "property 'layer_types' ... has no setter". The grown config derives the types from
+    its widths: full attention is ignored, any other type refused saying so."""
+    model = static_build([8, 4])
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, layer_types=["full_attention"] * 2).eval()
+    assert loaded.config.layer_types == model.config.layer_types == ["grown_attention_qk24", "grown_attention_qk20"]
+    ids = prompts()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    with pytest.raises(ValueError, match=r"full attention layers only, not layer_types \['sliding_attention'\]"):
+        type(model.config)(**model.config.to_dict() | {"layer_types": ["sliding_attention"] * 2})

@@ -108,6 +108,17 @@ class GrownBertConfig(BertConfig):
         decoder's, `is_decoder=True`)."""
         return [cache_layer_type(dim, self.hidden_size // self.num_attention_heads) for dim in self.qk_head_dims]
 
+    @layer_types.setter
+    def layer_types(self, types: list[str] | None) -> None:
+        """Derived from the widths, so not set: a loading call may pass a source's types (README's Qwen2 recipe,
+        all "full_attention"), which are ignored; any other type is refused, as grown models run full attention."""
+        if types is not None and any(kind != "full_attention" and not kind.startswith("grown_attention_qk")
+                                     for kind in types):
+            raise ValueError(
+                f"{type(self).__name__} takes full attention layers only, not layer_types {sorted(set(types))}: it "
+                "derives layer_types from qk_head_dims (leave the argument out)."
+            )
+
     def validate_layer_type(self):
         """Part of `@strict` validation, replaced: `layer_types` is derived from the widths, so it is valid, but
         transformers' check allows only its own layer types and would refuse the grown ones."""
