@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2LMHeadModel, PreTrainedTokeni
 from hf_grow import GrownGPT2LMHeadModel, cli, hub, load_growth_report
 from hf_grow.data import token_windows
 from quickstart import train_small_gpt2
+from conftest import tiny_gpt2_config
 
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -214,6 +215,24 @@ def test_encoder_without_a_masked_lm_head_is_refused(minilm_path, tmp_path, caps
         error = capsys.readouterr().err
         assert "no trained masked-LM head (missing cls.predictions." in error and advice in error, error
         assert arguments[0] != "inspect" or "--pairs" not in error
+
+
+def test_a_checkpoint_with_another_head_is_refused_before_any_text(tmp_path, capsys, monkeypatch):
+    """A GPT-2 classifier loads as an LM without a missing weight (its LM head is the tied embeddings): it was grown
+    on next-token loss and written without its trained `score` head (logits [-11.9, 13.5] became [0.12, -0.25])."""
+    from transformers import GPT2ForSequenceClassification
+
+    from hf_grow.cli import commands
+
+    folder = tmp_path / "classifier"
+    GPT2ForSequenceClassification(tiny_gpt2_config(num_labels=3)).save_pretrained(folder)
+    monkeypatch.setattr(commands, "text_batches", lambda *_, **__: pytest.fail("the text was read"))
+    for arguments, advice in (([str(folder), "--output-dir", str(tmp_path / "out")], "grow_model("),
+                              (["inspect", str(folder)], "inspect_growth(")):
+        assert cli.main([*arguments, "--data", TEXT_GLOB, *SMALL]) == 2
+        error = capsys.readouterr().err
+        assert "is a GPT2ForSequenceClassification: the command line measures a language model's own loss" in error
+        assert f"{advice}model, batches, loss_fn=...)" in error and not (tmp_path / "out").exists()
 
 
 def test_failed_save_leaves_nothing_behind(model_folder, tmp_path, monkeypatch, capsys):

@@ -62,6 +62,7 @@ def model_objective(args: argparse.Namespace) -> str:
             f"hf_grow cannot grow {args.model!r} (model_type={config.model_type!r}); "
             f"supported model types: {', '.join(supported_model_types())}"
         )
+    _check_no_other_head(args, config)
     keys = _check_local_weights(args.model, needed=not getattr(args, "dry_run", False))  # a plan needs the config
     masked = type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False)
     if masked and keys is not None and not any("cls.predictions." in key for key in keys):  # a bare encoder's file
@@ -81,6 +82,24 @@ def model_objective(args: argparse.Namespace) -> str:
         f"{args.model!r} ({config.model_type}) is neither a causal nor a masked language model: the command line "
         "only knows those losses; use the Python API: grow_model(model, batches, loss_fn=...)"
     )
+
+
+#: Endings of the model classes (`config.architectures`) whose checkpoint holds a language model's head, or none.
+LANGUAGE_MODEL_CLASSES = ("LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForPreTraining")
+
+
+def _check_no_other_head(args: argparse.Namespace, config) -> None:
+    """Refuse a checkpoint saved with another head (a classifier's `score`, a QA head): loaded as a language model it
+    loads without a missing weight where its LM head is the tied embeddings, and the grown model dropped the head."""
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    other_head = "For" in architecture or "DoubleHeads" in architecture
+    if other_head and not architecture.endswith(LANGUAGE_MODEL_CLASSES):
+        python = "grow_model" if hasattr(args, "pairs") else "inspect_growth"
+        raise CommandError(
+            f"{args.model!r} is a {architecture}: the command line measures a language model's own loss, which "
+            "leaves out this checkpoint's trained head (and so would the grown model); use the Python API with this "
+            f"model's loss: {python}(model, batches, loss_fn=...)"
+        )
 
 
 #: The weights files from_pretrained reads, in the order it looks for them (the first present is read).
