@@ -51,6 +51,17 @@ def test_activation_bytes_on_the_meta_device_equal_what_a_real_forward_saves():
     assert activation_bytes(model, 8, 32, "eager") == pytest.approx(2 * real, rel=0.01)  # linear in the batch
 
 
+def test_the_probe_runs_models_that_read_their_inputs_values():
+    """A GPT-2 with a pad token (fine-tuned checkpoints set one) and a Llama with dynamic rotary positions read the
+    ids' values in their forward, a `.item()` the meta device refuses: the plan, --dry-run and inspect crashed."""
+    plain = activation_bytes(GPT2LMHeadModel(tiny_gpt2_config(n_layer=2)), 2, 32, "eager")
+    assert activation_bytes(GPT2LMHeadModel(tiny_gpt2_config(n_layer=2, pad_token_id=0)), 2, 32, "eager") == plain
+    settings = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    rotary = activation_bytes(LlamaForCausalLM(LlamaConfig(**settings)), 2, 32, "eager")
+    dynamic = LlamaForCausalLM(LlamaConfig(**settings, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert activation_bytes(dynamic, 2, 32, "eager") == rotary and dynamic.model.rotary_emb.rope_type == "dynamic"
+
+
 def test_the_plan_holds_one_group_of_m_in_the_accumulators_dtype():
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=300)

@@ -51,8 +51,13 @@ def activation_bytes(model: PreTrainedModel, batch_size: int, seq_len: int, atte
     in the statistics pass), plus the largest saved tensor again for its gradient: a forward of a twin of
     ``model`` on the meta device. A model without a head (a SentenceTransformer's) runs without labels: its
     loss on the pooled outputs saves little beside the model's own tensors."""
+    config = copy.deepcopy(model.config)  # its own config: setting its attention leaves the model's
+    config.pad_token_id = None  # GPT-2 looks for pads in ids without a mask, a `.item()` the meta device has not
     with torch.device("meta"):
-        twin = type(model)(copy.deepcopy(model.config))  # its own config: setting its attention leaves the model's
+        twin = type(model)(config)
+    for module in twin.modules():  # dynamic rotary positions read the batch's length, another `.item()`
+        if isinstance(getattr(module, "rope_type", None), str) and "dynamic" in module.rope_type:
+            module.rope_type = "default"  # the same tensors saved, from the frequencies the twin holds
     twin = twin.to(dtype=next(model.parameters()).dtype)
     twin.set_attn_implementation(attention)
     twin.requires_grad_(False)
