@@ -134,6 +134,18 @@ def confirmation_split(
     return batches[:-count], batches[-count:]
 
 
+#: A loss this many float32 units of step 0's loss from it ties with it: a held-out loss is a mean of float32
+#: losses, which a change of the weights below their rounding moves by an ulp or two either way (a step that
+#: "gained" one ulp rewrote every query/key weight of a model with nothing to gain).
+TIE_ULPS = 2
+
+
+def ties_step_zero(loss: float, loss_at_zero: float) -> bool:
+    """Whether ``loss`` lies within `TIE_ULPS` float32 units (at step 0's loss) of step 0's loss."""
+    float32_ulp = math.ulp(loss_at_zero) * 2.0 ** 29  # float64's unit in the last place has 29 more bits
+    return math.isfinite(loss_at_zero) and abs(loss - loss_at_zero) <= TIE_ULPS * float32_ulp
+
+
 def search_step_size(
     evaluate: Callable[[float], float],
     start: float,
@@ -146,9 +158,10 @@ def search_step_size(
 
     The grid steps down until a step beats step 0, then moves by ``factor`` while the loss falls; the
     bracket around the best grid point is then halved ``refinements`` times in log space (geometric means).
-    The walk down stops at the second step in a row whose loss is step 0's to the last bit: a smaller step changes
-    the loss by less than its rounding, so it could only "gain" by rounding (9 of 12 steps walked there on a model
-    without gains); one tie alone can be a loss curve crossing step 0's level beyond its minimum.
+    A step gains where its loss is below step 0's by more than the loss's rounding (`ties_step_zero`). The walk
+    down stops at the second step in a row whose loss ties with step 0's: a smaller step changes the loss by less
+    than its rounding, so it could only "gain" by rounding (9 of 12 steps walked there on a model without gains);
+    one tie alone can be a loss curve crossing step 0's level beyond its minimum.
     A non-finite loss (a step that overflows in low precision) counts as +inf, so it is never the best.
     ``known`` losses (e.g. of the step already taken) are not evaluated again.
     """
@@ -162,9 +175,9 @@ def search_step_size(
 
     step, tied = start, False
     for _ in range(max_expansions):
-        if loss(step) < loss(0.0):
+        tie = ties_step_zero(loss(step), loss(0.0))
+        if loss(step) < loss(0.0) and not tie:
             break
-        tie = loss(step) == loss(0.0)
         if tie and tied:
             return losses
         tied = tie
@@ -190,6 +203,10 @@ def search_step_size(
 
 
 def best_step(losses: Mapping[float, float]) -> float:
-    """The step of least loss; of equal losses the smallest step (step 0 wins a tie: nothing is gained). A
-    non-finite loss (NaN too, which compares false with everything) is never the least."""
-    return min(losses, key=lambda step: (losses[step] if math.isfinite(losses[step]) else math.inf, step))
+    """The step of least loss; of equal losses the smallest step, and step 0 where the least loss ties with its
+    (`ties_step_zero`: nothing is gained beyond rounding). A non-finite loss (NaN too, which compares false with
+    everything) is never the least."""
+    best = min(losses, key=lambda step: (losses[step] if math.isfinite(losses[step]) else math.inf, step))
+    if 0.0 in losses and ties_step_zero(losses[best], losses[0.0]):
+        return 0.0
+    return best

@@ -1,0 +1,30 @@
+"""The line search keeps step 0 where a step gains no more than the loss's rounding (`ties_step_zero`)."""
+
+import math
+
+from hf_grow.growth import best_step, search_step_size
+
+#: A held-out loss (all-MiniLM-L6-v2's contrastive loss on stdlib line pairs) and one float32 unit of it.
+LOSS = 4.7435120940208435
+ULP = 2.0**-21
+
+
+def test_a_step_one_float32_unit_below_step_0_ties_with_it():
+    """Where nothing is gained the losses of small steps wobble by an ulp around step 0's: the search took a step
+    of 6.8e-8 that "gained" one ulp (4.77e-7), which rewrote every query/key weight of the model (its layer 0's
+    queries by 159%) for a change of the scores of 1e-6. A gain beyond two ulps is still taken."""
+    def wobbling(step: float) -> float:
+        if step == 0 or step >= 0.01:
+            return LOSS + step
+        return LOSS + ULP * (-1) ** round(math.log(step, 4))  # one ulp below, then above, ...
+
+    losses = search_step_size(wobbling, start=0.03)
+    assert min(losses.values()) == LOSS - ULP and best_step(losses) == 0.0
+    assert len(losses) <= 5  # the walk down stopped at the second tie in a row
+
+    def gaining(step: float) -> float:  # three ulps below step 0's: a gain the rounding does not explain
+        return LOSS - 3 * ULP if 1e-4 < step < 0.01 else LOSS + step * (step > 0)
+
+    losses = search_step_size(gaining, start=0.03)
+    assert 1e-4 < best_step(losses) < 0.01 and losses[best_step(losses)] == LOSS - 3 * ULP
+    assert best_step({0.0: math.inf, 0.1: 2.0}) == 0.1  # a step 0 whose loss overflowed ties with nothing
