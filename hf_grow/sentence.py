@@ -222,10 +222,7 @@ def read_pairs(
                     columns = list(records[0][1])[:2]  # the file's columns: its first line's, on every line
                 pairs = [_column_pair(record, columns, f"{source} line {number}") for number, record in records]
             else:
-                pairs = [
-                    _column_pair(record, columns, f"{source} line {number}")
-                    for number, record in enumerate(csv.DictReader(file), 2)
-                ]
+                pairs = _csv_pairs(csv.DictReader(file), columns, source)
     else:
         import datasets
 
@@ -235,6 +232,19 @@ def read_pairs(
         ]
     if not pairs:
         raise ValueError(f"{source} holds no pairs")
+    return pairs
+
+
+def _csv_pairs(reader: csv.DictReader, columns: Sequence[str] | None, source: str) -> list[tuple[str, str]]:
+    """The pairs of a .csv file's records, each named by the line it ends on (a quoted text may span lines); a record
+    of more fields than the header names is refused (an unquoted comma split a text, and the rest was dropped)."""
+    pairs = []
+    for record in reader:
+        where = f"{source} line {reader.line_num}"
+        if None in record:
+            raise ValueError(f"{where}: {len(reader.fieldnames) + len(record[None])} comma-separated fields, where "
+                             f"the header names {len(reader.fieldnames)}; put texts with commas in quotes (\"a, b\")")
+        pairs.append(_column_pair(record, columns, where))
     return pairs
 
 

@@ -100,6 +100,11 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     (tmp_path / "one.csv").write_text("text\na docstring\n")  # it said "no column 'for the positive'"
     with pytest.raises(ValueError, match=r"one.csv line 2: one column \(text\), where a pair takes two"):
         read_pairs(str(tmp_path / "one.csv"))
+    # An unquoted comma split a text: the pair was its two halves, the rest dropped; lines are the file's (a quoted
+    # text spanning lines counted as one)
+    (tmp_path / "commas.csv").write_text('q,a\n"multi\nline",x\nWhere is it, and when?,It ships, tracked.\n')
+    with pytest.raises(ValueError, match=r"commas.csv line 4: 4 comma-separated fields, where the header names 2"):
+        read_pairs(str(tmp_path / "commas.csv"))
     (tmp_path / "tabs.tsv").write_text("a\tb\t\ndef f():\treturn 1\tand more\n")  # trailing tabs are no field
     with pytest.raises(ValueError, match=r"tabs.tsv line 2: 3 tab-separated fields"):
         read_pairs(str(tmp_path / "tabs.tsv"))
