@@ -129,6 +129,10 @@ def test_bad_pairs_are_one_line_errors(tmp_path, capsys, model_folder):  # noqa:
     (tmp_path / "bad.tsv").write_text("a docstring\tits code\nno tab here\n")
     (tmp_path / "few.tsv").write_text("a\tb\n" * 4)
     (tmp_path / "p.jsonl").write_text(json.dumps({"query": "q", "code": "c"}) + "\n")
+    columns = tmp_path / "columns"
+    columns.mkdir()
+    (columns / "pairs.csv").write_text("anchor,positive\na,b\nc,d\n")
+    (columns / "notes.csv").write_text("id,label,note\n1,x,y\n")
     cases = [
         (["--pairs", str(tmp_path / "bad.tsv")], "bad.tsv line 2: expected two non-empty texts"),
         (["--pairs", str(tmp_path / "few.tsv")], "holds 4 pairs: too few to hold out 8 for the line search and keep "
@@ -138,6 +142,9 @@ def test_bad_pairs_are_one_line_errors(tmp_path, capsys, model_folder):  # noqa:
         (["--pairs", str(tmp_path / "p.jsonl"), "--pair-columns", "query", "positive"], "no column 'positive'"),
         (["--pairs", str(tmp_path / "few.tsv"), "--data", "x.txt"], "give no --data"),
         (["--pairs", str(tmp_path / "missing.tsv")], "--pairs: no file at"),
+        # a datasets folder whose files have other columns: a traceback of 64 lines
+        (["--pairs", str(columns)], "An error occurred while generating the dataset (All the data files must have the "
+         "same columns, but at some point there are"),
         # were tracebacks: a damaged list of modules, and a GPT-2 folder (its tokenizer has no padding token)
         (["--pairs", str(tmp_path / "bad.tsv")], "modules.json is damaged", str(damaged)),
         (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "2"], "cannot tokenize the pairs", str(model_folder)),

@@ -77,10 +77,24 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
 
     from ..sentence import read_pairs, tokenize_pairs, transformer_module
 
+    if not show_progress and not Path(args.pairs).is_file():  # a datasets name: its bars end up in the error output
+        import datasets
+
+        datasets.disable_progress_bars()
     try:
         pairs = read_pairs(args.pairs, args.pair_columns, args.split, args.streaming, args.dataset_config)
     except (ValueError, OSError) as error:
         raise CommandError(f"--pairs: {str(error).splitlines()[0]}") from None
+    except Exception as error:  # datasets' own, e.g. a folder whose files have other columns: its cause says which
+        if not type(error).__module__.startswith("datasets"):
+            raise
+        said = [line for line in str(error).splitlines() if line.strip()]
+        cause = str(error.__cause__ or error.__context__ or "").splitlines()
+        cause = f"{cause[0]}{f' ... {cause[-1]}' if len(cause) > 1 else ''}" if cause else ""
+        why = said[1] if len(said) > 1 else cause
+        raise CommandError(f"--pairs {args.pairs}: {said[0] if said else type(error).__name__}"
+                           f"{f' ({why})' if why else ''}; give a .csv, .jsonl or .tsv file, or a dataset whose files "
+                           "have the same columns") from None
     num_eval = args.eval_pairs or default_eval_pairs(len(pairs), args.batch_size)
     if len(pairs) - num_eval < 2:  # one pair alone has no negatives: a loss of 0 whatever the weights
         lower = ("--eval-pairs" if args.eval_pairs else
