@@ -55,10 +55,10 @@ def read_text_files(patterns: list[str], warn: Callable[[str], None] = warnings.
                 raise TextFileError(f"--data {path!r} is a folder: pass its text files, e.g. '{path}/*.txt'")
             if not os.path.isfile(path):
                 raise TextFileError(f"no text file at {path!r}: --data takes text files or globs")
-            if path.endswith((".json", ".jsonl")):
-                warn(f"--data {path!r} is read as plain text, JSON syntax and keys included: to read one field of its "
-                     "records, put the file in a folder of its own and pass --dataset FOLDER --text-column FIELD "
-                     "--eval-split train")
+            if path.lower().endswith((".json", ".jsonl", ".csv", ".tsv")):
+                warn(f"--data {path!r} is read as plain text, its syntax (JSON keys, a header, quotes) included: to "
+                     "read one field of its records, put the file in a folder of its own and pass --dataset FOLDER "
+                     "--text-column FIELD --eval-split train")
             yield _text_pieces(path, warn)
 
 

@@ -114,15 +114,17 @@ def test_batches_that_were_right_stay_accepted(model, stdlib_bytes):
     grow_model(model, listed[:2], p=8, eval_dataloader=listed[2:], loss_fn=per_sequence, step_size=0.0)
 
 
-def test_a_json_lines_file_to_data_is_read_as_text_with_a_warning(tmp_path):
-    records = tmp_path / "records.jsonl"
-    records.write_text('{"text": "hello"}\n')
+@pytest.mark.parametrize("name, text", [("records.jsonl", '{"text": "hello"}\n'), ("table.CSV", "id,text\n1,hi\n")])
+def test_a_file_of_records_to_data_is_read_as_text_with_a_warning(tmp_path, name, text):
+    """A .csv (like a .jsonl) is read whole, its header and quotes included: said (it was not, for a .csv)."""
+    records = tmp_path / name
+    records.write_text(text)
     said = []
     texts = ["".join(pieces) for pieces in read_text_files([str(records)], warn=said.append)]
-    assert texts == ['{"text": "hello"}\n']
-    assert said == [f"--data {str(records)!r} is read as plain text, JSON syntax and keys included: to read one field "
-                    "of its records, put the file in a folder of its own and pass --dataset FOLDER --text-column FIELD "
-                    "--eval-split train"]
+    assert texts == [text]
+    assert said == [f"--data {str(records)!r} is read as plain text, its syntax (JSON keys, a header, quotes) "
+                    "included: to read one field of its records, put the file in a folder of its own and pass "
+                    "--dataset FOLDER --text-column FIELD --eval-split train"]
 
 
 def test_held_out_batches_without_labels_or_with_foreign_token_ids_are_refused_first(model, stdlib_bytes):

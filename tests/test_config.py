@@ -225,6 +225,10 @@ def test_the_command_line_builds_its_growth_flags_from_the_config():
         (["--p", "8", "--multiple-of", "8"], "--multiple-of applies to --budget"),
         (["--initial-step-size", "0"], "initial_step_size must be a finite number > 0"),
         (["--statistics-method", "triton", "--compute-dtype", "float64"], "computes in float32"),
+        # ignored: a .csv's whole text (header, ids, quotes) was grown on, not its --text-column
+        (["--data", "x.csv", "--text-column", "review", "--split", "test"],
+         "--split, --text-column apply to --dataset, not to --data (text files, read whole); to read one column"),
+        (["--data", "x.txt", "--streaming", "--dataset-config", "c"], "--dataset-config, --streaming apply to"),
     ],
 )
 def test_the_command_refuses_bad_growth_flags_in_one_line_before_any_data(arguments, message, tmp_path, capsys):

@@ -54,6 +54,11 @@ TRAINER_FILES = re.compile(
 )
 
 
+#: The options of a `datasets` dataset (--dataset), with their defaults: refused with --data, which they do not change.
+DATASET_ONLY_OPTIONS = {"dataset_config": None, "split": "train", "eval_split": "validation", "text_column": "text",
+                        "streaming": False}
+
+
 def check_data_arguments(args: argparse.Namespace) -> None:
     for name in ("seq_len", "batch_size", "max_tokens", "eval_tokens"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
@@ -64,6 +69,14 @@ def check_data_arguments(args: argparse.Namespace) -> None:
         raise CommandError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
     if args.data and args.dataset:
         raise CommandError("give either --data or --dataset, not both")
+    dataset_options = [f"--{name.replace('_', '-')}" for name, default in DATASET_ONLY_OPTIONS.items()
+                       if getattr(args, name, default) != default]
+    if args.data and dataset_options:  # they were ignored: a .csv's --text-column read the whole file as text
+        raise CommandError(
+            f"{', '.join(dataset_options)} apply to --dataset, not to --data (text files, read whole); to read one "
+            "column of a .csv or .jsonl file, put it in a folder of its own and pass --dataset FOLDER --text-column "
+            "COLUMN --eval-split train"
+        )
     if not args.data and not getattr(args, "pairs", None) and importlib.util.find_spec("datasets") is None:
         raise CommandError(
             f"text from {'--dataset' if args.dataset else 'the default dataset wikitext'} needs the datasets "
