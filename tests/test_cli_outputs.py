@@ -226,3 +226,21 @@ def test_a_folder_made_for_the_output_keeps_its_permissions(tmp_path):
     assert written and (output / "config.json").read_text() == "{}"
     assert oct(output.stat().st_mode & 0o777) == oct(0o770) and output.stat().st_gid == group  # the group kept
     assert (output / "config.json").stat().st_gid == group  # its files' too
+
+
+def test_a_tilde_the_shell_left_is_expanded_in_every_path(tmp_path, monkeypatch):
+    """`--data '~/corpus.txt'` (quoted, or from a list of arguments) read $HOME's file, but `--output-dir '~/grown'`
+    wrote a folder named `~` in the current folder while the command said "written to ~/grown"."""
+    from hf_grow.cli import commands
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(commands, "run", seen.append)
+    monkeypatch.setattr(commands, "run_inspect", seen.append)
+    assert commands.main(["~/model", "--output-dir", "~/grown", "--report", "~/r.json", "--stats", "~/s"]) == 0
+    assert commands.main(["inspect", "~/model", "--json", "~/i.json", "--plot", "~/p.png", "--save-stats", "~/s"]) == 0
+    first, second = (vars(args) for args in seen)
+    assert [first[name] for name in ("model", "output_dir", "report", "stats")] == [
+        f"{tmp_path}/model", f"{tmp_path}/grown", f"{tmp_path}/r.json", f"{tmp_path}/s"]
+    assert [second[name] for name in ("model", "json", "plot", "save_stats")] == [
+        f"{tmp_path}/model", f"{tmp_path}/i.json", f"{tmp_path}/p.png", f"{tmp_path}/s"]

@@ -211,10 +211,17 @@ def _write(args: argparse.Namespace, what: str, write) -> None:
     args.written.append(what)
 
 
+#: The options that name a file or folder (--data's globs are expanded where they are read).
+PATH_OPTIONS = ("model", "output_dir", "report", "stats", "plot", "json", "save_stats", "offload_dir", "pairs")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     inspecting = argv[:1] == ["inspect"]
     args = build_inspect_parser().parse_args(argv[1:]) if inspecting else build_parser().parse_args(argv)
+    for name in PATH_OPTIONS:  # a `~` the shell left (quoted, from a list of arguments): --data's is expanded too
+        if isinstance(getattr(args, name, None), str) and getattr(args, name).startswith("~"):
+            setattr(args, name, os.path.expanduser(getattr(args, name)))
     args.written, args.writes = [], True  # what is in place, and whether this process writes: for an interruption
     try:
         with _terminations_interrupt(), _warnings_as_lines():
