@@ -103,8 +103,9 @@ class GrowthInspection:
         """Cumulative expected gains per layer (``all``) and head: at p = 0 and of adding k dimensions."""
         columns = self.columns()
         lines = [
-            "expected loss decrease per unit step size, first order (at step size t, expect about t x these); "
-            "p=0: the solve at the current width, +k: adding k dims per head on top of it",
+            "expected loss decrease per unit step size, first order: the limit as t -> 0 (at a small step size t, "
+            "about t x these; added dims gain less at larger steps); p=0: the solve at the current width, +k: adding "
+            "k dims per head on top of it",
             f"{'layer':>5} {'head':>4} {'qk':>4} {'p=0':>9} " + " ".join(f"{'+' + str(k):>9}" for k in columns),
         ]
 
