@@ -111,8 +111,8 @@ class GrownBertSelfAttention(nn.Module):
         key_layer = self.key(hidden_states).view(qk_shape).transpose(1, 2)
         value_layer = self.value(hidden_states).view(value_shape).transpose(1, 2)
 
-        # transformers renamed the block's ``past_key_values`` argument to ``cache`` (5.2x); older versions pass
-        # the old name, which would otherwise reach the attention function unused, and the cache would stay empty.
+        # ``past_key_values``, the name ``cache`` had before 5.24 (the blocks still rename it, until 5.40), given to
+        # the attention itself would otherwise reach the attention function unused, and the cache would stay empty.
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         if cache is not None:
             if isinstance(cache, EncoderDecoderCache):

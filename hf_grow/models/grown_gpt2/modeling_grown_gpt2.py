@@ -115,8 +115,8 @@ class GrownGPT2Attention(GPT2Attention):
         key_states = key_states.view(*batch_and_seq, self.num_heads, self.qk_head_dim).transpose(1, 2)
         value_states = value_states.view(*batch_and_seq, self.num_heads, self.head_dim).transpose(1, 2)
 
-        # transformers renamed the block's ``past_key_values`` argument to ``cache`` (5.2x); older versions pass
-        # the old name, which would otherwise reach the attention function unused, and the cache would stay empty.
+        # ``past_key_values``, the name ``cache`` had before 5.24 (the blocks still rename it, until 5.40), given to
+        # the attention itself would otherwise reach the attention function unused, and the cache would stay empty.
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         if isinstance(cache, EncoderDecoderCache):
             cache = cache.self_attention_cache
