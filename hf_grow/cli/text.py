@@ -111,7 +111,8 @@ def _split_description(args: argparse.Namespace, statistics_tokens: int, held_ou
         source = "the tail of the text, --eval-tokens"
     else:
         fraction = GrowthConfig.eval_fraction if args.eval_fraction is None else args.eval_fraction
-        source = f"the last {fraction:.0%} of the text, at most {DEFAULT_EVAL_TOKENS:,}: --eval-fraction, --eval-tokens"
+        source = (f"the last {fraction:.0%} of the text read, --max-tokens and up to {DEFAULT_EVAL_TOKENS:,} after, at "
+                  f"most {DEFAULT_EVAL_TOKENS:,}: --eval-fraction, --eval-tokens")
     return f"text: {statistics_tokens:,} tokens for the statistics, {held_out_tokens:,} held out ({source})"
 
 
