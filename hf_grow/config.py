@@ -375,6 +375,11 @@ def _check_options(config: GrowthConfig) -> None:
             "step_scale shrinks one searched step, and step_mode='coordinate' refines each layer's own: use "
             "step_mode 'per_layer', 'per_head', 'global', 'layer_search' or 'auto' with it."
         )
+    if config.search == "fast" and config.step_mode == "layer_search":  # it ran the exact search, the report "fast"
+        raise ValueError(
+            "search='fast' brackets one step of all layers with the full-rank update, and step_mode='layer_search' "
+            "searches each layer's own step first: use search='exact' (the default) with it."
+        )
     if not (_is_number(config.initial_step_size) and math.isfinite(config.initial_step_size)
             and config.initial_step_size > 0):
         raise ValueError(

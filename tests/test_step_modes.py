@@ -125,6 +125,9 @@ def test_step_zero_is_the_old_function_in_every_step_mode(trained_gpt2, statisti
 def test_unknown_step_mode_is_refused(trained_gpt2, statistics):
     with pytest.raises(ValueError, match="step_mode must be one of"):
         problem(trained_gpt2, statistics, step_mode="per_token")
+    # the search ran exact, the report said "fast", without its full-rank reference
+    with pytest.raises(ValueError, match="search='fast' brackets one step of all layers .* search='exact'"):
+        grow_model(trained_gpt2, iter(()), p=8, search="fast", step_mode="layer_search")
 
 
 @pytest.fixture(scope="module")
