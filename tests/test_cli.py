@@ -235,6 +235,18 @@ def test_a_checkpoint_with_another_head_is_refused_before_any_text(tmp_path, cap
         assert f"{advice}model, batches, loss_fn=...)" in error and not (tmp_path / "out").exists()
 
 
+def test_a_causal_lm_needs_three_tokens_a_sequence(tmp_path, capsys, monkeypatch):
+    """With two tokens the one position with a label attends to itself alone: the whole statistics pass ran, then
+    "zero gradient ... step 0", and an unchanged "grown" model was written."""
+    from hf_grow.cli import commands
+
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "gpt2")
+    monkeypatch.setattr(commands, "text_batches", lambda *_, **__: pytest.fail("the text was read"))
+    arguments = [str(tmp_path / "gpt2"), "--output-dir", str(tmp_path / "out"), "--data", TEXT_GLOB, "--seq-len", "2"]
+    assert cli.main(arguments) == 2
+    assert "--seq-len 2 gives a causal LM no position that attends to two tokens" in capsys.readouterr().err
+
+
 def test_failed_save_leaves_nothing_behind(model_folder, tmp_path, monkeypatch, capsys):
     def broken_save(self, *args, **kwargs):
         raise OSError("disk full")

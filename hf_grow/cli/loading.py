@@ -77,6 +77,9 @@ def model_objective(args: argparse.Namespace) -> str:
     if masked:
         return "masked"
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        if args.seq_len < 3:  # the one position with a label attends to itself alone: no score has a gradient
+            raise CommandError(f"--seq-len {args.seq_len} gives a causal LM no position that attends to two tokens "
+                               "(its scores would have no gradient): pass --seq-len 3 or more")
         return "causal"
     raise CommandError(
         f"{args.model!r} ({config.model_type}) is neither a causal nor a masked language model: the command line "
