@@ -91,9 +91,11 @@ def model_card(
     repo_id: str | None = None,
     data: str | None = None,
     datasets: Sequence[str] = (),
+    base_card_data: Mapping | None = None,
 ) -> ModelCard:
     """The model card of a saved grown model (or a sentence-transformers folder around one): metadata, the growth
-    summary and how to load it.
+    summary and how to load it; ``base_card_data``: metadata of the grown model's card kept in this one (its license
+    and language, say).
 
     ``base_model`` names the model that was grown; ``repo_id`` is where the card will live (the loading snippets
     use it; default: the folder's name); ``data`` says in words what the statistics were collected on, ``datasets``
@@ -110,6 +112,7 @@ def model_card(
         datasets=datasets,
         tokenizer=(folder / "tokenizer_config.json").is_file(),
         sentence=is_sentence_folder(folder),
+        base_card_data=base_card_data,
     )
 
 
@@ -128,6 +131,7 @@ def grown_model_card(
     datasets: Sequence[str] = (),
     tokenizer: bool,
     sentence: bool,
+    base_card_data: Mapping | None = None,
 ) -> ModelCard:
     """`model_card` from the report and the config itself: ``name`` for the loading snippets, ``tokenizer`` whether
     the model comes with one, ``sentence`` whether it is a `SentenceTransformer`'s (loaded as one)."""
@@ -140,6 +144,7 @@ def grown_model_card(
         pipeline_tag="sentence-similarity" if sentence else pipeline_tag,
         tags=["hf_grow", "grown-attention", config["model_type"], *["sentence-transformers"] * sentence],
         datasets=list(datasets) or None,
+        **(base_card_data or {}),
     )
     remote, installed = _loading(architecture, auto_class, name, tokenizer, sentence)
     # sentence-transformers puts the repository's id into the snippets only: a title of its own for its placeholder

@@ -313,3 +313,28 @@ def test_a_trainer_output_folder_pushes_the_model_alone(grown, tmp_path, caplog)
     assert set(api.files) == GROWN_FILES | {"additional_chat_templates/tool_use.jinja"}
     left_out = "adapter_config.json, adapter_model.safetensors, all_results.json, checkpoint-2, runs, trainer_state"
     assert "not pushed from" in caplog.text and left_out in caplog.text
+
+
+def test_the_command_keeps_a_local_models_license_and_its_terms_files(grown, tmp_path):
+    """A grown Llama pushed from the command lost its license: the card's `license`, `language` were replaced and
+    the LICENSE and USE_POLICY files (which Llama's license requires with every copy) not copied."""
+    from argparse import Namespace
+
+    from hf_grow.cli.running import write_card
+
+    model, tokenizer = grown
+    source, folder = tmp_path / "source", tmp_path / "grown"
+    source.mkdir()
+    (source / "README.md").write_text("---\nlicense: llama3.2\nlanguage:\n- en\n- de\ntags:\n- text\n---\n\n# Model\n")
+    (source / "LICENSE.txt").write_text("the terms")
+    (source / "USE_POLICY.md").write_text("the policy")
+    model.save_pretrained(folder)
+    args = Namespace(model=str(source), push_to_hub=None, output_dir=str(folder))
+    write_card(args, folder, data="text", datasets=[])
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.license == "llama3.2" and card.data.language == ["en", "de"] and "hf_grow" in card.data.tags
+    assert (folder / "LICENSE.txt").read_text() == "the terms"
+    assert (folder / "USE_POLICY.md").read_text() == "the policy"
+    (source / "README.md").write_text("---\n- not a mapping\n---\n")  # a damaged card keeps nothing, and fails nothing
+    write_card(args, folder, data="text", datasets=[])
+    assert ModelCard.load(folder / "README.md").data.license is None

@@ -127,14 +127,37 @@ def start_run(args: argparse.Namespace, is_main: bool = True) -> bool:
     return show_progress
 
 
+#: What a local model folder's card says of its terms that the growth card keeps, and the files of its terms copied
+#: beside the grown model (a license may require them with every copy: Llama's does, Apache-2.0's NOTICE).
+INHERITED_CARD_DATA = ("license", "license_name", "license_link", "language")
+TERMS_FILES = ("LICENSE*", "NOTICE*", "USE_POLICY*", "license*", "notice*")
+
+
 def write_card(args: argparse.Namespace, folder: Path, data: str, datasets: list[str]) -> None:
     """The growth card into a folder being written (`hub.model_card`), its snippets naming ``--push-to-hub``'s
-    repository or the output folder."""
+    repository or the output folder; a local model's license and language, and the files of its terms, kept."""
+    source = Path(args.model)
     # A local model is named by its absolute path: the card stays true wherever it is pushed from later.
-    base_model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    base_model = str(source.resolve()) if source.exists() else args.model
     card = hub.model_card(folder, base_model=base_model, repo_id=args.push_to_hub or Path(args.output_dir).name,
-                          data=data, datasets=datasets)
+                          data=data, datasets=datasets, base_card_data=_terms(source))
     card.save(folder / hub.CARD_FILENAME)
+    for path in sorted({path for pattern in TERMS_FILES for path in source.glob(pattern) if path.is_file()}):
+        if not (folder / path.name).exists():
+            shutil.copyfile(path, folder / path.name)
+
+
+def _terms(source: Path) -> dict:
+    """`INHERITED_CARD_DATA` of the card of a local model folder (none without a card, or with a damaged one)."""
+    from huggingface_hub import ModelCard
+
+    if not (source / hub.CARD_FILENAME).is_file():
+        return {}
+    try:
+        data = ModelCard.load(source / hub.CARD_FILENAME).data.to_dict()
+    except (ValueError, OSError):  # metadata that is no YAML mapping
+        return {}
+    return {key: data[key] for key in INHERITED_CARD_DATA if data.get(key)}
 
 
 def finish_run(args: argparse.Namespace, report, output: Path, lines: list[str]) -> None:
