@@ -104,3 +104,23 @@ def test_statistics_given_are_planned_as_held_not_collected(model_folder, tmp_pa
     assert "statistics given: no pass over the data" in table and "\nstatistics " not in table
     assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--stats", str(tmp_path / "missing"), "--dry-run"]) == 2
     assert "--stats " + str(tmp_path / "missing") + ": no such file" in capsys.readouterr().err  # was a traceback
+
+
+def test_an_output_disk_too_small_for_the_grown_model_is_refused_first(model_folder, tmp_path, capsys,  # noqa: F811
+                                                                       monkeypatch):
+    """The write failed with "No space left on device" after the statistics, the solve and the line search (53 s on
+    a tiny model; a lost half hour at GPT-2 large)."""
+    from collections import namedtuple
+
+    from hf_grow.cli import commands
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(cli_memory.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**19, 2**19))
+    def never(*args, **kwargs):
+        raise AssertionError("the text was read")
+
+    monkeypatch.setattr(commands, "text_batches", never)
+    output = tmp_path / "new" / "grown"  # made by the run: the disk of its nearest existing folder
+    assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert f"of disk in {tmp_path}, 512 KiB is free there: free disk there or pass another --output-dir" in error

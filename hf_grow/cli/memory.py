@@ -27,6 +27,11 @@ from .checks import CommandError, check_model_growth
 from .loading import DTYPES
 
 
+#: Disk an output folder needs beside the grown model's weights: the config, the card, the modeling files (a
+#: tokenizer, 17 MB for a Llama 3's, is not counted).
+OUTPUT_DISK_MARGIN = 2**20
+
+
 def check_memory(
     args: argparse.Namespace, objective: str, show_progress: bool, statistics: GrowthStatistics | None = None,
     inspection: bool = False,
@@ -73,6 +78,7 @@ def check_memory(
         return _fits(candidate, free_host, free_device, least) and candidate.disk <= free_disk
 
     if args.ignore_memory_plan or fits(plan):
+        _check_output_disk(args, plan, inspection)
         return plan
     stage = max(plan.stages, key=lambda stage: stage.device if plan.on_device else stage.host)
     where = "device" if plan.on_device else "host"
@@ -90,6 +96,7 @@ def check_memory(
             f"{format_bytes(free)} is {limit}: that is every head's compact solve at its rank ceiling, which flat "
             f"spectra (random weights) reach; {format_bytes(least)} at the least rank: going on", file=sys.stderr
         )
+        _check_output_disk(args, plan, inspection)
         return plan
     # changes that fit the rank ceiling, else the least rank (the rerun then warns and goes on); the model's dtype
     # only where neither fits without
@@ -108,6 +115,24 @@ def check_memory(
         f"the {stage.name} stage needs about {format_bytes(needed)} of {where} memory, {format_bytes(free)} is "
         f"{limit}: {fix or 'use a machine with more memory'} (see --dry-run; --ignore-memory-plan runs anyway)"
     )
+
+
+def _check_output_disk(args: argparse.Namespace, plan: MemoryPlan, inspection: bool) -> None:
+    """Refuse an output folder whose disk cannot hold the grown model (its write failed after the whole run), on
+    the main process (it writes)."""
+    if inspection or args.dry_run or args.ignore_memory_plan or os.environ.get("RANK", "0") != "0":
+        return
+    write = next(stage for stage in plan.stages if stage.name == "write")
+    needed = write.terms.get("grown model", 0) + OUTPUT_DISK_MARGIN  # the tokenizer, the card, the config
+    folder = Path(args.output_dir).absolute()
+    while not folder.exists():  # the folder is made by the run: the disk of its nearest existing parent
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise CommandError(
+            f"the grown model needs about {format_bytes(needed)} of disk in {folder}, {format_bytes(free)} is free "
+            "there: free disk there or pass another --output-dir (--ignore-memory-plan runs anyway)"
+        )
 
 
 def _rerun_with(changes: dict, plan_with: Callable[[dict], MemoryPlan]) -> str:
