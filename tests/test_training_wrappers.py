@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from transformers import GPT2LMHeadModel
 
 from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel, grow_in_training, to_grown_model
 
@@ -328,3 +329,23 @@ def test_the_grown_base_of_any_peft_wrapping_is_saved(model, tmp_path):
     with torch.no_grad(), peft_model.disable_adapter():
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "base")(input_ids=ids).logits,
                                    peft_model(input_ids=ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "llama", "bert"])
+def test_every_growth_records_the_hf_grow_version(architecture):
+    """The grown config names the version that grew it: Llama's adapter builds its own config and recorded none, and
+    growth in training kept the version of an earlier growth."""
+    from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+
+    import hf_grow
+
+    plain = {"gpt2": lambda: GPT2LMHeadModel(tiny_gpt2_config()),
+             "llama": lambda: LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                           num_hidden_layers=2, num_attention_heads=4)),
+             "bert": lambda: BertForMaskedLM(BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                                        num_attention_heads=4, intermediate_size=128))}[architecture]()
+    grown = to_grown_model(plain)
+    assert grown.config.hf_grow_version == grown.config.to_dict()["hf_grow_version"] == hf_grow.__version__
+    grown.config.hf_grow_version = "0.0.1"  # grown by an earlier version
+    grow_in_training(grown, None, None, 8, mode="zero")
+    assert grown.config.hf_grow_version == hf_grow.__version__

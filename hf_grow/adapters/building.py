@@ -66,7 +66,6 @@ class GrownModelBuilder:
             **inherited,
             qk_head_dims=list(qk_head_dims),
             attention_scale_dims=attention_scale_entry(qk_head_dims, attention_scale_dims),
-            hf_grow_version=__version__,
         )
 
     def grown_class(self, model: PreTrainedModel) -> type[PreTrainedModel]:
@@ -115,6 +114,7 @@ class GrownModelBuilder:
         init, no storage is shared with ``model``, and no third copy of the weights is made.
         """
         config = self.grown_config(model.config, qk_head_dims, attention_scale_dims)
+        config.hf_grow_version = __version__  # what grew it (an adapter's own grown_config need not say)
         if _head_untied(model):  # a head given its own weights, the config not edited: tying would drop them
             config.tie_word_embeddings = False
         config._attn_implementation_internal = grown_attention(model.config._attn_implementation)

@@ -21,6 +21,7 @@ from ..adapters.building import attention_scale_entry
 from ..growth import QKWeights
 from ..growth.prepare import check_no_injected_adapters, check_weights_in_memory
 from ..optimizer_state import fill_new_moments
+from ..version import __version__
 
 #: Optimizer state entries that can be remapped, and their degree in the gradient: when a weight is rescaled by
 #: ``fold`` its gradient scales by ``1 / fold``, so a moment of degree k scales by ``fold ** -k``.
@@ -249,6 +250,7 @@ def resize_qk_(
     finally:
         config.qk_head_dims = dims
         config.attention_scale_dims = attention_scale_entry(dims, scales)
+        config.hf_grow_version = __version__  # the version of the latest growth
 
 
 def _new_states(
