@@ -241,7 +241,7 @@ def _csv_pairs(reader: csv.DictReader, columns: Sequence[str] | None, source: st
     pairs = []
     for record in reader:
         where = f"{source} line {reader.line_num}"
-        if None in record:
+        if any(field.strip() for field in record.get(None, ())):  # empty ones: a line ending in a comma
             raise ValueError(f"{where}: {len(reader.fieldnames) + len(record[None])} comma-separated fields, where "
                              f"the header names {len(reader.fieldnames)}; put texts with commas in quotes (\"a, b\")")
         pairs.append(_column_pair(record, columns, where))

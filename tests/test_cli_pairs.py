@@ -105,6 +105,8 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     (tmp_path / "commas.csv").write_text('q,a\n"multi\nline",x\nWhere is it, and when?,It ships, tracked.\n')
     with pytest.raises(ValueError, match=r"commas.csv line 4: 4 comma-separated fields, where the header names 2"):
         read_pairs(str(tmp_path / "commas.csv"))
+    (tmp_path / "trailing.csv").write_text("q,a\nx,y,\nz,w,,\n")  # empty fields after the pair: read as before
+    assert read_pairs(str(tmp_path / "trailing.csv")) == [("x", "y"), ("z", "w")]
     (tmp_path / "tabs.tsv").write_text("a\tb\t\ndef f():\treturn 1\tand more\n")  # trailing tabs are no field
     with pytest.raises(ValueError, match=r"tabs.tsv line 2: 3 tab-separated fields"):
         read_pairs(str(tmp_path / "tabs.tsv"))
