@@ -199,6 +199,23 @@ def test_grows_a_masked_lm_on_masked_lm_loss(minilm_path, tmp_path):
     assert "--seq-len 2 leaves no text token beside the tokenizer's [CLS] and [SEP]" in too_short.stderr
 
 
+def test_a_masking_that_masks_no_held_out_token_says_which_flag_fixes_it(minilm_path, tmp_path, capsys):
+    """Batches that mask nothing are dropped: with a tiny --mlm-probability the run stopped with the Python API's
+    "eval_dataloader yielded no batches", naming no flag of the command."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    folder = tmp_path / "bert"
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    BertForMaskedLM(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, intermediate_size=64)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    arguments = [str(folder), "--data", TEXT_GLOB, "--output-dir", str(tmp_path / "out"), "--seq-len", "16",
+                 "--max-tokens", "3000", "--eval-tokens", "28", "--mlm-probability", "0.002", "--quiet"]
+    assert cli.main(arguments) == 2
+    assert ("the masking (--mlm-probability 0.002, --seed 0) masked no token of the 2 held-out sequences: pass a "
+            "larger --mlm-probability") in capsys.readouterr().err
+
+
 def test_encoder_without_a_masked_lm_head_is_refused(minilm_path, tmp_path, capsys, monkeypatch):
     """all-MiniLM-L6-v2 ships a BertModel: a masked-LM loss would measure a random head, so the CLI says so, from
     the weights file's names before any text is read (it tokenized the text first: 35 s on the standard library),

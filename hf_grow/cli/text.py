@@ -97,10 +97,15 @@ def text_batches(args: argparse.Namespace, tokenizer, objective: str, is_main: b
         print(_split_description(args, used * window, len(held_out) * window), flush=True)
     if objective == "causal":
         return causal_lm_batches(statistics, args.batch_size), causal_lm_batches(held_out, args.batch_size)
-    return (
-        masked_lm_batches(statistics, args.batch_size, tokenizer, args.mlm_probability, args.seed),
-        masked_lm_batches(held_out, args.batch_size, tokenizer, args.mlm_probability, args.seed + 1),
-    )
+    batches = (masked_lm_batches(statistics, args.batch_size, tokenizer, args.mlm_probability, args.seed),
+               masked_lm_batches(held_out, args.batch_size, tokenizer, args.mlm_probability, args.seed + 1))
+    for side, sequences, kept in (("statistics", statistics, batches[0]), ("held-out", held_out, batches[1])):
+        if not kept:  # batches that mask nothing are dropped (no loss term): the API's "yielded no batches" followed
+            raise CommandError(
+                f"the masking (--mlm-probability {args.mlm_probability}, --seed {args.seed}) masked no token of the "
+                f"{len(sequences)} {side} sequences: pass a larger --mlm-probability, or more text for them"
+            )
+    return batches
 
 
 def _split_description(args: argparse.Namespace, statistics_tokens: int, held_out_tokens: int) -> str:
