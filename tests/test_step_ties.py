@@ -2,7 +2,10 @@
 
 import math
 
+import torch
+
 from hf_grow.growth import best_step, search_step_size
+from hf_grow.growth.line_search import within_precision
 
 #: A held-out loss (all-MiniLM-L6-v2's contrastive loss on stdlib line pairs) and one float32 unit of it.
 LOSS = 4.7435120940208435
@@ -28,3 +31,13 @@ def test_a_step_one_float32_unit_below_step_0_ties_with_it():
     losses = search_step_size(gaining, start=0.03)
     assert 1e-4 < best_step(losses) < 0.01 and losses[best_step(losses)] == LOSS - 3 * ULP
     assert best_step({0.0: math.inf, 0.1: 2.0}) == 0.1  # a step 0 whose loss overflowed ties with nothing
+
+
+def test_a_gain_within_the_models_precision_seeds_no_other_candidates_search():
+    """In bfloat16 a MiniLM's held-out loss moved by up to 0.02 at tiny steps: the first candidate took such a step,
+    and the second searched only near it (`candidates._near`), missing a gain of 2.0 that a full search finds."""
+    assert within_precision(LOSS - 0.02, LOSS, torch.bfloat16) and within_precision(LOSS + 0.02, LOSS, torch.bfloat16)
+    assert not within_precision(LOSS - 0.05, LOSS, torch.bfloat16)  # beyond bfloat16's epsilon of the loss
+    assert within_precision(LOSS - 7e-4, LOSS, torch.float16) and not within_precision(LOSS - 7e-3, LOSS, torch.float16)
+    assert within_precision(LOSS - ULP, LOSS, torch.float32) and not within_precision(LOSS - 1e-5, LOSS, torch.float32)
+    assert not within_precision(1.0, math.inf, torch.bfloat16)
