@@ -214,6 +214,7 @@ def test_a_masking_that_masks_no_held_out_token_says_which_flag_fixes_it(minilm_
     assert cli.main(arguments) == 2
     assert ("the masking (--mlm-probability 0.002, --seed 0) masked no token of the 2 held-out sequences: pass a "
             "larger --mlm-probability") in capsys.readouterr().err
+    assert cli.main(["inspect", *arguments[:3], *arguments[5:]]) == 0  # inspect uses no held-out batch
 
 
 def test_encoder_without_a_masked_lm_head_is_refused(minilm_path, tmp_path, capsys, monkeypatch):

@@ -159,6 +159,9 @@ def test_bad_pairs_are_one_line_errors(tmp_path, capsys, model_folder):  # noqa:
         # were a held-out batch's error (beyond the positions) and, for --eval-fraction, advice about --eval-split
         (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "2", "--seq-len", "1000"],
          "--seq-len 1000 exceeds the 512 positions"),
+        # [CLS] and [SEP] alone: a loss of ln 8 whatever the weights, after the whole run
+        (["--pairs", str(tmp_path / "few.tsv"), "--eval-pairs", "2", "--seq-len", "2"],
+         "--seq-len 2 leaves no text token beside the tokenizer's [CLS] and [SEP]"),
         (["--pairs", str(tmp_path / "few.tsv"), "--eval-fraction", "0.5", "--text-column", "q"],
          "--text-column, --eval-fraction apply to text, not to --pairs"),
     ]

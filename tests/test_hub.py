@@ -320,6 +320,7 @@ def test_the_command_keeps_a_local_models_license_and_its_terms_files(grown, tmp
     the LICENSE and USE_POLICY files (which Llama's license requires with every copy) not copied."""
     from argparse import Namespace
 
+    from hf_grow.cli.checks import not_a_saved_model
     from hf_grow.cli.running import write_card
 
     model, tokenizer = grown
@@ -335,6 +336,8 @@ def test_the_command_keeps_a_local_models_license_and_its_terms_files(grown, tmp
     assert card.data.license == "llama3.2" and card.data.language == ["en", "de"] and "hf_grow" in card.data.tags
     assert (folder / "LICENSE.txt").read_text() == "the terms"
     assert (folder / "USE_POLICY.md").read_text() == "the policy"
-    (source / "README.md").write_text("---\n- not a mapping\n---\n")  # a damaged card keeps nothing, and fails nothing
-    write_card(args, folder, data="text", datasets=[])
-    assert ModelCard.load(folder / "README.md").data.license is None
+    assert not_a_saved_model(folder) is None  # --overwrite replaces the folder again
+    for damaged in ("---\n- not a mapping\n---\n", "---\nlicense: [unclosed\n---\n"):  # the YAML's own error too
+        (source / "README.md").write_text(damaged)  # a damaged card keeps nothing, and fails nothing
+        write_card(args, folder, data="text", datasets=[])
+        assert ModelCard.load(folder / "README.md").data.license is None

@@ -347,5 +347,8 @@ def test_every_growth_records_the_hf_grow_version(architecture):
     grown = to_grown_model(plain)
     assert grown.config.hf_grow_version == grown.config.to_dict()["hf_grow_version"] == hf_grow.__version__
     grown.config.hf_grow_version = "0.0.1"  # grown by an earlier version
+    with pytest.raises(ValueError):  # a growth refused changes nothing, the version neither
+        hf_grow.resize_qk_(grown, {0: (torch.zeros(4, 65, 4), torch.zeros(4, 65, 4))}, keep_moments=False)
+    assert grown.config.hf_grow_version == "0.0.1"
     grow_in_training(grown, None, None, 8, mode="zero")
     assert grown.config.hf_grow_version == hf_grow.__version__

@@ -229,6 +229,8 @@ def _saved_by_a_model(name: str, code: bool) -> bool:
     code and markdown by name (a vocabulary, merges, modeling code, the card), not a user's notes or scripts.
     ``code``: the model ships its own modules (``auto_map``, as a grown model does), any of which a save writes."""
     suffix = Path(name).suffix
+    if name.upper().startswith(("LICENSE", "NOTICE", "USE_POLICY")):  # a model's terms, which the command copies
+        return True
     if suffix == ".txt":
         return "vocab" in name or "merges" in name
     if suffix == ".py":

@@ -164,7 +164,7 @@ def run_inspect(args: argparse.Namespace) -> None:
     if args.dry_run:
         return
     tokenizer = load_tokenizer(args)
-    statistics_batches, _ = text_batches(args, tokenizer, objective)  # the same split as the main command
+    statistics_batches, _ = text_batches(args, tokenizer, objective, held_out_used=False)  # the main command's split
     statistics_batches = statistics_batches[: args.config.max_batches]
     check_cross_fit_batches(args.cross_fit, len(statistics_batches), off="no --cross-fit")
     model = load_model(args, objective)

@@ -109,6 +109,9 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
             f"cannot load {args.model!r} as a SentenceTransformer: {str(error).splitlines()[0]}"
         ) from None
     if args.seq_len:
+        if args.seq_len < 3:  # [CLS] and [SEP] alone: every text the same, a loss no weight changes
+            raise CommandError(f"--seq-len {args.seq_len} leaves no text token beside the tokenizer's [CLS] and "
+                               "[SEP]: pass a larger --seq-len")
         positions = position_limit(transformer_module(model).model.config)
         if positions is not None and args.seq_len > positions:
             raise CommandError(f"--seq-len {args.seq_len} exceeds the {positions} positions of {args.model!r}")

@@ -53,9 +53,10 @@ def _add_model_argument(parser: argparse.ArgumentParser) -> None:
 
 
 EVAL_FRACTION_HELP = (
-    "share of the text held out for the line search (its tail) when it comes from the same text as the statistics "
-    f"(--data, or --eval-split equal to --split), at most {DEFAULT_EVAL_TOKENS:,} tokens (default "
-    f"{GrowthConfig.eval_fraction}, as grow_model's eval_fraction)"
+    "share of the text read held out for the line search (its tail) when it comes from the same text as the "
+    f"statistics (--data, or --eval-split equal to --split), at most {DEFAULT_EVAL_TOKENS:,} tokens (default "
+    f"{GrowthConfig.eval_fraction}, as grow_model's eval_fraction); the text read is --max-tokens and up to "
+    f"{DEFAULT_EVAL_TOKENS:,} tokens after it"
 )
 
 

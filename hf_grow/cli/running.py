@@ -155,7 +155,7 @@ def _terms(source: Path) -> dict:
         return {}
     try:
         data = ModelCard.load(source / hub.CARD_FILENAME).data.to_dict()
-    except (ValueError, OSError):  # metadata that is no YAML mapping
+    except Exception:  # metadata that is no YAML mapping, or no YAML (yaml's own errors): the card keeps nothing
         return {}
     return {key: data[key] for key in INHERITED_CARD_DATA if data.get(key)}
 

@@ -63,8 +63,11 @@ def _warn(message: str) -> None:
     print(f"hf-grow: warning: {message}", file=sys.stderr)
 
 
-def text_batches(args: argparse.Namespace, tokenizer, objective: str, is_main: bool = True) -> tuple[list, list]:
-    """Statistics and held-out batches; local files give their tail as held-out text (`_split_held_out`).
+def text_batches(
+    args: argparse.Namespace, tokenizer, objective: str, is_main: bool = True, held_out_used: bool = True
+) -> tuple[list, list]:
+    """Statistics and held-out batches; local files give their tail as held-out text (`_split_held_out`);
+    ``held_out_used``: whether the run uses the held-out batches (`hf-grow inspect` does not).
 
     Prints how many tokens each side got, and refuses token ids beyond the model's vocabulary.
     """
@@ -100,7 +103,8 @@ def text_batches(args: argparse.Namespace, tokenizer, objective: str, is_main: b
     batches = (masked_lm_batches(statistics, args.batch_size, tokenizer, args.mlm_probability, args.seed),
                masked_lm_batches(held_out, args.batch_size, tokenizer, args.mlm_probability, args.seed + 1))
     for side, sequences, kept in (("statistics", statistics, batches[0]), ("held-out", held_out, batches[1])):
-        if not kept:  # batches that mask nothing are dropped (no loss term): the API's "yielded no batches" followed
+        # batches that mask nothing are dropped (no loss term): the API's "yielded no batches" followed
+        if not kept and (side == "statistics" or held_out_used):
             raise CommandError(
                 f"the masking (--mlm-probability {args.mlm_probability}, --seed {args.seed}) masked no token of the "
                 f"{len(sequences)} {side} sequences: pass a larger --mlm-probability, or more text for them"

@@ -213,6 +213,7 @@ def resize_qk_(
     scale_dims_after = scale_dims_after_growth(dims, scale_dims, widths, keep_attention_scale)
     attentions = adapter.attention_modules(model)
     scales = list(scale_dims)  # each layer's as it is resized: the config follows the layers done, if interrupted
+    before, resized = list(dims), False
     try:
         with torch.no_grad():
             for layer, (query, key) in weights.items():
@@ -247,10 +248,12 @@ def resize_qk_(
                     raise
                 adapter.set_qk_head_dim(attention, config, layer, new_dim, scale_dims_after[layer])
                 dims[layer], scales[layer] = new_dim, scale_dims_after[layer]
+        resized = True
     finally:
         config.qk_head_dims = dims
         config.attention_scale_dims = attention_scale_entry(dims, scales)
-        config.hf_grow_version = __version__  # the version of the latest growth
+        if resized or dims != before:  # a growth that took place (in part, if interrupted), not one refused
+            config.hf_grow_version = __version__  # the version of the latest growth
 
 
 def _new_states(
