@@ -384,3 +384,25 @@ def test_a_held_out_batch_the_old_function_overflows_on_is_named_before_the_sear
     monkeypatch.setattr(candidates, "_choose", lambda *args, **kwargs: pytest.fail("a candidate was searched"))
     with pytest.raises(FloatingPointError, match=r"before any step \(nan on held-out batch 3 first\)"):
         grow_model(trained_gpt2, None, p=8, statistics=statistics, eval_dataloader=held, loss_fn=overflowing)
+
+
+def test_a_first_candidate_gain_within_the_models_precision_seeds_no_search(trained_gpt2, statistics, held_out,
+                                                                              monkeypatch):
+    """In bfloat16 the first candidate took a step whose "gain" was rounding (0.005 at 4.7 on MiniLM), and the
+    second searched only near it (`_near`), missing the 1.77 nats a search from the start found. Here the first
+    candidate's gain is made to count as rounding: the second searches from the start."""
+    from hf_grow.growth import candidates
+
+    seeds = []
+    near = candidates._near
+    def recorded(searched, problem):
+        seeds.append(searched)
+        return near(searched, problem)
+
+    monkeypatch.setattr(candidates, "_near", recorded)
+    grown(trained_gpt2, statistics, [held_out, held_out], step_mode="auto")
+    assert seeds[1][0] > 0  # the first candidate's step seeds the second's search
+    seeds.clear()
+    monkeypatch.setattr(candidates, "within_precision", lambda *args: True)
+    grown(trained_gpt2, statistics, [held_out, held_out], step_mode="auto")
+    assert seeds[1][0] == 0.0  # none: a full search
