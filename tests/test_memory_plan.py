@@ -62,6 +62,20 @@ def test_the_probe_runs_models_that_read_their_inputs_values():
     assert activation_bytes(dynamic, 2, 32, "eager") == rotary and dynamic.model.rotary_emb.rope_type == "dynamic"
 
 
+def test_the_write_stage_counts_the_grown_models_weights():
+    """It counted the model before growth (108 MiB where 116.6 MiB were written at p 64): the output disk's check
+    passed a disk short by the added Q/K weights."""
+    from hf_grow import GrownGPT2Config, GrownGPT2LMHeadModel
+
+    model = meta_model(GPT2LMHeadModel, tiny_gpt2_config(n_layer=3))
+    plan = plan_memory(model, get_adapter(model), GrowthConfig(p=24), batch_size=2, seq_len=32, eval_tokens=256)
+    write = next(stage for stage in plan.stages if stage.name == "write")
+    grown = meta_model(GrownGPT2LMHeadModel, GrownGPT2Config(**tiny_gpt2_config(n_layer=3).to_dict(),
+                                                             qk_head_dims=[16 + 24] * 3))
+    stored = [*grown.parameters(), *grown.buffers()]  # the tied head once
+    assert write.terms["grown model"] == sum(tensor.numel() * tensor.element_size() for tensor in stored)
+
+
 def test_the_plan_holds_one_group_of_m_in_the_accumulators_dtype():
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=300)
@@ -459,9 +473,11 @@ def test_on_a_gpu_the_host_keeps_the_cuda_process_and_one_shard_of_the_written_m
     for stage in plan.stages[1:]:
         assert stage.host == CUDA_PROCESS_BASELINE_BYTES + (shard if stage.name == "write" else 0)
     write = plan.stages[-1]
-    assert write.device == weights and write.terms["shard copied to the host"] == shard
+    grown = write.terms["grown model"]  # the weights and the added Q/K entries (p 8 beside head_dim 128)
+    assert write.device == grown and weights < grown < 1.01 * weights
+    assert write.terms["shard copied to the host"] == shard
     on_cpu = plan_memory(model, adapter, GrowthConfig(p=8), **shape).stages[-1]
-    assert on_cpu.host == PROCESS_BASELINE_BYTES + weights and "shard copied to the host" not in on_cpu.terms
+    assert on_cpu.host == PROCESS_BASELINE_BYTES + grown and "shard copied to the host" not in on_cpu.terms
     small = meta_model(LlamaForCausalLM, LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
     small_plan = plan_memory(small, get_adapter(small), GrowthConfig(p=8), device="cuda", **shape)

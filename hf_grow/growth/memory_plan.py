@@ -260,7 +260,7 @@ def plan_memory(
         # The command frees the input model first; on a CPU safetensors writes the tensors' own memory (a GPT-2
         # small's save added 2 MiB to the process, safetensors 0.8), so saving adds no copy; from a GPU it copies
         # the shard being written to the host.
-        write = {"grown model": weights}
+        write = {"grown model": grown_weights}
         shard = {"shard copied to the host": min(weights, SHARD_BYTES)} if on_device else {}
         if inspection:
             kept = (("write", {"model": weights, "C": second_moments, **_named({"M": solve_m})}),
@@ -294,6 +294,9 @@ def plan_memory(
     grown_dims = (min(layers * width, layers * widest + config.budget) if config.budget is not None
                   else layers * min(width, widest + _largest_p(config.p)))
     grown_qk = 3 * old_qk * grown_dims // widest
+    # what is written: the weights and the added Q/K entries in the model's dtype (an output disk's check reads it)
+    added_entries = old_qk // 8 * max(grown_dims - layers * widest, 0) // widest
+    grown_weights = weights + added_entries * next(model.parameters()).element_size()
     # M on disk: the largest group's accumulators, one group at a time (each layer's, where all are kept)
     disk = (layers if keep_statistics else max(len(group) for group in groups)) * layer_bytes if offload else 0
     return MemoryPlan(
