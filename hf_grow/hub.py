@@ -299,7 +299,7 @@ The full report (line search, per-head expected gains, timings) is in `{REPORT_F
 
 ## Load
 
-Without hf_grow, the repository carries its own modeling code:
+Without hf_grow, the repository carries its own modeling code (it needs transformers 5.24 or later):
 
 ```python
 {remote}

@@ -96,7 +96,7 @@ def test_push_a_model_commits_everything_once(grown, model_folder, tmp_path):
                  "trust_remote_code=True", 'from_pretrained("me/grown-gpt2")', "allocated to the layers",
                  f"`step_mode` {report.step_mode}", "- Gradient M: the mean over all statistics batches.",
                  "- Mode: `refactor`, every query/key weight rewritten", "(perplexity ",
-                 f"- Grown with hf_grow {hf_grow.__version__}."):
+                 f"- Grown with hf_grow {hf_grow.__version__}.", "its own modeling code (it needs transformers 5.24"):
         assert fact in card.text, fact
     for layer in report.layers:
         assert f"| {layer.layer} | {layer.qk_dim_before} | {layer.qk_dim_after} |" in card.text
