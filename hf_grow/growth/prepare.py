@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_grow")
 
 
-
 def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
     """A PEFT-wrapped model's base model with its adapters merged in (on a copy: the input is left unchanged).
 

@@ -162,7 +162,6 @@ def check_init_std(init_std: float) -> None:
         raise ValueError(f"init_std must be a finite number >= 0, got {init_std!r}")
 
 
-
 def grow_in_training(
     model: PreTrainedModel,
     optimizer: Optimizers,
