@@ -56,6 +56,18 @@ def __getattr__(name: str) -> type:
     return (STATIC_LAYER_TYPE_MAPPING if kind == "Static" else DYNAMIC_LAYER_TYPE_MAPPING)[layer_type]
 
 
+def check_given_layer_types(config_name: str, types: list[str] | None) -> None:
+    """Layer types given to a grown config, which derives its own from its widths (`cache_layer_type`): a loading
+    call may pass a source's (README's Qwen2 recipe, all "full_attention"), ignored; any other type is refused, as
+    grown models run full attention."""
+    if types is not None and any(kind != "full_attention" and not kind.startswith("grown_attention_qk")
+                                 for kind in types):
+        raise ValueError(
+            f"{config_name} takes full attention layers only, not layer_types {sorted(set(types))}: it derives "
+            "layer_types from qk_head_dims (leave the argument out)."
+        )
+
+
 @strict
 class GrownLlamaConfig(LlamaConfig):
     r"""
@@ -108,14 +120,8 @@ class GrownLlamaConfig(LlamaConfig):
 
     @layer_types.setter
     def layer_types(self, types: list[str] | None) -> None:
-        """Derived from the widths, so not set: a loading call may pass a source's types (README's Qwen2 recipe,
-        all "full_attention"), which are ignored; any other type is refused, as grown models run full attention."""
-        if types is not None and any(kind != "full_attention" and not kind.startswith("grown_attention_qk")
-                                     for kind in types):
-            raise ValueError(
-                f"{type(self).__name__} takes full attention layers only, not layer_types {sorted(set(types))}: it "
-                "derives layer_types from qk_head_dims (leave the argument out)."
-            )
+        """Derived from the widths, so not set (`check_given_layer_types`)."""
+        check_given_layer_types(type(self).__name__, types)
 
     def validate_layer_type(self):
         """Part of `@strict` validation, replaced: `layer_types` is derived from the widths, so it is valid, but
