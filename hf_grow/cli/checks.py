@@ -54,7 +54,8 @@ TRAINER_FILES = re.compile(
 )
 
 
-#: The options of a `datasets` dataset (--dataset), with their defaults: refused with --data, which they do not change.
+#: The options of a `datasets` dataset (--dataset), with their defaults (the parsers'): refused with --data, which
+#: they do not change.
 DATASET_ONLY_OPTIONS = {"dataset_config": None, "split": "train", "eval_split": "validation", "text_column": "text",
                         "streaming": False}
 

@@ -16,6 +16,7 @@ from transformers import HfArgumentParser
 from ..version import __version__
 from ..config import FOR_TRAINING, GrowthConfig
 from ..data import DEFAULT_EVAL_TOKENS
+from .checks import DATASET_ONLY_OPTIONS
 from .loading import DTYPES
 from .pairs import add_pairs_arguments
 
@@ -66,11 +67,17 @@ def _add_data_arguments(parser: argparse.ArgumentParser, eval_fraction: bool = T
     data = parser.add_argument_group("data (default: --dataset wikitext --dataset-config wikitext-2-raw-v1)")
     data.add_argument("--data", nargs="+", metavar="FILE", help="plain text files or globs")
     data.add_argument("--dataset", help="a datasets name (Hub or local script/folder)")
-    data.add_argument("--dataset-config", help="the dataset's configuration name")
-    data.add_argument("--split", default="train", help="split for the statistics (default train)")
-    data.add_argument("--eval-split", default="validation", help="split for held-out text (default validation)")
-    data.add_argument("--text-column", default="text", help="column holding the text (default text)")
-    data.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it")
+    defaults = DATASET_ONLY_OPTIONS  # the defaults the refusal of these with --data compares with
+    data.add_argument("--dataset-config", default=defaults["dataset_config"],
+                      help="the dataset's configuration name")
+    data.add_argument("--split", default=defaults["split"],
+                      help=f"split for the statistics (default {defaults['split']})")
+    data.add_argument("--eval-split", default=defaults["eval_split"],
+                      help=f"split for held-out text (default {defaults['eval_split']})")
+    data.add_argument("--text-column", default=defaults["text_column"],
+                      help=f"column holding the text (default {defaults['text_column']})")
+    data.add_argument("--streaming", action="store_true", default=defaults["streaming"],
+                      help="stream the dataset instead of downloading it")
     data.add_argument(
         "--seq-len", type=int, help="tokens per sequence (default 512, or the model's positions if fewer; with "
         "--pairs, the SentenceTransformer's max_seq_length)"
