@@ -1,6 +1,8 @@
 """M's accumulators in memory-mapped safetensors files (``offload_dir``): the same growth as in memory, files that
 exist while their pass runs and are gone after it (also after an error), and folders refused before any work."""
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -134,3 +136,24 @@ def test_a_disk_too_small_for_a_pass_is_refused_before_its_first_batch(three_lay
     with pytest.raises(ValueError, match=r"need \d+ [KM]iB of disk in .* is free: free disk there"):
         collect_statistics(model, batches, adapter, loss_fn=untouched_loss, offload_dir=tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_later_run_names_the_folder_a_killed_run_left(trained_gpt2, stdlib_bytes, tmp_path):
+    """A process killed outright (SIGKILL, out of memory) leaves its subfolder; the next run warns with its name and
+    size. Folders of running processes and of other machines (a shared disk) are left alone and unnamed."""
+    killed = subprocess.Popen([sys.executable, "-c", "pass"])
+    killed.wait()
+    this_machine = offload_module._subfolder_prefix().rsplit("-", 2)[0]
+    left = tmp_path / f"{this_machine}-{killed.pid}-k1lled"
+    left.mkdir()
+    (left / "m-pass-1.safetensors").write_bytes(b"\0" * 3000)
+    running = tmp_path / f"{this_machine}-{os.getpid()}-runn1ng"
+    other_machine = tmp_path / f"{OFFLOAD_PREFIX}elsewhere-{killed.pid}-0ther"
+    for folder in (running, other_machine):
+        folder.mkdir()
+    batches = lm_batches(stdlib_bytes["stats"], 1, batch_size=2, seed=46)
+    with pytest.warns(UserWarning, match=rf"holds {left.name} \(3 KiB\), left by a run .* remove it") as caught:
+        grow_model(trained_gpt2, batches, p=8, eval_dataloader=batches, offload_dir=str(tmp_path),
+                   measure_realized_gains=False)
+    assert sum("left by a run" in str(warning.message) for warning in caught) == 1  # not once per check
+    assert sorted(tmp_path.iterdir()) == sorted([left, running, other_machine])  # named, never removed

@@ -1,12 +1,13 @@
 """M's accumulators in memory-mapped safetensors files (``offload_dir``): the escape where M of even one layer does
 not fit the host memory.
 
-Each pass's M lives in one safetensors file, in a subfolder of ``offload_dir`` of its own (two runs never share
-one). The file's header is written first and its data region mapped writable (``MAP_SHARED``), so the collector's
-in-place sums write into the file and the operating system pages them out to disk as memory runs short; the file
-is a valid safetensors file throughout. A pass's file is removed as soon as its M is solved, the subfolder when the
-collection ends or fails. M that outlives its file (returned by `collect_statistics`, or kept for a second solve)
-stays mapped from the removed file: its disk space returns when the tensors are freed (POSIX semantics).
+Each pass's M lives in one safetensors file, in a subfolder of ``offload_dir`` of its own (two runs never share one;
+its name holds the machine and the process id, so a later run tells the folder of a process killed outright apart
+and names it). The file's header is written first and its data region mapped writable (``MAP_SHARED``), so the
+collector's in-place sums write into the file and the operating system pages them out to disk as memory runs short;
+the file is a valid safetensors file throughout. A pass's file is removed as soon as its M is solved, the subfolder
+when the collection ends or fails. M that outlives its file (returned by `collect_statistics`, or kept for a second
+solve) stays mapped from the removed file: its disk space returns when the tensors are freed (POSIX semantics).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import json
 import math
 import os
 import shutil
+import socket
 import struct
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -27,9 +30,12 @@ from torch import Tensor
 from ..progress import format_bytes
 
 
-#: The name of each run's subfolder of ``offload_dir`` starts so (the rest is random).
+#: The name of each run's subfolder of ``offload_dir`` starts so; the machine, the process id and random letters
+#: follow (``hf_grow-m-<host>-<pid>-<random>``).
 OFFLOAD_PREFIX = "hf_grow-m-"
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32"}
+#: The killed runs' folders this process has warned of.
+_NAMED_LEFT_FOLDERS: set[Path] = set()
 
 
 def check_offload_dir(offload_dir: str | os.PathLike, device: torch.device, name: str = "offload_dir") -> None:
@@ -51,6 +57,47 @@ def check_offload_dir(offload_dir: str | os.PathLike, device: torch.device, name
         raise ValueError(
             f"{name} {offload_dir}: cannot create files there ({error.strerror}): name another folder."
         ) from None
+    for left in killed_runs_folders(folder):
+        if left in _NAMED_LEFT_FOLDERS:  # the checks of one run (the command's, the growth's, each pass's) name it once
+            continue
+        _NAMED_LEFT_FOLDERS.add(left)
+        size = sum(entry.stat().st_size for entry in left.rglob("*") if entry.is_file())
+        warnings.warn(
+            f"{name} {offload_dir} holds {left.name} ({format_bytes(size)}), left by a run on this machine whose "
+            f"process no longer runs (killed outright): remove it to free its disk.",
+            stacklevel=2,
+        )
+
+
+def _subfolder_prefix() -> str:
+    """This process's subfolder prefix: `OFFLOAD_PREFIX`, the machine's name (dashes kept, other characters a file
+    name may not hold replaced) and the process id."""
+    host = "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname()) or "host"
+    return f"{OFFLOAD_PREFIX}{host}-{os.getpid()}-"
+
+
+def killed_runs_folders(offload_dir: str | os.PathLike) -> list[Path]:
+    """The subfolders of ``offload_dir`` that a run on this machine made and left: its process id no longer runs (a
+    process killed outright removes nothing). Another machine's (a shared disk) are not judged."""
+    host_prefix = _subfolder_prefix().rsplit("-", 2)[0] + "-"
+    left = []
+    for folder in sorted(Path(offload_dir).glob(host_prefix + "*")):
+        pid_and_random = folder.name[len(host_prefix):].split("-")
+        if (folder.is_dir() and len(pid_and_random) == 2 and pid_and_random[0].isdigit()
+                and not _runs(int(pid_and_random[0]))):
+            left.append(folder)
+    return left
+
+
+def _runs(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (one of another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager
@@ -60,7 +107,7 @@ def offload_folder(offload_dir: str | os.PathLike | None) -> Iterator[Path | Non
     if offload_dir is None:
         yield None
         return
-    folder = Path(tempfile.mkdtemp(prefix=OFFLOAD_PREFIX, dir=offload_dir))
+    folder = Path(tempfile.mkdtemp(prefix=_subfolder_prefix(), dir=offload_dir))
     try:
         yield folder
     finally:
