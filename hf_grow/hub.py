@@ -73,7 +73,7 @@ def _auto_class(architecture: str, auto_map: Mapping[str, str]) -> str | None:
     return next((auto for auto, reference in auto_map.items() if reference.split(".")[-1] == architecture), None)
 
 
-def _is_hub_id(name: str | None) -> bool:
+def is_hub_id(name: str | None) -> bool:
     """A name the Hub can resolve (not a local folder): the Hub rejects commits whose card names local paths."""
     if not name or os.path.exists(name):
         return False
@@ -345,12 +345,12 @@ def _pushable(card: ModelCard) -> ModelCard:
     (``offload_dir``) stay as given, local paths too (README says so)."""
     data, text = card.data, card.text
     base_models = [data.base_model] if isinstance(data.base_model, str) else data.base_model or []
-    for local in (name for name in base_models if not _is_hub_id(name)):
+    for local in (name for name in base_models if not is_hub_id(name)):
         text = text.replace(f"`{local}`", f"`{Path(local).name}`")
-    if not all(map(_is_hub_id, base_models)):
+    if not all(map(is_hub_id, base_models)):
         data.base_model = None
     if data.datasets:
-        data.datasets = [name for name in data.datasets if _is_hub_id(name)] or None
+        data.datasets = [name for name in data.datasets if is_hub_id(name)] or None
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
 
 
