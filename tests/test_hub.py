@@ -341,3 +341,39 @@ def test_the_command_keeps_a_local_models_license_and_its_terms_files(grown, tmp
         (source / "README.md").write_text(damaged)  # a damaged card keeps nothing, and fails nothing
         write_card(args, folder, data="text", datasets=[])
         assert ModelCard.load(folder / "README.md").data.license is None
+
+
+def test_the_command_keeps_a_hub_models_license_fetched_with_its_card(grown, tmp_path, monkeypatch, capsys):
+    """from_pretrained fetches neither a Hub model's card nor its terms files: the command fetches those alone (into
+    the Hub cache); where it cannot (offline), it says the card names no license, and the write goes on."""
+    import huggingface_hub
+
+    from hf_grow.cli.running import write_card
+
+    model, _ = grown
+    snapshot, folder = tmp_path / "snapshot", tmp_path / "grown"
+    snapshot.mkdir()
+    (snapshot / "README.md").write_text("---\nlicense: apache-2.0\n---\n\n# Model\n")
+    (snapshot / "NOTICE").write_text("the notice")
+    fetched = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        fetched.append((repo_id, allow_patterns))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model.save_pretrained(folder)
+    args = SimpleNamespace(model="someone/model", push_to_hub=None, output_dir=str(folder))
+    write_card(args, folder, data="text", datasets=[])
+    assert fetched == [("someone/model", ["README.md", "LICENSE*", "NOTICE*", "USE_POLICY*", "license*", "notice*"])]
+    assert ModelCard.load(folder / "README.md").data.license == "apache-2.0"
+    assert (folder / "NOTICE").read_text() == "the notice"
+
+    def offline(repo_id, allow_patterns):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("offline and not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    (folder / "NOTICE").unlink()
+    write_card(args, folder, data="text", datasets=[])
+    assert ModelCard.load(folder / "README.md").data.license is None and not (folder / "NOTICE").exists()
+    assert "the card of someone/model could not be fetched (LocalEntryNotFoundError)" in capsys.readouterr().err

@@ -127,28 +127,45 @@ def start_run(args: argparse.Namespace, is_main: bool = True) -> bool:
     return show_progress
 
 
-#: What a local model folder's card says of its terms that the growth card keeps, and the files of its terms copied
-#: beside the grown model (a license may require them with every copy: Llama's does, Apache-2.0's NOTICE).
+#: What the model's card says of its terms that the growth card keeps, and the files of its terms copied beside the
+#: grown model (a license may require them with every copy: Llama's does, Apache-2.0's NOTICE).
 INHERITED_CARD_DATA = ("license", "license_name", "license_link", "language")
 TERMS_FILES = ("LICENSE*", "NOTICE*", "USE_POLICY*", "license*", "notice*")
 
 
 def write_card(args: argparse.Namespace, folder: Path, data: str, datasets: list[str]) -> None:
     """The growth card into a folder being written (`hub.model_card`), its snippets naming ``--push-to-hub``'s
-    repository or the output folder; a local model's license and language, and the files of its terms, kept."""
-    source = Path(args.model)
+    repository or the output folder; the model's license and language, and the files of its terms, kept."""
+    source = _terms_source(args.model)
     # A local model is named by its absolute path: the card stays true wherever it is pushed from later.
-    base_model = str(source.resolve()) if source.exists() else args.model
+    base_model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     card = hub.model_card(folder, base_model=base_model, repo_id=args.push_to_hub or Path(args.output_dir).name,
-                          data=data, datasets=datasets, base_card_data=_terms(source))
+                          data=data, datasets=datasets, base_card_data=_terms(source) if source else {})
     card.save(folder / hub.CARD_FILENAME)
-    for path in sorted({path for pattern in TERMS_FILES for path in source.glob(pattern) if path.is_file()}):
+    files = {path for pattern in TERMS_FILES for path in source.glob(pattern) if path.is_file()} if source else ()
+    for path in sorted(files):
         if not (folder / path.name).exists():
             shutil.copyfile(path, folder / path.name)
 
 
+def _terms_source(model: str) -> Path | None:
+    """The folder holding the model's card and terms files: a local model's own; for a Hub model, its card and terms
+    files fetched into the Hub cache (``from_pretrained`` fetches neither). None, with a warning, where they cannot be
+    fetched (offline, without them in the cache): the card then carries no license."""
+    if Path(model).exists() or not hub.is_hub_id(model):
+        return Path(model) if Path(model).exists() else None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=[hub.CARD_FILENAME, *TERMS_FILES]))
+    except Exception as error:  # offline, gated or removed: the Hub's errors come in many types
+        print(f"hf-grow: warning: the card of {model} could not be fetched ({type(error).__name__}): the grown "
+              "model's card names no license; add the model's license to it before sharing", file=sys.stderr)
+        return None
+
+
 def _terms(source: Path) -> dict:
-    """`INHERITED_CARD_DATA` of the card of a local model folder (none without a card, or with a damaged one)."""
+    """`INHERITED_CARD_DATA` of the card in ``source`` (none without a card, or with a damaged one)."""
     from huggingface_hub import ModelCard
 
     if not (source / hub.CARD_FILENAME).is_file():
