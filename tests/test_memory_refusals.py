@@ -2,6 +2,7 @@
 the realized gains (and the held-out states they replay) where the line search is short of memory."""
 
 import dataclasses
+import re
 
 import torch
 
@@ -124,3 +125,27 @@ def test_an_output_disk_too_small_for_the_grown_model_is_refused_first(model_fol
     assert cli.main([str(model_folder), "--data", TEXT_GLOB, "--output-dir", str(output), "--quiet"]) == 2
     error = capsys.readouterr().err
     assert f"of disk in {tmp_path}, 512 KiB is free there: free disk there or pass another --output-dir" in error
+
+
+def test_a_memory_budget_that_lowers_no_peak_is_named(tmp_path, capsys):
+    """A budget costs a pass over the data per group: where the plan's peak stays (here the line search's; GPT-2's
+    compact solves, held through the later passes, outweigh their M), the command says to leave it out. Where it
+    lowers the peak (Llama: its M outweighs its appended dimensions' solve), nothing is said."""
+    from transformers import LlamaConfig
+
+    GPT2Config(n_layer=4, n_embd=768, n_head=12, vocab_size=400, n_positions=256).save_pretrained(tmp_path / "gpt2")
+    LlamaConfig(num_hidden_layers=4, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                intermediate_size=512, vocab_size=400, max_position_embeddings=256).save_pretrained(tmp_path / "llama")
+    said = {}
+    for model, budget in (("gpt2", "150MB"), ("gpt2", None), ("llama", "400MB")):
+        arguments = [str(tmp_path / model), "--p", "8", "--data", str(tmp_path / "none-*.txt"), "--seq-len", "64",
+                     "--dry-run", "--device", "cpu"]
+        assert cli.main(arguments + (["--memory-budget", budget] if budget else [])) == 0
+        output = capsys.readouterr()
+        passes = int(output.out.split(" passes over the data")[0].split()[-1]) if "passes" in output.out else 1
+        said[model, budget] = passes, [line for line in output.err.splitlines() if "--memory-budget" in line]
+    passes, (warning,) = said["gpt2", "150MB"]
+    assert passes == 4 and re.fullmatch(r"hf-grow: warning: --memory-budget 150MB takes 4 passes over the data but "
+                                        r"lowers no planned peak \((\S+ GiB), \1 in one pass; the line search stage "
+                                        r"peaks\): leave it out \(see --dry-run\)", warning)
+    assert said["gpt2", None] == (1, []) and said["llama", "400MB"] == (4, [])

@@ -63,6 +63,7 @@ def check_memory(
             print(plan.table())
         elif show_progress:
             print("memory plan:\n" + plan.table(), file=sys.stderr)
+        _warn_of_a_budget_that_saves_nothing(args, plan, plan_with)
     # The processes launched on this machine share its memory and the disk of --offload-dir (each maps its M
     # there); each has a device of its own.
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -115,6 +116,31 @@ def check_memory(
         f"the {stage.name} stage needs about {format_bytes(needed)} of {where} memory, {format_bytes(free)} is "
         f"{limit}: {fix or 'use a machine with more memory'} (see --dry-run; --ignore-memory-plan runs anyway)"
     )
+
+
+def _warn_of_a_budget_that_saves_nothing(
+    args: argparse.Namespace, plan: MemoryPlan, plan_with: Callable[[dict], MemoryPlan]
+) -> None:
+    """A ``--memory-budget`` that splits the statistics into passes yet lowers neither peak of the plan (at the rank
+    ceiling and at the least rank) nor the disk of ``--offload-dir`` costs a pass over the data per group and saves
+    nothing: another stage peaks (the line search), or each layer's compact solve, held through the later passes,
+    outweighs its M (GPT-2's widths, "refactor" at the rank ceiling)."""
+    if args.config.memory_budget is None or len(plan.groups) < 2:
+        return
+    whole = plan_with({"memory_budget": None})
+
+    def needs(candidate: MemoryPlan) -> tuple[int, int, int]:
+        if candidate.on_device:
+            return candidate.peak_device, candidate.least_peak_device, candidate.disk
+        return candidate.peak_host, candidate.least_peak_host, candidate.disk
+
+    if all(budgeted >= one_pass for budgeted, one_pass in zip(needs(plan), needs(whole))):
+        peak = max(plan.stages, key=lambda stage: stage.device if plan.on_device else stage.host)
+        print(
+            f"hf-grow: warning: --memory-budget {args.config.memory_budget} takes {len(plan.groups)} passes over "
+            f"the data but lowers no planned peak ({format_bytes(needs(plan)[0])}, {format_bytes(needs(whole)[0])} "
+            f"in one pass; the {peak.name} stage peaks): leave it out (see --dry-run)", file=sys.stderr
+        )
 
 
 def _check_output_disk(args: argparse.Namespace, plan: MemoryPlan, inspection: bool) -> None:
