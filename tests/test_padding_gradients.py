@@ -74,23 +74,29 @@ def test_padding_rows_stay_out_of_c(gpt2_copy):
 
 
 def test_a_pass_without_gradient_beside_one_with_is_taken(gpt2_copy):
-    """A teacher's or a guide's pass of the same model under no_grad adds nothing to M; only a loss that runs the
+    """A teacher's or a guide's pass of the same model under no_grad adds nothing to M, nor to C and the token count
+    (its inputs have no score gradients; a self-guided GISTEmbed counted its tokens twice); only a loss that runs the
     model without gradient alone (sentence-transformers' Cached* losses) is refused: its M was 0."""
     model = gpt2_copy.double()
     ids = torch.randint(1, 200, (4, 12), generator=torch.Generator().manual_seed(4))
     batch = {"input_ids": ids, "labels": ids}
 
     def with_a_teacher_pass(model, batch):
+        with torch.no_grad():  # before and after, on other text
+            model(input_ids=ids.flip(0)[:, :7])
+        loss = model(**batch).loss
         with torch.no_grad():
-            model(**batch)
-        return model(**batch).loss
+            model(input_ids=ids[:3] + 1)
+        return loss
 
     adapter = get_adapter(model)
     plain = collect_statistics(model, [batch], adapter, lambda model, batch: model(**batch).loss,
                                compute_dtype=torch.float64)
     taught = collect_statistics(model, [batch], adapter, with_a_teacher_pass, compute_dtype=torch.float64)
+    assert taught.num_tokens == plain.num_tokens == ids.numel()
     for layer in range(model.config.n_layer):
         torch.testing.assert_close(taught.gradients[layer], plain.gradients[layer], rtol=1e-12, atol=1e-15)
+        assert torch.equal(taught.second_moments[layer], plain.second_moments[layer])
 
     def only_without_gradient(model, batch):
         with torch.no_grad():

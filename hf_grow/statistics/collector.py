@@ -216,8 +216,9 @@ class GradientProducts:
         self.methods_used.add(self.batch_method)
 
     def collects(self, layer: int) -> bool:
-        """Whether this pass collects M of ``layer`` (a layer of its group)."""
-        return layer in self.sums.gradients
+        """Whether this pass collects M of ``layer``: a layer of its group, in a pass with gradient (one without, a
+        teacher's or a guide's, has no score gradients and takes no X')."""
+        return layer in self.sums.gradients and torch.is_grad_enabled()
 
     def score_hook(self, layer: int) -> Callable[[Tensor], None] | None:
         """The reference method: receives G = dLoss/dS of ``layer`` as a whole (paired with this pass's X').
@@ -316,6 +317,7 @@ class Collector:
         self.token_mask: Tensor | None = None
         self.passes = 0
         self.passes_with_gradient = 0
+        self.pass_with_gradient = True
         self.pass_tokens = 0
         self.anchors: list[Tensor] = []
 
@@ -347,12 +349,15 @@ class Collector:
         return output
 
     def _start_pass(self, hidden: Tensor) -> None:
-        """The first layer runs: a new forward pass, whose padding is the mask the model received."""
-        self.passes_with_gradient += torch.is_grad_enabled()
+        """The first layer runs: a new forward pass, whose padding is the mask the model received. A pass without
+        gradient (a teacher's, a guide's) has no score gradients for M: its inputs and tokens stay out of C too."""
+        self.pass_with_gradient = torch.is_grad_enabled()
+        self.passes_with_gradient += self.pass_with_gradient
         mask = self.received_mask
         self.received_mask = None
         self.token_mask = None if mask is None else (mask != 0).reshape(-1, mask.shape[-1])
-        self.pass_tokens += int(self.token_mask.sum()) if self.token_mask is not None else hidden.shape[:-1].numel()
+        if self.pass_with_gradient:
+            self.pass_tokens += int(self.token_mask.sum()) if self.token_mask is not None else hidden.shape[:-1].numel()
         self.passes += 1
         self.products.start_pass(hidden.shape[-2])
 
@@ -362,7 +367,7 @@ class Collector:
                 return  # gradient checkpointing recomputes the layer: its inputs were taken in the forward pass
             if layer == 0:
                 self._start_pass(args[0])
-            if layer not in self.sums.gradients and self.sums.second_moments is None:
+            if not self.pass_with_gradient or (layer not in self.sums.gradients and self.sums.second_moments is None):
                 return
             augmented = augmented_input(args[0].detach(), self.compute_dtype)
             if layer in self.sums.gradients:
@@ -380,7 +385,8 @@ class Collector:
 
         Backward runs on the loss times ``weight``, the sum over its terms: M sums those (see `GrowthStatistics`),
         and each term's gradient is of order one, which keeps float16 score gradients from underflowing. Every
-        forward pass the loss makes counts its real tokens in C and its score gradients in M.
+        forward pass the loss makes with gradient counts its real tokens in C and its score gradients in M (one
+        without, a teacher's or a guide's, counts in neither).
         """
         self.products.inputs.clear()
         self.anchors.clear()
