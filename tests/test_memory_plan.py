@@ -60,6 +60,10 @@ def test_the_probe_runs_models_that_read_their_inputs_values():
     rotary = activation_bytes(LlamaForCausalLM(LlamaConfig(**settings)), 2, 32, "eager")
     dynamic = LlamaForCausalLM(LlamaConfig(**settings, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     assert activation_bytes(dynamic, 2, 32, "eager") == rotary and dynamic.model.rotary_emb.rope_type == "dynamic"
+    # saved without a cache (sentence-transformers saves its GPT-2 and Llama models so): their masks read positions
+    uncached = LlamaForCausalLM(LlamaConfig(**settings, use_cache=False))
+    assert activation_bytes(uncached, 2, 32, "eager") == rotary and uncached.config.use_cache is False
+    assert activation_bytes(GPT2LMHeadModel(tiny_gpt2_config(n_layer=2, use_cache=False)), 2, 32, "eager") == plain
 
 
 def test_the_write_stage_counts_the_grown_models_weights():

@@ -53,6 +53,9 @@ def activation_bytes(model: PreTrainedModel, batch_size: int, seq_len: int, atte
     loss on the pooled outputs saves little beside the model's own tensors."""
     config = copy.deepcopy(model.config)  # its own config: setting its attention leaves the model's
     config.pad_token_id = None  # GPT-2 looks for pads in ids without a mask, a `.item()` the meta device has not
+    # Without a cache, transformers' causal masks look for packed sequences in the positions, another `.item()`
+    # (sentence-transformers saves its causal models with `use_cache: false`); the cache saves no activation.
+    config.use_cache = True
     with torch.device("meta"):
         twin = type(model)(config)
     for module in twin.modules():  # dynamic rotary positions read the batch's length, another `.item()`
