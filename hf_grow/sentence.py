@@ -142,7 +142,13 @@ def as_loss_fn(loss: Any, sentence_model: nn.Module) -> Any:
     if loss is None:
         return default_loss(sentence_model)
     if isinstance(loss, nn.Module) and is_sentence_transformer(getattr(loss, "model", None)):
-        return SentenceLoss(loss)
+        loss = SentenceLoss(loss)
+    if isinstance(loss, SentenceLoss) and loss.sentence_model is not sentence_model:
+        # its modules (pooling, normalization) would run around the grown model's: the statistics of another model
+        raise ValueError(
+            f"loss_fn {type(loss.loss).__name__} is built on another SentenceTransformer than the one grown: build it "
+            "on the model you grow, e.g. MultipleNegativesRankingLoss(model)."
+        )
     return loss
 
 

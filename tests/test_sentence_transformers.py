@@ -2,6 +2,7 @@
 and with a two-pass loss_fn, is exact at step 0, lowers a held-out loss on unseen pairs, and saves a folder that
 loads with plain SentenceTransformer(path) where hf_grow is imported and with trust_remote_code where it is not."""
 
+import copy
 import math
 import os
 import random
@@ -188,6 +189,11 @@ def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):
         grow_model(minilm_st, [one_column], p=8, step_size=0.0)
     with pytest.raises(TypeError, match="has no SentenceTransformer as its .model"):
         SentenceLoss(torch.nn.MSELoss())
+    # A loss on another SentenceTransformer ran its pooling around the grown model's, silently: refused, wrapped or not
+    other = copy.deepcopy(minilm_st)
+    for loss in (MultipleNegativesRankingLoss(other), SentenceLoss(MultipleNegativesRankingLoss(other))):
+        with pytest.raises(ValueError, match="built on another SentenceTransformer than the one grown"):
+            grow_model(minilm_st, pairs["stats"][:1], p=8, loss_fn=loss)
     # The functions that take the transformers model name it (they said "SentenceTransformer cannot be grown")
     loss = SentenceLoss(MultipleNegativesRankingLoss(minilm_st))
     for call in (lambda: evaluate_loss(minilm_st, pairs["eval"][:1], loss_fn=loss),
