@@ -1,9 +1,10 @@
 """`inspect_growth`: what growing each head would gain, from the statistics alone, without changing the model.
 
 The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`), in loss per unit step size (the
-relative units of `grow_model`): at step size t, adding k dimensions to a head is expected to lower the loss by
-about t times the sum of its first k marginal gains, each head at its own lam = t * unit (``step_mode``: the
-head's unit by default, its layer's with "per_layer").
+relative units of `grow_model`): at step size t, adding k dimensions to a head lowers the solve's local model (the
+linear term less the penalty ||Delta||^2 / 2 lam) by about t times the sum of its first k marginal gains, and the
+loss itself by about twice that, each head at its own lam = t * unit (``step_mode``: the head's unit by default,
+its layer's with "per_layer").
 The line search picks t later, on held-out data, and one t serves every head, so the ranking of heads and layers
 (what a budget allocation uses) does not depend on it. The step modes that also search each layer's step on the
 held-out batches ("layer_search", "coordinate") rank at the per-layer units they start from: those searches
@@ -103,9 +104,9 @@ class GrowthInspection:
         """Cumulative expected gains per layer (``all``) and head: at p = 0 and of adding k dimensions."""
         columns = self.columns()
         lines = [
-            "expected loss decrease per unit step size, first order: the limit as t -> 0 (at a small step size t, "
-            "about t x these; added dims gain less at larger steps); p=0: the solve at the current width, +k: adding "
-            "k dims per head on top of it",
+            "expected loss decrease per unit step size, first order, of the solve's local model: the limit as t -> 0 "
+            "(at a small step size t, the loss falls by about 2t x these; added dims gain less at larger steps); p=0: "
+            "the solve at the current width, +k: adding k dims per head on top of it",
             f"{'layer':>5} {'head':>4} {'qk':>4} {'p=0':>9} " + " ".join(f"{'+' + str(k):>9}" for k in columns),
         ]
 
