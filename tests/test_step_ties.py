@@ -67,3 +67,21 @@ def test_a_half_precision_models_own_loss_is_computed_from_float32_logits():
         loss = evaluate_loss(model, [{"input_ids": ids, "labels": labels}])[0]
         assert math.isclose(loss, float(expected), rel_tol=1e-6), (type(model).__name__, loss, float(expected))
         assert all(not module._forward_hooks for module in model.modules())  # the float32 heads are undone
+
+
+def test_a_start_that_ties_looks_further_out_before_walking_down():
+    """A loss curve flat within rounding at the start (0.03) that falls further out: the walk down met two ties
+    and kept step 0 (a byte GPT-2 lost its gain at step 1.92 in the candidates benchmark). Where the steps above the
+    start lose, the walk down runs as before."""
+    def falling_far_out(best: float):
+        return lambda step: LOSS - 0.01 * (step / best) * (2 - step / best) if step > best / 1000 else LOSS
+
+    for best in (1.0, 30.0):
+        losses = search_step_size(falling_far_out(best), start=0.03)
+        assert best / 1.5 < best_step(losses) < best * 1.5, (best, best_step(losses))
+
+    def only_losing(step: float) -> float:
+        return LOSS + step if step > 0.05 else LOSS
+
+    losses = search_step_size(only_losing, start=0.03)
+    assert best_step(losses) == 0.0 and sorted(losses) == [0.0, 0.0075, 0.03, 0.12]  # one step up, two down

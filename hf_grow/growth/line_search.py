@@ -170,7 +170,9 @@ def search_step_size(
     A step gains where its loss is below step 0's by more than the loss's rounding (`ties_step_zero`). The walk
     down stops at the second step in a row whose loss ties with step 0's: a smaller step changes the loss by less
     than its rounding, so it could only "gain" by rounding (9 of 12 steps walked there on a model without gains);
-    one tie alone can be a loss curve crossing step 0's level beyond its minimum.
+    one tie alone can be a loss curve crossing step 0's level beyond its minimum. A ``start`` that ties may also be
+    the flat beginning of a curve that falls further out (a byte GPT-2 gained at step 1.92 where 0.03 tied): the
+    grid first looks up from it, while the losses tie (`_gain_further_out`).
     A non-finite loss (a step that overflows in low precision) counts as +inf, so it is never the best.
     ``known`` losses (e.g. of the step already taken) are not evaluated again.
     """
@@ -183,6 +185,8 @@ def search_step_size(
         return losses[step]
 
     step, tied = start, False
+    if ties_step_zero(loss(start), loss(0.0)):
+        step = _gain_further_out(loss, start, factor, max_expansions) or start
     for _ in range(max_expansions):
         tie = ties_step_zero(loss(step), loss(0.0))
         if loss(step) < loss(0.0) and not tie:
@@ -209,6 +213,17 @@ def search_step_size(
         else:
             low, high = (low, probe) if probe > best else (probe, high)
     return losses
+
+
+def _gain_further_out(loss: Callable[[float], float], start: float, factor: float, max_expansions: int) -> float | None:
+    """The first step above ``start`` (by ``factor``) that gains beyond rounding, looking up while the losses tie
+    with step 0's; None where a step loses first (a model with nothing to gain loses clearly a step or two up)."""
+    step = start
+    for _ in range(max_expansions):
+        step *= factor
+        if not ties_step_zero(loss(step), loss(0.0)):
+            return step if loss(step) < loss(0.0) else None
+    return None
 
 
 def best_step(losses: Mapping[float, float]) -> float:
