@@ -51,6 +51,21 @@ def test_inspect_then_grow_from_the_saved_statistics(model_folder, tmp_path, cap
     assert report.eval_loss_after <= report.eval_loss_before
 
 
+def test_inspect_ranks_at_the_step_mode_and_rtol_a_growth_takes(model_folder, tmp_path):
+    """`hf-grow --budget --step-mode global` ranks at one lam for all heads: the table it is read from can say so
+    (inspect ranked at auto's first candidate, per head, whatever the growth took)."""
+    def layer_gains(*flags: str) -> list[list[float]]:
+        table = tmp_path / "inspection.json"
+        assert cli.main(["inspect", str(model_folder), "--data", TEXT_GLOB, "--layers-only", "--json", str(table),
+                         *flags, *SMALL]) == 0
+        return [layer.marginal_gains for layer in GrowthInspection.from_dict(json.loads(table.read_text())).layers]
+
+    default = layer_gains()
+    assert layer_gains("--step-mode", "per_head") == default
+    assert layer_gains("--step-mode", "global") != default
+    assert layer_gains("--rtol", "0.1") != default
+
+
 def test_statistics_of_another_model_are_refused(model_folder, tmp_path, capsys):
     stats = tmp_path / "stats.safetensors"
     assert cli.main(["inspect", str(model_folder), "--data", TEXT_GLOB, "--save-stats", str(stats), "--layers-only",

@@ -41,7 +41,7 @@ from .checks import (
 from .memory import check_memory
 from .loading import check_statistics_text, load_model, load_statistics, load_tokenizer, model_objective
 from .pairs import check_pairs_arguments, grow_from_pairs
-from .parsers import INSPECT_CONFIG_FIELDS, build_inspect_parser, build_parser, text_options_given
+from .parsers import INSPECT_CONFIG_FIELDS, INSPECT_GAIN_FIELDS, build_inspect_parser, build_parser, text_options_given
 from .running import (MAIN_WRITES, accelerator_for, finish_run, shard_batches, start_run, write_card,
                       write_folder_atomically)
 from .text import data_description, text_batches
@@ -196,7 +196,8 @@ def _check_inspection_config(args: argparse.Namespace) -> None:
     check_memory_flags(args)
     with as_command_error(TypeError, ValueError):
         args.config = GrowthConfig(
-            cross_fit=args.cross_fit, **{name: getattr(args, name) for name in INSPECT_CONFIG_FIELDS}
+            cross_fit=args.cross_fit,
+            **{name: getattr(args, name) for name in (*INSPECT_CONFIG_FIELDS, *INSPECT_GAIN_FIELDS)},
         )
     check_statistics_flags(args)
 

@@ -179,6 +179,8 @@ INSPECT_CONFIG_FIELDS = (
     "max_batches", "statistics_method", "compute_dtype", "accumulate_dtype", "query_block", "memory_budget",
     "offload_dir",
 )
+#: The fields that set the lam the gains are at, as the growth (and its ``--budget``) ranks them.
+INSPECT_GAIN_FIELDS = ("step_mode", "rtol")
 
 
 def _add_config_options(
@@ -221,6 +223,11 @@ def build_inspect_parser() -> argparse.ArgumentParser:
                         "gains of the cross-fitted M (statistics for `hf-grow --stats FILE --cross-fit`)")
     _add_config_options(parser.add_argument_group("statistics"), INSPECT_CONFIG_FIELDS, {
         "max_batches": "use the first this many statistics batches (then give hf-grow --stats the same flag)",
+    })
+    _add_config_options(parser.add_argument_group("gains"), INSPECT_GAIN_FIELDS, {
+        "step_mode": "rank at the lam of this step mode, as hf-grow --budget with the same --step-mode does "
+                     "(default auto: per head, its first candidate; layer_search and coordinate: per layer)",
+        "rtol": "pseudo-inverse tolerance, as hf-grow --rtol (default 1e-6)",
     })
     run = _add_run_arguments(parser, grows=False)
     run.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
