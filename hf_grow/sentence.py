@@ -161,23 +161,33 @@ def with_grown_model(sentence_model: nn.Module, grown: PreTrainedModel) -> nn.Mo
 
 
 def tokenize_pairs(
-    pairs: Sequence[tuple[str, str]],
+    pairs: Sequence[tuple[str, ...]],
     sentence_model: nn.Module,
     batch_size: int,
-    columns: tuple[str, str] = ("anchor", "positive"),
+    columns: tuple[str, ...] | None = None,
     what: str = "batches of pairs",
 ) -> list[dict]:
-    """Batches ``{"anchor": features, "positive": features}`` of ``batch_size`` text pairs, tokenized by the
-    model's own tokenizer (its maximum sequence length, padded per column). A last pair left alone joins the batch
-    before it: with MultipleNegativesRankingLoss a batch of one pair has a loss of 0 whatever the weights. A batch
-    that holds a text twice in a column is warned about (``what``: the batches' name in the warning)."""
+    """Batches ``{"anchor": features, "positive": features}`` of ``batch_size`` text pairs (with a third
+    ``"negative"`` column for (anchor, positive, hard negative) triplets, which MultipleNegativesRankingLoss takes;
+    ``columns`` names them otherwise), tokenized by the model's own tokenizer (its maximum sequence length, padded per
+    column). A last pair left alone joins the batch before it: with MultipleNegativesRankingLoss a batch of one pair
+    has a loss of 0 whatever the weights. A batch that holds a text twice in a column is warned about (``what``: the
+    batches' name in the warning)."""
+    lengths = sorted({len(pair) for pair in pairs})
+    if columns is None:
+        columns = ("anchor", "positive", "negative")[: lengths[0]] if lengths in ([2], [3]) else ()
+    if lengths and lengths != [len(columns)]:
+        raise ValueError(
+            f"tokenize_pairs got tuples of {' and '.join(map(str, lengths))} texts: pass (anchor, positive) pairs or "
+            "(anchor, positive, negative) triplets, all of one length, or name a column per text with columns="
+        )
     starts = list(range(0, len(pairs), batch_size))
     if len(starts) > 1 and len(pairs) - starts[-1] == 1:
         starts.pop()
     batches, repeating = [], 0
     for start, end in zip(starts, [*starts[1:], len(pairs)]):
         chunk = pairs[start:end]
-        repeating += any(len({pair[index] for pair in chunk}) < len(chunk) for index in range(2))
+        repeating += any(len({pair[index] for pair in chunk}) < len(chunk) for index in range(len(columns)))
         batches.append(
             {
                 name: dict(sentence_model.preprocess([pair[index] for pair in chunk]))

@@ -335,3 +335,11 @@ def test_a_text_twice_in_a_batch_is_a_warning():
         tokenize_pairs(pairs, Tokenizing(), batch_size=2)  # the copies in batches of their own
     with pytest.warns(UserWarning, match="1 of 2 held-out batches hold"):  # the command names which batches
         tokenize_pairs(pairs, Tokenizing(), batch_size=3, what="held-out batches")
+    # A hard negative is a third column (it was dropped without a word); tuples of mixed lengths are refused
+    triplets = [(anchor, positive, anchor + positive) for anchor, positive in pairs]
+    (batch,) = tokenize_pairs(triplets, Tokenizing(), batch_size=6)
+    assert list(batch) == ["anchor", "positive", "negative"] and batch["negative"]["input_ids"].tolist() == [[2]] * 6
+    with pytest.raises(ValueError, match="got tuples of 2 and 3 texts: pass"):
+        tokenize_pairs([*pairs, triplets[0]], Tokenizing(), batch_size=3)
+    with pytest.raises(ValueError, match="got tuples of 3 texts"):
+        tokenize_pairs(triplets, Tokenizing(), batch_size=3, columns=("query", "document"))
