@@ -84,6 +84,10 @@ def is_hub_id(name: str | None) -> bool:
     return True
 
 
+#: What a model's card says of its terms that the growth card keeps (a license may require them with every copy).
+INHERITED_CARD_DATA = ("license", "license_name", "license_link", "language")
+
+
 def model_card(
     folder: str | os.PathLike,
     *,
@@ -163,8 +167,24 @@ def set_sentence_card(sentence_model: nn.Module) -> None:
     grown = transformer_module(sentence_model).model
     base_model = grown.config.name_or_path or None
     card = grown_model_card(grown.growth_report, grown.config.to_dict(), name=SENTENCE_PLACEHOLDER,
-                            base_model=base_model, tokenizer=True, sentence=True)
+                            base_model=base_model, tokenizer=True, sentence=True,
+                            base_card_data=_sentence_terms(sentence_model))
     sentence_model._model_card_text = str(_pushable(card))
+
+
+def _sentence_terms(sentence_model: nn.Module) -> dict:
+    """`INHERITED_CARD_DATA` of the card a `SentenceTransformer` was loaded with (all-MiniLM-L6-v2's license sits
+    there alone), and of its ``model_card_data`` where set there (none of a damaged card)."""
+    terms = {}
+    if getattr(sentence_model, "_model_card_text", None):
+        try:
+            loaded = ModelCard(sentence_model._model_card_text).data.to_dict()
+        except Exception:  # metadata that is no YAML mapping, or no YAML (yaml's own errors): nothing kept of it
+            loaded = {}
+        terms.update({key: loaded[key] for key in INHERITED_CARD_DATA if loaded.get(key)})
+    card_data = getattr(sentence_model, "model_card_data", None)
+    terms.update({key: getattr(card_data, key) for key in INHERITED_CARD_DATA if getattr(card_data, key, None)})
+    return terms
 
 
 def _selection(report: GrowthReport) -> str:

@@ -136,6 +136,7 @@ def test_saved_folder_loads_both_ways(grown_st, tmp_path):
     assert "library_name: sentence-transformers" in card and "all-MiniLM-L6-v2\n" not in card
     assert 'model = SentenceTransformer("sentence_transformers_model_id", trust_remote_code=True)' in card
     assert "perplexity" not in card and "- Statistics: " in card  # a contrastive loss: no perplexity
+    assert "\nlicense: apache-2.0\n" in card and "\nlanguage: en\n" in card  # kept from its card
     assert grown_st.growth_report.perplexity_before is None and "perplexity" not in grown_st.growth_report.summary()
 
     save_file({"embeddings": expected}, tmp_path / "expected.safetensors")

@@ -127,9 +127,8 @@ def start_run(args: argparse.Namespace, is_main: bool = True) -> bool:
     return show_progress
 
 
-#: What the model's card says of its terms that the growth card keeps, and the files of its terms copied beside the
-#: grown model (a license may require them with every copy: Llama's does, Apache-2.0's NOTICE).
-INHERITED_CARD_DATA = ("license", "license_name", "license_link", "language")
+#: The files of a model's terms copied beside the grown model (a license may require them with every copy: Llama's
+#: does, Apache-2.0's NOTICE); its card's terms are kept in the growth card (`hub.INHERITED_CARD_DATA`).
 TERMS_FILES = ("LICENSE*", "NOTICE*", "USE_POLICY*", "license*", "notice*")
 
 
@@ -165,7 +164,7 @@ def _terms_source(model: str) -> Path | None:
 
 
 def _terms(source: Path) -> dict:
-    """`INHERITED_CARD_DATA` of the card in ``source`` (none without a card, or with a damaged one)."""
+    """`hub.INHERITED_CARD_DATA` of the card in ``source`` (none without a card, or with a damaged one)."""
     from huggingface_hub import ModelCard
 
     if not (source / hub.CARD_FILENAME).is_file():
@@ -174,7 +173,7 @@ def _terms(source: Path) -> dict:
         data = ModelCard.load(source / hub.CARD_FILENAME).data.to_dict()
     except Exception:  # metadata that is no YAML mapping, or no YAML (yaml's own errors): the card keeps nothing
         return {}
-    return {key: data[key] for key in INHERITED_CARD_DATA if data.get(key)}
+    return {key: data[key] for key in hub.INHERITED_CARD_DATA if data.get(key)}
 
 
 def finish_run(args: argparse.Namespace, report, output: Path, lines: list[str]) -> None:
