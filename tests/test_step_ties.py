@@ -85,3 +85,19 @@ def test_a_start_that_ties_looks_further_out_before_walking_down():
 
     losses = search_step_size(only_losing, start=0.03)
     assert best_step(losses) == 0.0 and sorted(losses) == [0.0, 0.0075, 0.03, 0.12]  # one step up, two down
+
+
+def test_a_half_precision_models_step_needs_a_neighbour_that_gains_too():
+    """A bfloat16 MiniLM's line search (session 34) took t = 9.2e-7 for a "gain" of 0.005 that its neighbours, worse
+    than step 0, did not share: the rounding of its arithmetic. In half precision a step counts only with a
+    searched neighbour that gains too; a smooth curve's best step has them."""
+    noisy = {0.0: 4.734832048416138, 4.57763671875e-07: 4.7417484521865845, 6.473755931273324e-07: 4.751128911972046,
+             9.1552734375e-07: 4.729671001434326, 1.2947511862546647e-06: 4.743434727191925,
+             1.8310546875e-06: 4.7541691064834595, 3.662109375e-06: 4.743927538394928,
+             7.32421875e-06: 4.749161183834076, 1.46484375e-05: 4.749799728393555, 2.9296875e-05: 4.741724133491516,
+             5.859375e-05: 4.741950631141663, 0.0001171875: 4.739607810974121, 0.000234375: 4.736051440238953}
+    assert best_step(noisy) == 9.1552734375e-07 and best_step(noisy, confirmed=True) == 0.0
+    smooth = search_step_size(lambda step: LOSS - 0.01 * step * (2 - step), start=0.03)
+    assert best_step(smooth, confirmed=True) == best_step(smooth) != 0.0
+    alone = {0.0: LOSS, 0.5: LOSS - 0.01, 1.0: LOSS + 0.01, 0.25: LOSS + 0.02}  # a gain whose neighbours both lose
+    assert best_step(alone) == 0.5 and best_step(alone, confirmed=True) == 0.0

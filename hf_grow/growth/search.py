@@ -144,7 +144,8 @@ def line_search(
         with progress_bar(desc="line search", unit="eval", enabled=progress) as bar:
             search.bar = bar
             losses, unconstrained_loss = search.losses(near, grid, dict(known or {}), near_loss)
-            step_size = best_step(losses)
+            half = next(target.parameters()).dtype in (torch.float16, torch.bfloat16)
+            step_size = best_step(losses, confirmed=half)
             loss_after = loss_before if step_size == 0 else losses[step_size]
             if problem.step_mode == "coordinate" and step_size > 0:
                 chosen, loss_after = search.refine_each_layer(step_size, loss_after)
