@@ -209,7 +209,8 @@ def read_pairs(
 ) -> list[tuple[str, str]]:
     """Text pairs (anchor, positive) from a file or a datasets dataset.
 
-    A ``.tsv`` file holds two tab-separated fields a line (no header); ``.jsonl`` one object a line; ``.csv`` a
+    A ``.tsv`` file holds two tab-separated fields a line (no header; a field in quotes with its own quotes doubled,
+    as csv writers quote, is unquoted); ``.jsonl`` one object a line; ``.csv`` a
     header row, then one pair a row. ``.jsonl``, ``.csv`` and datasets take the two ``columns`` named, by
     default their first two (of a ``.jsonl`` file, its first line's, wherever later lines put them). Any other
     ``source`` that is not a file is a datasets name (its ``config`` and ``split``). Raises ValueError naming the
@@ -265,12 +266,26 @@ def _csv_pairs(reader: csv.DictReader, columns: Sequence[str] | None, source: st
 
 
 def _tab_separated_pair(fields: list[str], where: str) -> tuple[str, str]:
+    """A .tsv line's two texts; a text in quotes as csv writers quote it (pandas' ``to_csv(sep="\\t")``, Python's
+    csv: the whole field quoted, its own quotes doubled) is unquoted."""
     while len(fields) > 2 and not fields[-1]:  # trailing tabs
         fields = fields[:-1]
     if len(fields) > 2:  # the rest would be dropped: a text with tabs in it
         raise ValueError(f"{where}: {len(fields)} tab-separated fields, where a .tsv pair line holds two; texts with "
                          "tabs in them go in a .jsonl or .csv file")
+    fields = [_unquoted(field) for field in fields]
+    if len(fields) < 2 and fields[0].startswith('"'):  # a quote a csv writer opened, closed on a later line
+        raise ValueError(f"{where}: one field, which opens a quote: a text spanning lines (quoted so by pandas or "
+                         "Python's csv) cannot be read from a .tsv file; write the pairs to a .csv or .jsonl file")
     return _pair(fields, 0, 1, where)
+
+
+def _unquoted(field: str) -> str:
+    """``field`` without the quotes a csv writer puts around a text holding a quote (its own quotes doubled)."""
+    inner = field[1:-1]
+    if len(field) >= 2 and field[0] == field[-1] == '"' and '"' not in inner.replace('""', ""):
+        return inner.replace('""', '"')
+    return field
 
 
 def _utf8_text(path: Path) -> str:

@@ -1,6 +1,7 @@
 """`hf-grow MODEL --pairs FILE`: a SentenceTransformer grown on text pairs from a file, held-out pairs for the line
 search, the output folder loading as a SentenceTransformer; bad pair files are one-line errors."""
 
+import csv
 import json
 import random
 import shutil
@@ -110,6 +111,19 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     (tmp_path / "tabs.tsv").write_text("a\tb\t\ndef f():\treturn 1\tand more\n")  # trailing tabs are no field
     with pytest.raises(ValueError, match=r"tabs.tsv line 2: 3 tab-separated fields"):
         read_pairs(str(tmp_path / "tabs.tsv"))
+    # A .tsv as pandas and Python's csv write it: texts holding a quote come quoted, their quotes doubled (they were
+    # read with the quotes); a text opening a quote it closes on a later line is refused, naming the way out
+    written = [('Return the "name".', "def name(self):"), ("plain", 'a "b" c'), ('"Hi," she said', "x")]
+    with (tmp_path / "quoted.tsv").open("w", newline="") as file:
+        csv.writer(file, delimiter="\t").writerows(written)
+    assert '"Return the ""name""."' in (tmp_path / "quoted.tsv").read_text()
+    assert read_pairs(str(tmp_path / "quoted.tsv")) == written
+    (tmp_path / "raw.tsv").write_text('"Hi," she said\tits "answer"\n')  # quotes that no writer added stay
+    assert read_pairs(str(tmp_path / "raw.tsv")) == [('"Hi," she said', 'its "answer"')]
+    with (tmp_path / "lines.tsv").open("w", newline="") as file:
+        csv.writer(file, delimiter="\t").writerows([("def f():\n    return 1", "code")])
+    with pytest.raises(ValueError, match=r"lines.tsv line 1: one field, which opens a quote: .* a .csv or .jsonl"):
+        read_pairs(str(tmp_path / "lines.tsv"))
     # A dataset's configuration (--dataset-config) is read: it was the default one, silently
     for name, count in (("first", 2), ("second", 3)):
         (dataset / name).mkdir()
