@@ -78,6 +78,26 @@ def test_several_passes_need_the_same_data_each_time(three_layers, stdlib_bytes)
     with pytest.raises(ValueError, match="the data changed between passes"):
         collect_statistics(model, FreshDraws(), adapter, memory_budget=budget)
 
+    class MaskedAnew:
+        """Labels masked anew on every pass (a masked-LM collator): refused at the first batch pass 1 had no match
+        for, not after the whole second pass."""
+
+        def __init__(self):
+            self.served = []
+
+        def __iter__(self):
+            self.served.append(0)
+            generator = torch.Generator().manual_seed(len(self.served))
+            for batch in lm_batches(stdlib_bytes["stats"], 6, batch_size=4, seed=42):
+                self.served[-1] += 1
+                yield {**batch, "labels": batch["labels"].masked_fill(
+                    torch.rand(batch["labels"].shape, generator=generator) < 0.5, -100)}
+
+    masked = MaskedAnew()
+    with pytest.raises(ValueError, match=r"batch 1 of statistics 2/\d has \d+ loss terms, more batches of that many"):
+        collect_statistics(model, masked, adapter, memory_budget=budget)
+    assert masked.served == [6, 1]
+
 
 def test_grow_model_with_a_memory_budget_equals_one_pass(trained_gpt2, stdlib_bytes):
     batches = lm_batches(stdlib_bytes["stats"], 3, batch_size=4, seed=43)

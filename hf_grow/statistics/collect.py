@@ -6,6 +6,7 @@ The sums add up across processes (`hf_grow.distributed`) and across passes over 
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import logging
 import math
@@ -197,6 +198,7 @@ def collect_statistics(
     first_pass: tuple[int, int, int, int, float] | None = None
     half_weight: int | None = None
     methods_used: set[str] = set()
+    weights: collections.Counter[int] = collections.Counter()  # the first pass's batches by their loss terms
     with offload_folder(offload_dir) as folder, statistics_mode(model, tf32):
         for index, group in enumerate(groups):
             offload_file = None if folder is None else folder / f"m-pass-{index + 1}.safetensors"
@@ -210,7 +212,7 @@ def collect_statistics(
                 description = f"statistics {index + 1}/{len(groups)}" if len(groups) > 1 else "statistics"
                 show = progress and processes.is_main
                 collector, skipped = _collect_pass(
-                    make_collector, model, dataloader, adapter, loss_fn, max_batches, show, description
+                    make_collector, model, dataloader, adapter, loss_fn, max_batches, show, description, weights
                 )
                 sums = collector.sums
                 counts = (sums.num_tokens, sums.batch_index, skipped, sums.loss_weight, sums.loss_sum)
@@ -314,19 +316,37 @@ def _collect_pass(
     max_batches: int | None,
     progress: bool,
     description: str,
+    weights: collections.Counter[int],
 ) -> tuple[Collector, int]:
     """One pass over the data with the collector ``make_collector`` builds; the collector and the number of batches
     skipped. The collector is built within the pass's progress: allocating its accumulators (M of a group, up to
-    gigabytes) belongs to the pass's time and memory, not to whatever ran before it."""
-    skipped = 0
+    gigabytes) belongs to the pass's time and memory, not to whatever ran before it.
+
+    ``weights``: how many batches of each number of loss terms the first pass saw, which the first pass counts and
+    a later one takes its batches from (in any order: sums do not depend on it), so that data that changes between
+    passes (a collator's random masking) is refused at the first batch the first pass had no match for, not after
+    the whole pass."""
+    skipped, first = 0, not weights
+    left = collections.Counter(weights)
     total = known_length(dataloader)
     if max_batches is not None:
         total = max_batches if total is None else min(total, max_batches)
     with progress_bar(desc=description, unit="batch", total=total, enabled=progress) as bar:
         collector = make_collector()
         with collector.installed():
-            for batch in iterate_batches(dataloader, model):
+            for number, batch in enumerate(iterate_batches(dataloader, model)):
                 weight = batch_loss_weight(adapter, model, batch, loss_fn)
+                if first:
+                    weights[weight] += 1
+                elif left[weight] == 0:
+                    raise ValueError(
+                        f"the data changed between passes over it: batch {number + 1} of {description} has {weight} "
+                        "loss terms, more batches of that many than pass 1 had: memory_budget needs the same batches "
+                        "on every pass (no random masking or cropping in the collator), or a larger budget for a "
+                        "single pass."
+                    )
+                else:
+                    left[weight] -= 1
                 if weight == 0:
                     skipped += 1  # no loss term (every label -100): the model's loss would be 0 / 0
                 else:
