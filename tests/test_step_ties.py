@@ -47,7 +47,7 @@ def test_a_half_precision_models_own_loss_is_computed_from_float32_logits():
     """transformers' masked-LM and classification heads compute their cross-entropy in the logits' dtype: in
     bfloat16 the held-out loss moved in steps of 0.004 near 10 nats, and the line search took such a step for a
     gain. The loss hf_grow computes (statistics, line search, report) is the float32 cross-entropy of the logits."""
-    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+    from transformers import BertConfig, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification
 
     from hf_grow import evaluate_loss
 
@@ -57,14 +57,23 @@ def test_a_half_precision_models_own_loss_is_computed_from_float32_logits():
     masked = torch.full_like(ids, -100)
     masked[:, ::3] = ids[:, ::3]
     classes = torch.tensor([0, 1, 2, 1])
-    for model, labels in ((BertForMaskedLM(BertConfig(**settings)), masked),
-                          (BertForSequenceClassification(BertConfig(**settings, num_labels=3)), classes)):
+    def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    pretraining = {"labels": masked, "next_sentence_label": classes % 2}  # its masked-LM and next-sentence heads
+    for model, labels in ((BertForMaskedLM(BertConfig(**settings)), {"labels": masked}),
+                          (BertForSequenceClassification(BertConfig(**settings, num_labels=3)), {"labels": classes}),
+                          (BertForPreTraining(BertConfig(**settings)), pretraining)):
         model = model.eval().to(torch.bfloat16)
         with torch.no_grad():
-            logits = model(input_ids=ids).logits.double()
-            assert model(input_ids=ids, labels=labels).loss.dtype == torch.bfloat16  # transformers' own
-        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        loss = evaluate_loss(model, [{"input_ids": ids, "labels": labels}])[0]
+            outputs = model(input_ids=ids)
+            assert model(input_ids=ids, **labels).loss.dtype == torch.bfloat16  # transformers' own
+        if "next_sentence_label" in labels:
+            expected = cross_entropy(outputs.prediction_logits, masked) + cross_entropy(
+                outputs.seq_relationship_logits, labels["next_sentence_label"])
+        else:
+            expected = cross_entropy(outputs.logits, labels["labels"])
+        loss = evaluate_loss(model, [{"input_ids": ids, **labels}])[0]
         assert math.isclose(loss, float(expected), rel_tol=1e-6), (type(model).__name__, loss, float(expected))
         assert all(not module._forward_hooks for module in model.modules())  # the float32 heads are undone
 

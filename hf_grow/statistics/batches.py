@@ -259,9 +259,9 @@ def compute_loss(model: PreTrainedModel, batch: Any, loss_fn: LossFn | None) -> 
     return loss
 
 
-#: The modules whose output is the logits of transformers' classification and question-answering heads (a language
-#: model's are its output embeddings).
-_HEAD_NAMES = ("classifier", "score", "qa_outputs")
+#: The modules whose output is the logits of transformers' classification, question-answering and next-sentence heads
+#: (a language model's are its output embeddings).
+_HEAD_NAMES = ("classifier", "score", "qa_outputs", "cls.seq_relationship")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -275,7 +275,7 @@ def float32_logits(model: nn.Module) -> Iterator[None]:
     heads = []
     if parameter is not None and parameter.dtype in _HALF:
         output_embeddings = getattr(inner, "get_output_embeddings", lambda: None)()
-        heads = [head for head in (output_embeddings, *(getattr(inner, name, None) for name in _HEAD_NAMES))
+        heads = [head for head in (output_embeddings, *(_submodule(inner, name) for name in _HEAD_NAMES))
                  if isinstance(head, nn.Module)]
     handles = [head.register_forward_hook(_as_float32) for head in heads]
     try:
@@ -283,6 +283,12 @@ def float32_logits(model: nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    for part in name.split("."):
+        model = getattr(model, part, None)
+    return model
 
 
 def _as_float32(module: nn.Module, args: tuple, output: Any) -> Any:
