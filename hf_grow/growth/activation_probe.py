@@ -13,6 +13,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..statistics import CPU_REFERENCE_MAX_LENGTH
+from ..statistics.batches import float32_logits
 
 
 def statistics_attention(seq_len: int, device: torch.device | str) -> str:
@@ -76,7 +77,9 @@ def activation_bytes(model: PreTrainedModel, batch_size: int, seq_len: int, atte
     handle = twin.get_input_embeddings().register_forward_hook(lambda module, args, output: output.requires_grad_())
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        # float32 logits where the statistics pass makes them so (`float32_logits`): a half-precision model's
+        # vocabulary-sized logits saved twice as wide
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), float32_logits(twin):
             twin(input_ids=ids, **({} if twin.get_output_embeddings() is None else {"labels": ids}))
     finally:
         handle.remove()
