@@ -377,3 +377,10 @@ def test_the_command_keeps_a_hub_models_license_fetched_with_its_card(grown, tmp
     write_card(args, folder, data="text", datasets=[])
     assert ModelCard.load(folder / "README.md").data.license is None and not (folder / "NOTICE").exists()
     assert "the card of someone/model could not be fetched (LocalEntryNotFoundError)" in capsys.readouterr().err
+    # offline, the snapshot from_pretrained cached (config and weights, no card) comes back without an error
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, allow_patterns: str(tmp_path / "cached"))
+    (tmp_path / "cached").mkdir()
+    write_card(args, folder, data="text", datasets=[])
+    assert ModelCard.load(folder / "README.md").data.license is None
+    assert "the card of someone/model is not in the Hub cache (offline) or the repository has none: the grown " \
+        "model's card names no license" in capsys.readouterr().err

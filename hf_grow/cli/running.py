@@ -149,18 +149,24 @@ def write_card(args: argparse.Namespace, folder: Path, data: str, datasets: list
 
 def _terms_source(model: str) -> Path | None:
     """The folder holding the model's card and terms files: a local model's own; for a Hub model, its card and terms
-    files fetched into the Hub cache (``from_pretrained`` fetches neither). None, with a warning, where they cannot be
-    fetched (offline, without them in the cache): the card then carries no license."""
+    files fetched into the Hub cache (``from_pretrained`` fetches neither). None, with a warning, where no card comes
+    (offline without it in the cache, or none in the repository): the card then carries no license."""
     if Path(model).exists() or not hub.is_hub_id(model):
         return Path(model) if Path(model).exists() else None
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(model, allow_patterns=[hub.CARD_FILENAME, *TERMS_FILES]))
+        folder = Path(snapshot_download(model, allow_patterns=[hub.CARD_FILENAME, *TERMS_FILES]))
     except Exception as error:  # offline, gated or removed: the Hub's errors come in many types
-        print(f"hf-grow: warning: the card of {model} could not be fetched ({type(error).__name__}): the grown "
-              "model's card names no license; add the model's license to it before sharing", file=sys.stderr)
-        return None
+        reason = f"could not be fetched ({type(error).__name__})"
+    else:
+        if (folder / hub.CARD_FILENAME).is_file():
+            return folder
+        # offline, the cached snapshot from_pretrained made (no card in it); or a repository without one
+        reason = "is not in the Hub cache (offline) or the repository has none"
+    print(f"hf-grow: warning: the card of {model} {reason}: the grown model's card names no license; add the "
+          "model's license to it before sharing", file=sys.stderr)
+    return None
 
 
 def _terms(source: Path) -> dict:
