@@ -149,11 +149,15 @@ def test_a_later_run_names_the_folder_a_killed_run_left(trained_gpt2, stdlib_byt
     (left / "m-pass-1.safetensors").write_bytes(b"\0" * 3000)
     running = tmp_path / f"{this_machine}-{os.getpid()}-runn1ng"
     other_machine = tmp_path / f"{OFFLOAD_PREFIX}elsewhere-{killed.pid}-0ther"
-    for folder in (running, other_machine):
+    # a run in another PID namespace (a container of the same host name): its process id is none here, its lock held
+    elsewhere = tmp_path / f"{this_machine}-{killed.pid}-c0ntainer"
+    for folder in (running, other_machine, elsewhere):
         folder.mkdir()
+    held = offload_module._lock(elsewhere)
     batches = lm_batches(stdlib_bytes["stats"], 1, batch_size=2, seed=46)
     with pytest.warns(UserWarning, match=rf"holds {left.name} \(3 KiB\), left by a run .* remove it") as caught:
         grow_model(trained_gpt2, batches, p=8, eval_dataloader=batches, offload_dir=str(tmp_path),
                    measure_realized_gains=False)
     assert sum("left by a run" in str(warning.message) for warning in caught) == 1  # not once per check
-    assert sorted(tmp_path.iterdir()) == sorted([left, running, other_machine])  # named, never removed
+    assert sorted(tmp_path.iterdir()) == sorted([left, running, other_machine, elsewhere])  # named, never removed
+    os.close(held)

@@ -2,12 +2,13 @@
 not fit the host memory.
 
 Each pass's M lives in one safetensors file, in a subfolder of ``offload_dir`` of its own (two runs never share one;
-its name holds the machine and the process id, so a later run tells the folder of a process killed outright apart
-and names it). The file's header is written first and its data region mapped writable (``MAP_SHARED``), so the
-collector's in-place sums write into the file and the operating system pages them out to disk as memory runs short;
-the file is a valid safetensors file throughout. A pass's file is removed as soon as its M is solved, the subfolder
-when the collection ends or fails. M that outlives its file (returned by `collect_statistics`, or kept for a second
-solve) stays mapped from the removed file: its disk space returns when the tensors are freed (POSIX semantics).
+its name holds the machine and the process id, and the run holds a lock on it, so a later run tells the folder of a
+process killed outright apart and names it). The file's header is written first and its data region mapped writable
+(``MAP_SHARED``), so the collector's in-place sums write into the file and the operating system pages them out to
+disk as memory runs short; the file is a valid safetensors file throughout. A pass's file is removed as soon as its
+M is solved, the subfolder when the collection ends or fails. M that outlives its file (returned by
+`collect_statistics`, or kept for a second solve) stays mapped from the removed file: its disk space returns when
+the tensors are freed (POSIX semantics).
 """
 
 from __future__ import annotations
@@ -78,15 +79,36 @@ def _subfolder_prefix() -> str:
 
 def killed_runs_folders(offload_dir: str | os.PathLike) -> list[Path]:
     """The subfolders of ``offload_dir`` that a run on this machine made and left: its process id no longer runs (a
-    process killed outright removes nothing). Another machine's (a shared disk) are not judged."""
+    process killed outright removes nothing), and no process holds the folder's lock (a run in another PID namespace
+    of a machine of the same name, a container, holds it). Another machine's (a shared disk) are not judged."""
     host_prefix = _subfolder_prefix().rsplit("-", 2)[0] + "-"
     left = []
     for folder in sorted(Path(offload_dir).glob(host_prefix + "*")):
         pid_and_random = folder.name[len(host_prefix):].split("-")
         if (folder.is_dir() and len(pid_and_random) == 2 and pid_and_random[0].isdigit()
-                and not _runs(int(pid_and_random[0]))):
+                and not _runs(int(pid_and_random[0])) and not _locked(folder)):
             left.append(folder)
     return left
+
+
+def _lock(folder: Path) -> int:
+    """A descriptor of ``folder`` holding an exclusive lock on it until it is closed (or the process dies)."""
+    import fcntl  # POSIX, as the rest of offloading
+
+    descriptor = os.open(folder, os.O_RDONLY)
+    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return descriptor
+
+
+def _locked(folder: Path) -> bool:
+    """Whether a process holds ``folder``'s lock (`_lock`)."""
+    try:
+        os.close(_lock(folder))
+    except BlockingIOError:
+        return True
+    except OSError:  # gone meanwhile, or not ours to open: not named
+        return True
+    return False
 
 
 def _runs(pid: int) -> bool:
@@ -108,10 +130,12 @@ def offload_folder(offload_dir: str | os.PathLike | None) -> Iterator[Path | Non
         yield None
         return
     folder = Path(tempfile.mkdtemp(prefix=_subfolder_prefix(), dir=offload_dir))
+    lock = _lock(folder)  # held while the run uses the folder: a later run tells it from a killed run's
     try:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        os.close(lock)
 
 
 def mapped_zeros(path: Path, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, Tensor]:
