@@ -151,13 +151,20 @@ def as_loss_fn(loss: Any, sentence_model: nn.Module) -> Any:
         return default_loss(sentence_model)
     if isinstance(loss, nn.Module) and is_sentence_transformer(getattr(loss, "model", None)):
         loss = SentenceLoss(loss)
-    if isinstance(loss, SentenceLoss) and loss.sentence_model is not sentence_model:
+    if isinstance(loss, SentenceLoss) and any(model is not sentence_model for model in _built_on(loss.loss)):
         # its modules (pooling, normalization) would run around the grown model's: the statistics of another model
         raise ValueError(
             f"loss_fn {type(loss.loss).__name__} is built on another SentenceTransformer than the one grown: build it "
             "on the model you grow, e.g. MultipleNegativesRankingLoss(model)."
         )
     return loss
+
+
+def _built_on(loss: nn.Module) -> list[nn.Module]:
+    """The SentenceTransformers a loss and the losses inside it (MatryoshkaLoss's) are built on (their ``.model``;
+    a guide or a teacher model is none of them)."""
+    return [module.model for module in loss.modules()
+            if not is_sentence_transformer(module) and is_sentence_transformer(getattr(module, "model", None))]
 
 
 def with_grown_model(sentence_model: nn.Module, grown: PreTrainedModel) -> nn.Module:

@@ -25,6 +25,7 @@ from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
     CachedMultipleNegativesRankingLoss,
     CoSENTLoss,
+    MatryoshkaLoss,
     MultipleNegativesRankingLoss,
 )
 
@@ -196,7 +197,8 @@ def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):
         grow_model(minilm_st, pairs["stats"][:1], p=8, eval_dataloader=pairs["eval"][:1], loss_fn=CoSENTLoss(minilm_st))
     # A loss on another SentenceTransformer ran its pooling around the grown model's, silently: refused, wrapped or not
     other = copy.deepcopy(minilm_st)
-    for loss in (MultipleNegativesRankingLoss(other), SentenceLoss(MultipleNegativesRankingLoss(other))):
+    for loss in (MultipleNegativesRankingLoss(other), SentenceLoss(MultipleNegativesRankingLoss(other)),
+                 MatryoshkaLoss(minilm_st, MultipleNegativesRankingLoss(other), [384, 64])):  # the inner loss's
         with pytest.raises(ValueError, match="built on another SentenceTransformer than the one grown"):
             grow_model(minilm_st, pairs["stats"][:1], p=8, loss_fn=loss)
     # The functions that take the transformers model name it (they said "SentenceTransformer cannot be grown")
