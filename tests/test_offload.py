@@ -160,4 +160,25 @@ def test_a_later_run_names_the_folder_a_killed_run_left(trained_gpt2, stdlib_byt
                    measure_realized_gains=False)
     assert sum("left by a run" in str(warning.message) for warning in caught) == 1  # not once per check
     assert sorted(tmp_path.iterdir()) == sorted([left, running, other_machine, elsewhere])  # named, never removed
+    descriptors = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):  # each check of a held lock closes what it opened
+        assert offload_module.killed_runs_folders(tmp_path) == [left]
+    assert len(os.listdir("/proc/self/fd")) == descriptors
     os.close(held)
+
+
+def test_a_disk_without_directory_locks_offloads_unlocked(three_layers, stdlib_bytes, tmp_path, monkeypatch):
+    """NFS refuses an exclusive flock on a read-only descriptor (EBADF), which a folder's is: the run crashed at its
+    first pass with a raw OSError and left its subfolder; it runs without the lock now (nothing to name it by)."""
+    import fcntl
+
+    def no_locks(descriptor, operation):
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    model, adapter = three_layers, get_adapter(three_layers)
+    batches = lm_batches(stdlib_bytes["stats"], 1, batch_size=2, seed=47)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    offloaded = collect_statistics(model, batches, adapter, offload_dir=tmp_path)
+    assert offloaded.num_tokens == collect_statistics(model, batches, adapter).num_tokens
+    assert not any(tmp_path.iterdir()) and len(os.listdir("/proc/self/fd")) == descriptors

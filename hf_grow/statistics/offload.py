@@ -92,11 +92,16 @@ def killed_runs_folders(offload_dir: str | os.PathLike) -> list[Path]:
 
 
 def _lock(folder: Path) -> int:
-    """A descriptor of ``folder`` holding an exclusive lock on it until it is closed (or the process dies)."""
+    """A descriptor of ``folder`` holding an exclusive lock on it until it is closed (or the process dies); an
+    OSError where it cannot be locked (BlockingIOError: another process holds it), the descriptor closed."""
     import fcntl  # POSIX, as the rest of offloading
 
     descriptor = os.open(folder, os.O_RDONLY)
-    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        raise
     return descriptor
 
 
@@ -104,9 +109,7 @@ def _locked(folder: Path) -> bool:
     """Whether a process holds ``folder``'s lock (`_lock`)."""
     try:
         os.close(_lock(folder))
-    except BlockingIOError:
-        return True
-    except OSError:  # gone meanwhile, or not ours to open: not named
+    except OSError:  # held; or gone meanwhile, not ours to open, or no lock on this disk (NFS): not named
         return True
     return False
 
@@ -130,12 +133,16 @@ def offload_folder(offload_dir: str | os.PathLike | None) -> Iterator[Path | Non
         yield None
         return
     folder = Path(tempfile.mkdtemp(prefix=_subfolder_prefix(), dir=offload_dir))
-    lock = _lock(folder)  # held while the run uses the folder: a later run tells it from a killed run's
+    try:
+        lock = _lock(folder)  # held while the run uses the folder: a later run tells it from a killed run's
+    except OSError:  # a disk without directory locks (NFS refuses one on a read-only descriptor): none held
+        lock = None
     try:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
 
 
 def mapped_zeros(path: Path, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, Tensor]:
