@@ -380,7 +380,9 @@ def test_the_command_keeps_a_hub_models_license_fetched_with_its_card(grown, tmp
     # offline, the snapshot from_pretrained cached (config and weights, no card) comes back without an error
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, allow_patterns: str(tmp_path / "cached"))
     (tmp_path / "cached").mkdir()
+    (tmp_path / "cached" / "LICENSE.txt").write_text("the terms")  # a repository's terms without a card: copied
     write_card(args, folder, data="text", datasets=[])
     assert ModelCard.load(folder / "README.md").data.license is None
+    assert (folder / "LICENSE.txt").read_text() == "the terms"
     assert "the card of someone/model is not in the Hub cache (offline) or the repository has none: the grown " \
         "model's card names no license" in capsys.readouterr().err

@@ -149,8 +149,9 @@ def write_card(args: argparse.Namespace, folder: Path, data: str, datasets: list
 
 def _terms_source(model: str) -> Path | None:
     """The folder holding the model's card and terms files: a local model's own; for a Hub model, its card and terms
-    files fetched into the Hub cache (``from_pretrained`` fetches neither). None, with a warning, where no card comes
-    (offline without it in the cache, or none in the repository): the card then carries no license."""
+    files fetched into the Hub cache (``from_pretrained`` fetches neither). A warning where no card comes (offline
+    without it in the cache, or none in the repository): the card then carries no license; None where nothing
+    could be fetched."""
     if Path(model).exists() or not hub.is_hub_id(model):
         return Path(model) if Path(model).exists() else None
     from huggingface_hub import snapshot_download
@@ -162,11 +163,17 @@ def _terms_source(model: str) -> Path | None:
     else:
         if (folder / hub.CARD_FILENAME).is_file():
             return folder
-        # offline, the cached snapshot from_pretrained made (no card in it); or a repository without one
+        # offline, the cached snapshot from_pretrained made (no card in it); or a repository without one, whose
+        # terms files are still copied
         reason = "is not in the Hub cache (offline) or the repository has none"
+        return _without_card(model, reason, folder)
+    return _without_card(model, reason, None)
+
+
+def _without_card(model: str, reason: str, folder: Path | None) -> Path | None:
     print(f"hf-grow: warning: the card of {model} {reason}: the grown model's card names no license; add the "
           "model's license to it before sharing", file=sys.stderr)
-    return None
+    return folder
 
 
 def _terms(source: Path) -> dict:
