@@ -23,6 +23,7 @@ import copy
 import csv
 import io
 import json
+import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -123,10 +124,11 @@ class SentenceLoss:
             with running(self.sentence_model, model):
                 return self.loss(features, labels)
         except (AttributeError, TypeError) as error:
-            if labels is None and "NoneType" in str(error):  # a loss that reads its labels (CoSENTLoss: .numel())
+            if labels is None and "NoneType" in str(error) and _raised_in_sentence_transformers(error):
+                # a sentence-transformers loss that reads its labels (CoSENTLoss: labels.numel())
                 raise ValueError(
-                    f"{type(self.loss).__name__} takes labels, and the batch has none: put a 'label' tensor (one value "
-                    "per row, e.g. similarity scores) in each batch, or use a loss without labels such as "
+                    f"{type(self.loss).__name__} takes labels, and the batch has none ({error}): put a 'label' tensor "
+                    "(one value per row, e.g. similarity scores) in each batch, or use a loss without labels such as "
                     "MultipleNegativesRankingLoss."
                 ) from error
             raise
@@ -135,6 +137,14 @@ class SentenceLoss:
 
     def __repr__(self) -> str:
         return f"SentenceLoss({type(self.loss).__name__})"
+
+
+def _raised_in_sentence_transformers(error: BaseException) -> bool:
+    """Whether ``error`` came from sentence-transformers' own code (not from a user's loss around it)."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and f"{os.sep}sentence_transformers{os.sep}" in frame.tb_frame.f_code.co_filename
 
 
 def default_loss(sentence_model: nn.Module) -> SentenceLoss:
