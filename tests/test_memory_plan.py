@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import lm_batches, tiny_gpt2_config
-from transformers import BertConfig, BertForMaskedLM, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, BertForMaskedLM, BertForPreTraining, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_grow import GrowthConfig, cli, collect_statistics, get_adapter, grow_model, hub
 from hf_grow.cli import memory as cli_memory
@@ -28,16 +28,18 @@ def meta_model(model_class, config):
         return model_class(config)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bfloat16 bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "bfloat16 bert", "bert pretraining"])
 def test_activation_bytes_on_the_meta_device_equal_what_a_real_forward_saves(kind):
     """As the statistics pass computes the loss (`compute_loss`): a half-precision masked LM's logits in float32,
     twice the bytes of its own (the probe counted them in bfloat16: 69 of 129 MiB at BERT's vocabulary)."""
     torch.manual_seed(0)
     if kind == "gpt2":
         model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=2))
-    else:
-        model = BertForMaskedLM(BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, intermediate_size=64)).to(torch.bfloat16)
+    else:  # BertForPreTraining computes no loss without its next-sentence labels: the probe counted 1.6 of 30 MiB
+        bert = BertForPreTraining if kind == "bert pretraining" else BertForMaskedLM
+        dtype = torch.float32 if kind == "bert pretraining" else torch.bfloat16
+        model = bert(BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=64)).to(dtype)
     model.set_attn_implementation("eager")
     model.requires_grad_(False)
     ids = torch.randint(0, model.config.vocab_size, (4, 32))
@@ -51,7 +53,8 @@ def test_activation_bytes_on_the_meta_device_equal_what_a_real_forward_saves(kin
 
     handle = model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.requires_grad_())
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        compute_loss(model, {"input_ids": ids, "labels": ids}, None)
+        labels = {"next_sentence_label": ids[:, 0] % 2} if kind == "bert pretraining" else {}
+        compute_loss(model, {"input_ids": ids, "labels": ids, **labels}, None)
     handle.remove()
     real = sum(saved.values()) + max(saved.values())
     # (BERT: 3 KiB apart in 30 MiB, a small saved tensor the probe's zero ids and labels do not match; not traced)

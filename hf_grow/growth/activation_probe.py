@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import find_labels
 
 from ..statistics import CPU_REFERENCE_MAX_LENGTH
 from ..statistics.batches import float32_logits
@@ -80,7 +81,13 @@ def activation_bytes(model: PreTrainedModel, batch_size: int, seq_len: int, atte
         # float32 logits where the statistics pass makes them so (`float32_logits`): a half-precision model's
         # vocabulary-sized logits saved twice as wide
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), float32_logits(twin):
-            twin(input_ids=ids, **({} if twin.get_output_embeddings() is None else {"labels": ids}))
+            twin(input_ids=ids, **({} if twin.get_output_embeddings() is None else _labels(twin, ids)))
     finally:
         handle.remove()
     return sum(saved.values()) + max(saved.values(), default=0)
+
+
+def _labels(model: PreTrainedModel, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A language model's labels: the ids, and a label per sequence for its other heads' (BertForPreTraining's
+    next-sentence head, without which it computes no loss)."""
+    return {name: ids if name == "labels" else ids[:, 0] for name in find_labels(type(model))}
