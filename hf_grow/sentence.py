@@ -122,18 +122,24 @@ class SentenceLoss:
             module.training = False
         try:
             with running(self.sentence_model, model):
-                return self.loss(features, labels)
+                loss = self.loss(features, labels)
         except (AttributeError, TypeError) as error:
             if labels is None and "NoneType" in str(error) and _raised_in_sentence_transformers(error):
                 # a sentence-transformers loss that reads its labels (CoSENTLoss: labels.numel())
-                raise ValueError(
-                    f"{type(self.loss).__name__} takes labels, and the batch has none ({error}): put a 'label' tensor "
-                    "(one value per row, e.g. similarity scores) in each batch, or use a loss without labels such as "
-                    "MultipleNegativesRankingLoss."
-                ) from error
+                raise self._without_labels(f" ({error})") from error
             raise
         finally:
             restore_modes(modes)
+        if labels is None and isinstance(loss, tuple):  # SoftmaxLoss: its embeddings and logits, no loss, unlabelled
+            raise self._without_labels("")
+        return loss
+
+    def _without_labels(self, detail: str) -> ValueError:
+        return ValueError(
+            f"{type(self.loss).__name__} takes labels, and the batch has none{detail}: put a 'label' tensor (one value "
+            "per row, e.g. similarity scores) in each batch, or use a loss without labels such as "
+            "MultipleNegativesRankingLoss."
+        )
 
     def __repr__(self) -> str:
         return f"SentenceLoss({type(self.loss).__name__})"

@@ -28,6 +28,7 @@ from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
     CoSENTLoss,
     MatryoshkaLoss,
     MultipleNegativesRankingLoss,
+    SoftmaxLoss,
 )
 
 TEXTS = ["Return the number of items in a container.", "def size(self):\n    return len(self.items)"]
@@ -197,6 +198,10 @@ def test_bad_sentence_batches_and_losses_are_clear_errors(minilm_st, pairs):
     # A loss that reads its labels, given batches without: sentence-transformers' own AttributeError on None
     with pytest.raises(ValueError, match=r"CoSENTLoss takes labels, and the batch has none \(.*\): put a 'label'"):
         grow_model(minilm_st, pairs["stats"][:1], p=8, eval_dataloader=pairs["eval"][:1], loss_fn=CoSENTLoss(minilm_st))
+
+    softmax = SoftmaxLoss(minilm_st, minilm_st.get_embedding_dimension(), num_labels=3)
+    with pytest.raises(ValueError, match=r"SoftmaxLoss takes labels, and the batch has none: put a 'label'"):
+        SentenceLoss(softmax)(minilm_st[0].auto_model, pairs["stats"][0])  # it returns its logits without labels
 
     class Scaled(MultipleNegativesRankingLoss):  # a user's own loss with a bug of its own: its error, not a label's
         def forward(self, features, labels):
