@@ -152,25 +152,22 @@ def _terms_source(model: str) -> Path | None:
     files fetched into the Hub cache (``from_pretrained`` fetches neither). A warning where no card comes (offline
     without it in the cache, or none in the repository): the card then carries no license; None where nothing
     could be fetched."""
-    if Path(model).exists() or not hub.is_hub_id(model):
-        return Path(model) if Path(model).exists() else None
+    if Path(model).exists():
+        return Path(model)
+    if not hub.is_hub_id(model):
+        return None
     from huggingface_hub import snapshot_download
 
     try:
         folder = Path(snapshot_download(model, allow_patterns=[hub.CARD_FILENAME, *TERMS_FILES]))
     except Exception as error:  # offline, gated or removed: the Hub's errors come in many types
-        reason = f"could not be fetched ({type(error).__name__})"
+        folder, reason = None, f"could not be fetched ({type(error).__name__})"
     else:
         if (folder / hub.CARD_FILENAME).is_file():
             return folder
         # offline, the cached snapshot from_pretrained made (no card in it); or a repository without one, whose
         # terms files are still copied
         reason = "is not in the Hub cache (offline) or the repository has none"
-        return _without_card(model, reason, folder)
-    return _without_card(model, reason, None)
-
-
-def _without_card(model: str, reason: str, folder: Path | None) -> Path | None:
     print(f"hf-grow: warning: the card of {model} {reason}: the grown model's card names no license; add the "
           "model's license to it before sharing", file=sys.stderr)
     return folder
