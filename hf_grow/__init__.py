@@ -6,7 +6,8 @@ Importing hf_grow registers the grown model types with the transformers Auto cla
 from .adapters import get_adapter, supported_model_types
 from .config import GrowthConfig
 from .growth import DEFAULT_TRUNCATION, evaluate_loss, grow_model
-from .hub import model_card, push_to_hub
+from .card import model_card
+from .hub import push_to_hub
 from .inspection import GrowthInspection, inspect_growth
 # Written out, not built from `hf_grow.models` at import, so that editors and type checkers see them
 # (tests/test_layout.py checks that every grown package's classes are here).

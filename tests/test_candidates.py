@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_grow import GrowthConfig, collect_statistics, evaluate_loss, get_adapter, grow_model
-from hf_grow.hub import model_card
+from hf_grow.card import model_card
 from hf_grow.report import load_growth_report
 
 from conftest import lm_batches, outputs_of

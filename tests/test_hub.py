@@ -196,7 +196,7 @@ def test_the_card_of_a_step_zero_growth_says_so(model_folder, tmp_path):
     grown = grow_model(model, [{"input_ids": ids[0], "labels": ids[0]}], p=8, step_size=0.0,
                        eval_dataloader=[{"input_ids": ids[1], "labels": ids[1]}], measure_realized_gains=False)
     grown.save_pretrained(tmp_path / "zero")
-    card = hub.model_card(tmp_path / "zero", base_model=None)
+    card = hf_grow.model_card(tmp_path / "zero", base_model=None)
     assert "the old function, up to floating-point\nrounding: this model took step 0" in card.text
     assert "- Step: size 0 " in card.text
 

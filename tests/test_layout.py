@@ -209,7 +209,7 @@ def test_modules_and_classes_stay_small():
 def test_options_and_files_import_nothing_that_runs_a_growth(module):
     """The options (and the values they take, and the file helpers) sit below the statistics, the growth, the Hub
     code and the models: nothing they import, directly or through other modules, is transformers or those."""
-    layers = ("hf_grow.statistics", "hf_grow.growth", "hf_grow.hub", "hf_grow.models", "transformers")
+    layers = ("hf_grow.statistics", "hf_grow.growth", "hf_grow.card", "hf_grow.hub", "hf_grow.models", "transformers")
     reached, todo = set(), [module]
     while todo:
         for name in imports(MODULES[todo.pop()]) - reached:

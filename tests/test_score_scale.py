@@ -7,7 +7,7 @@ import torch
 
 from hf_grow import grow_in_training, grow_model, to_grown_model
 from hf_grow.adapters import get_adapter
-from hf_grow.hub import grown_model_card
+from hf_grow.card import grown_model_card
 
 from conftest import lm_batches
 from test_grown_llama import trained_llama

@@ -16,7 +16,7 @@ from hf_grow import (
     grow_model,
     to_grown_model,
 )
-from hf_grow.hub import model_card
+from hf_grow.card import model_card
 
 from conftest import lm_batches
 

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from transformers.utils import logging as transformers_logging
 
-from .. import hub
+from .. import card, hub
 from .checks import CommandError, check_output_folder
 
 
@@ -128,19 +128,20 @@ def start_run(args: argparse.Namespace, is_main: bool = True) -> bool:
 
 
 #: The files of a model's terms copied beside the grown model (a license may require them with every copy: Llama's
-#: does, Apache-2.0's NOTICE); its card's terms are kept in the growth card (`hub.INHERITED_CARD_DATA`).
+#: does, Apache-2.0's NOTICE); its card's terms are kept in the growth card (`card.INHERITED_CARD_DATA`).
 TERMS_FILES = ("LICENSE*", "NOTICE*", "USE_POLICY*", "license*", "notice*")
 
 
 def write_card(args: argparse.Namespace, folder: Path, data: str, datasets: list[str]) -> None:
-    """The growth card into a folder being written (`hub.model_card`), its snippets naming ``--push-to-hub``'s
+    """The growth card into a folder being written (`card.model_card`), its snippets naming ``--push-to-hub``'s
     repository or the output folder; the model's license and language, and the files of its terms, kept."""
     source = _terms_source(args.model)
     # A local model is named by its absolute path: the card stays true wherever it is pushed from later.
     base_model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
-    card = hub.model_card(folder, base_model=base_model, repo_id=args.push_to_hub or Path(args.output_dir).name,
-                          data=data, datasets=datasets, base_card_data=_terms(source) if source else {})
-    card.save(folder / hub.CARD_FILENAME)
+    grown_card = card.model_card(folder, base_model=base_model,
+                                 repo_id=args.push_to_hub or Path(args.output_dir).name, data=data,
+                                 datasets=datasets, base_card_data=_terms(source) if source else {})
+    grown_card.save(folder / card.CARD_FILENAME)
     files = {path for pattern in TERMS_FILES for path in source.glob(pattern) if path.is_file()} if source else ()
     for path in sorted(files):
         if not (folder / path.name).exists():
@@ -154,16 +155,16 @@ def _terms_source(model: str) -> Path | None:
     could be fetched."""
     if Path(model).exists():
         return Path(model)
-    if not hub.is_hub_id(model):
+    if not card.is_hub_id(model):
         return None
     from huggingface_hub import snapshot_download
 
     try:
-        folder = Path(snapshot_download(model, allow_patterns=[hub.CARD_FILENAME, *TERMS_FILES]))
+        folder = Path(snapshot_download(model, allow_patterns=[card.CARD_FILENAME, *TERMS_FILES]))
     except Exception as error:  # offline, gated or removed: the Hub's errors come in many types
         folder, reason = None, f"could not be fetched ({type(error).__name__})"
     else:
-        if (folder / hub.CARD_FILENAME).is_file():
+        if (folder / card.CARD_FILENAME).is_file():
             return folder
         # offline, the cached snapshot from_pretrained made (no card in it); or a repository without one, whose
         # terms files are still copied
@@ -174,16 +175,16 @@ def _terms_source(model: str) -> Path | None:
 
 
 def _terms(source: Path) -> dict:
-    """`hub.INHERITED_CARD_DATA` of the card in ``source`` (none without a card, or with a damaged one)."""
+    """`card.INHERITED_CARD_DATA` of the card in ``source`` (none without a card, or with a damaged one)."""
     from huggingface_hub import ModelCard
 
-    if not (source / hub.CARD_FILENAME).is_file():
+    if not (source / card.CARD_FILENAME).is_file():
         return {}
     try:
-        data = ModelCard.load(source / hub.CARD_FILENAME).data.to_dict()
+        data = ModelCard.load(source / card.CARD_FILENAME).data.to_dict()
     except Exception:  # metadata that is no YAML mapping, or no YAML (yaml's own errors): the card keeps nothing
         return {}
-    return {key: data[key] for key in hub.INHERITED_CARD_DATA if data.get(key)}
+    return {key: data[key] for key in card.INHERITED_CARD_DATA if data.get(key)}
 
 
 def finish_run(args: argparse.Namespace, report, output: Path, lines: list[str]) -> None:

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 
 from ..config import GrowthConfig, resolve_config
 from ..distributed import Processes, refuse_sharded_training, unwrap_model
-from ..hub import set_sentence_card
+from ..card import set_sentence_card
 from ..sentence import as_loss_fn, is_sentence_transformer, transformer_module, with_grown_model
 from ..statistics import GrowthStatistics, LossFn, return_free_memory
 from .prepare import merged_if_peft, prepare_growth
