@@ -154,16 +154,19 @@ def set_sentence_card(sentence_model: nn.Module) -> None:
 def _sentence_terms(sentence_model: nn.Module) -> dict:
     """`INHERITED_CARD_DATA` of the card a `SentenceTransformer` was loaded with (all-MiniLM-L6-v2's license sits
     there alone), and of its ``model_card_data`` where set there (none of a damaged card)."""
-    terms = {}
-    if getattr(sentence_model, "_model_card_text", None):
-        try:
-            loaded = ModelCard(sentence_model._model_card_text).data.to_dict()
-        except Exception:  # metadata that is no YAML mapping, or no YAML (yaml's own errors): nothing kept of it
-            loaded = {}
-        terms.update({key: loaded[key] for key in INHERITED_CARD_DATA if loaded.get(key)})
+    terms = card_terms(getattr(sentence_model, "_model_card_text", None) or "")
     card_data = getattr(sentence_model, "model_card_data", None)
     terms.update({key: getattr(card_data, key) for key in INHERITED_CARD_DATA if getattr(card_data, key, None)})
     return terms
+
+
+def card_terms(text: str) -> dict:
+    """`INHERITED_CARD_DATA` of a model card's text (none of a damaged card's)."""
+    try:
+        data = ModelCard(text).data.to_dict()
+    except Exception:  # metadata that is no YAML mapping, or no YAML (yaml's own errors): nothing kept of it
+        return {}
+    return {key: data[key] for key in INHERITED_CARD_DATA if data.get(key)}
 
 
 def _selection(report: GrowthReport) -> str:

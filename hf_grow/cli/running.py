@@ -176,15 +176,8 @@ def _terms_source(model: str) -> Path | None:
 
 def _terms(source: Path) -> dict:
     """`card.INHERITED_CARD_DATA` of the card in ``source`` (none without a card, or with a damaged one)."""
-    from huggingface_hub import ModelCard
-
-    if not (source / card.CARD_FILENAME).is_file():
-        return {}
-    try:
-        data = ModelCard.load(source / card.CARD_FILENAME).data.to_dict()
-    except Exception:  # metadata that is no YAML mapping, or no YAML (yaml's own errors): the card keeps nothing
-        return {}
-    return {key: data[key] for key in card.INHERITED_CARD_DATA if data.get(key)}
+    path = source / card.CARD_FILENAME
+    return card.card_terms(path.read_text(encoding="utf-8", errors="replace")) if path.is_file() else {}
 
 
 def finish_run(args: argparse.Namespace, report, output: Path, lines: list[str]) -> None:
