@@ -58,6 +58,22 @@ def test_several_passes_equal_one_pass_exactly(three_layers, stdlib_bytes, layer
     assert_same_statistics(from_dataloader, one_pass)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_passes_and_recomputations_equal_one_pass_exactly(three_layers, stdlib_bytes, dtype):
+    """The reference method formed float32 scores only in the layers a pass collects: in half precision each pass of
+    a memory_budget ran another function (bfloat16: a false "the data changed" error; float16: M 5e-4 off one pass),
+    and a checkpointed layer's recomputation another than its forward (a raw CheckpointError)."""
+    model = copy.deepcopy(three_layers).to(dtype)
+    adapter = get_adapter(model)
+    batches = lm_batches(stdlib_bytes["stats"], 3, batch_size=4, seed=41)
+    one_pass = collect_statistics(model, batches, adapter, method="reference")
+    budget = statistics_bytes(3, 4, 64, 2)  # one layer a pass
+    passes = collect_statistics(model, batches, adapter, method="reference", memory_budget=budget)
+    assert_same_statistics(passes, one_pass)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_same_statistics(collect_statistics(model, batches, adapter, method="reference"), one_pass)
+
+
 def test_several_passes_need_the_same_data_each_time(three_layers, stdlib_bytes):
     model, adapter = three_layers, get_adapter(three_layers)
     budget = statistics_bytes(3, 4, 64, 2)

@@ -129,11 +129,12 @@ def _eager_attention(
     """Attention with materialized scores, whose gradient goes to ``hook``; masks as `score_gradient_products`.
 
     ``zero_masked_rows``: a query that may attend to no key gets a zero output, as in sdpa (eager attention
-    averages all values uniformly instead). Hooked scores are formed in float32 at least: formed in a float16 model's
+    averages all values uniformly instead). Scores are formed in float32 at least: formed in a float16 model's
     dtype, their gradient reached the hook rounded to float16 (M 5.9e-2 off where the chunked method's was 4.2e-3).
+    In every layer, hooked or not: the passes of a ``memory_budget`` (each hooks another group) and a checkpointed
+    layer's recomputation (not hooked) compute the same function as a single pass.
     """
-    if hook is not None:
-        query, key = (tensor.to(torch.promote_types(tensor.dtype, torch.float32)) for tensor in (query, key))
+    query, key = (tensor.to(torch.promote_types(tensor.dtype, torch.float32)) for tensor in (query, key))
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
     if hook is not None and scores.requires_grad:
         scores.register_hook(hook)
