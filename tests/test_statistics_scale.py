@@ -162,6 +162,37 @@ def test_gradient_checkpointing_gives_the_same_statistics(trained_gpt2, stdlib_b
     assert not model.training and not block.training and model.config.use_cache
 
 
+@pytest.mark.skipif(not hasattr(torch.backends, "fp32_precision"), reason="torch's per-backend precision: 2.9 on")
+def test_the_matmul_precision_set_per_backend_is_kept_and_restored(three_layers, stdlib_bytes):
+    """transformers' ``TrainingArguments(tf32=...)`` sets the precision per backend: the statistics read it with the
+    global getter, which then raises (every pass crashed), and restored it with the global setter, which pins every
+    backend (a generic setting made after a growth reached none of them)."""
+    model, adapter = three_layers, get_adapter(three_layers)
+    batches = lm_batches(stdlib_bytes["stats"], 1, batch_size=2, seed=47)
+    backends = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+
+    def settings() -> list[str]:
+        return [torch.backends.fp32_precision, *(backend.fp32_precision for backend in backends)]
+
+    try:
+        for backend in backends:
+            backend.fp32_precision = "none"  # follow the generic setting, as in a fresh process
+        collect_statistics(model, batches, adapter, tf32=True)
+        assert settings() == ["none", "none", "none"]
+        torch.backends.fp32_precision = "tf32"
+        assert settings() == ["tf32", "tf32", "tf32"]
+        collect_statistics(model, batches, adapter, tf32=False)
+        assert settings() == ["tf32", "tf32", "tf32"]
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        collect_statistics(model, batches, adapter, tf32=True)
+        assert settings() == ["tf32", "ieee", "tf32"]
+    finally:
+        torch.backends.fp32_precision = "none"
+        for backend in backends:
+            backend.fp32_precision = "none"
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
 def test_wrapped_models_are_unwrapped(trained_gpt2, stdlib_bytes):
     batches = lm_batches(stdlib_bytes["stats"], 2, batch_size=4, seed=46)
     plain = collect_statistics(trained_gpt2, batches, get_adapter(trained_gpt2), compute_dtype=torch.float64)

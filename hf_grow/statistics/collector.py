@@ -28,7 +28,9 @@ from .kernels import (
     without_autocast,
     choose_method,
     default_query_block,
+    matmul_precision,
     score_gradient_products,
+    tf32_matmuls,
 )
 from .offload import mapped_zeros
 
@@ -45,7 +47,6 @@ def statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
     if torch.is_inference_mode_enabled():
         raise RuntimeError("statistics need gradients: call hf_grow outside torch.inference_mode().")
     original_attention = model.config._attn_implementation
-    original_precision = torch.get_float32_matmul_precision()
     checkpointed = [
         module
         for module in model.modules()
@@ -58,12 +59,10 @@ def statistics_mode(model: PreTrainedModel, tf32: bool) -> Iterator[None]:
     for module in checkpointed:
         module.training = True
         module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
     try:
-        with torch.enable_grad(), without_kv_cache(model):
+        with torch.enable_grad(), without_kv_cache(model), matmul_precision(tf32):
             yield
     finally:
-        torch.set_float32_matmul_precision(original_precision)
         for module, function in checkpoint_functions.items():
             if function is None:
                 del module._gradient_checkpointing_func
@@ -259,9 +258,8 @@ class GradientProducts:
                 if method == "triton":
                     from .triton_kernels import score_gradient_products_fused
 
-                    tf32 = torch.get_float32_matmul_precision() != "highest"
                     products = score_gradient_products_fused(
-                        *saved, grad_output.transpose(1, 2), augmented, mask, scaling, is_causal, tf32
+                        *saved, grad_output.transpose(1, 2), augmented, mask, scaling, is_causal, tf32_matmuls()
                     )
                 else:
                     products = score_gradient_products(

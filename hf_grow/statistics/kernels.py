@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -250,3 +250,42 @@ def triton_available(device: torch.device) -> bool:
 def without_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     """Statistics products in their own dtype even when the caller runs the model under autocast."""
     return torch.autocast(device.type, enabled=False)
+
+
+#: The backends whose float32 matmuls the statistics run in IEEE float32 or TF32 (torch's per-backend API, 2.9 on).
+_MATMUL_BACKENDS = ("cuda", "mkldnn")
+
+
+@contextlib.contextmanager
+def matmul_precision(tf32: bool) -> Iterator[None]:
+    """Float32 matmuls on TF32 tensor cores or in IEEE float32 for the pass, the caller's settings restored after it.
+
+    Through the per-backend API where torch has it: once a backend's precision was set that way (transformers'
+    ``TrainingArguments(tf32=...)`` does), the global getter raises, and the global setter pins every backend, so
+    a later generic setting (``torch.backends.fp32_precision``) would reach none of them.
+    """
+    if not hasattr(torch.backends, "fp32_precision"):  # torch before 2.9
+        original = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(original)
+        return
+    backends = [getattr(torch.backends, name).matmul for name in _MATMUL_BACKENDS]
+    original = [backend.fp32_precision for backend in backends]
+    for backend in backends:
+        backend.fp32_precision = "tf32" if tf32 else "ieee"
+    try:
+        yield
+    finally:
+        for backend, value in zip(backends, original):
+            backend.fp32_precision = value
+
+
+def tf32_matmuls() -> bool:
+    """Whether CUDA float32 matmuls run on TF32 tensor cores now (in a pass: as `matmul_precision` set them)."""
+    if not hasattr(torch.backends, "fp32_precision"):
+        return torch.get_float32_matmul_precision() != "highest"
+    return torch.backends.cuda.matmul.fp32_precision == "tf32"
+
