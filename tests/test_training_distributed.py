@@ -307,3 +307,37 @@ def test_ddp_options_growth_cannot_follow_are_refused_before_any_change(one_proc
     with pytest.raises(ValueError, match="does not support DDP's PowerSGD communication hook"):
         grow_in_training(compressed, optimizer, None, 8, mode="zero")
     assert model.config.qk_head_dims == [8, 8]
+
+
+def test_a_failed_line_search_leaves_the_ddp_wrapper_synchronizing(one_process_group, stdlib_bytes, monkeypatch):
+    """The growth widens Q/K before its line search: one that failed (and was caught) left DDP's buckets at the old
+    shapes, so training on through the wrapper reduced no gradient (2 processes: every replica drifted apart)."""
+    from accelerate import Accelerator
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from hf_grow.training import grow as grow_module
+
+    torch.manual_seed(0)
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    reduced = []
+
+    def counting_allreduce(state, bucket):
+        reduced.append(bucket.buffer().numel())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    wrapped.register_comm_hook(None, counting_allreduce)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=3e-3)
+    batches = lm_batches(stdlib_bytes["train"], 4, batch_size=4, seed=46)
+
+    def failing_search(*args, **kwargs):
+        raise RuntimeError("the line search ran out of memory")
+
+    monkeypatch.setattr(grow_module, "search_and_report", failing_search)
+    with pytest.raises(RuntimeError, match="ran out of memory"):
+        grow_in_training(wrapped, optimizer, batches[:2], 8, eval_dataloader=batches[2:3],
+                         accelerator=Accelerator(cpu=True), cross_fit=False)
+    assert model.config.qk_head_dims == [16, 16]  # grown, at the old function
+    reduced.clear()
+    train_steps(wrapped, optimizer, batches[3:], 0, 1)
+    assert sum(reduced) == sum(parameter.numel() for parameter in model.parameters())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import time
@@ -29,6 +30,7 @@ from .resize import Optimizers, check_growable, resize_qk_, torch_optimizers
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+logger = logging.getLogger("hf_grow")
 
 #: The solved modes (`SOLVED_MODES`; without a config they solve from the cross-fitted M where the statistics can
 #: have two halves, `_in_training_defaults`) and the baselines.
@@ -300,12 +302,25 @@ def grow_in_training(
             prepared, model, measure_realized_gains=config.measure_realized_gains, progress=progress and is_main,
             started=started,
         )
-    except BaseException:
-        write_weights(adapter, model, at_zero)  # the old function, at the new width: a single process can go on
+    except BaseException as error:
+        write_weights(adapter, model, at_zero)  # the old function, at the new width: training can go on
+        if isinstance(error, Exception):  # every process is here (they fail together): DDP's buckets rebuilt
+            _synchronize_after_failure(_qk_parameters(model, adapter, at_zero), wrappers, accelerator)
         raise
     synchronize_after_growth(_qk_parameters(model, adapter, at_zero), wrappers, accelerator)
     model.growth_report = report
     return report
+
+
+def _synchronize_after_failure(parameters: list[Tensor], wrappers: list, accelerator: Accelerator | None) -> None:
+    """`synchronize_after_growth` where the line search failed: a DDP wrapper left with the old shapes' buckets
+    would let training go on without synchronizing anything. A failure of that too (the process group broken)
+    is a warning: the growth's own error is the one raised."""
+    try:
+        synchronize_after_growth(parameters, wrappers, accelerator)
+    except Exception as error:  # the collectives' errors come in many types
+        logger.warning("the growth failed, and the processes could not be made consistent after it (%s): do not "
+                       "train on through the DistributedDataParallel wrapper", error)
 
 
 def _qk_parameters(model: PreTrainedModel, adapter: ArchitectureAdapter, layers: Iterable[int]) -> list[Tensor]:

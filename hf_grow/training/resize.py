@@ -201,7 +201,9 @@ def resize_qk_(
     old queries times ``scaling_before / scaling_after``, as every mode but "refactor" does); otherwise the Q/K
     state is reset to zero. New dimensions start at zero, or with ``new_moments="head_mean"`` their second moments
     at the mean of the old entries' of the same head and role (`hf_grow.optimizer_state`); entries that are not
-    Q/K (GPT-2's fused values) and scalars (``step``) are kept.
+    Q/K (GPT-2's fused values) and scalars (``step``) are kept. A model trained through DistributedDataParallel
+    is resized on every process with the same weights, and the wrapper's gradient buckets rebuilt after it
+    (`hf_grow.distributed.rebuild_ddp_buckets_`): its buckets of the old shapes would synchronize nothing.
     """
     adapter = get_adapter(model)
     optimizers = torch_optimizers(optimizer)
