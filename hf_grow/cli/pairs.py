@@ -33,8 +33,9 @@ def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
         help="text pairs (anchor, positive) to grow a SentenceTransformer on with MultipleNegativesRankingLoss: a "
         ".tsv (two tab-separated texts a line), .jsonl or .csv file, or a datasets name (its --split)",
     )
-    pairs.add_argument("--pair-columns", nargs=2, metavar=("ANCHOR", "POSITIVE"),
-                       help="the pair's columns in a .jsonl or .csv file or a dataset (default: the first two)")
+    pairs.add_argument("--pair-columns", nargs="+", metavar="COLUMN",
+                       help="the pair's two columns in a .jsonl or .csv file or a dataset (default: the first two), "
+                       "or three: anchor, positive and hard negative")
     pairs.add_argument("--eval-pairs", type=int,
                        help="held-out pairs for the line search: the last ones (default 10%% in whole batches, at "
                             "least one batch)")
@@ -55,6 +56,9 @@ def check_pairs_arguments(args: argparse.Namespace, text_options: list[str]) -> 
     if args.batch_size < 2:
         raise CommandError(f"--batch-size must be at least 2 with --pairs (the other pairs of a batch are a pair's "
                            f"negatives), got {args.batch_size}")
+    if args.pair_columns is not None and len(args.pair_columns) not in (2, 3):
+        raise CommandError(f"--pair-columns takes two columns (anchor, positive) or three (anchor, positive, "
+                           f"negative), got {len(args.pair_columns)}")
     if args.eval_pairs is not None and args.eval_pairs < 2:
         raise CommandError(f"--eval-pairs must be at least 2 (the other pairs of a batch are a pair's negatives), "
                            f"got {args.eval_pairs}")
@@ -146,7 +150,7 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
     return_free_memory()
     output = Path(args.output_dir)
     used = sum(len(next(iter(batch.values()))["input_ids"]) for batch in statistics_pairs)
-    data = f"{used} text pairs from {args.pairs}"
+    data = f"{used} text {'triplets' if len(pairs[0]) == 3 else 'pairs'} from {args.pairs}"
 
     def write(folder: Path) -> None:
         grown.save(str(folder))  # its modules, tokenizer and the grown transformers model
