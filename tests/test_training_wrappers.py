@@ -329,6 +329,14 @@ def test_the_grown_base_of_any_peft_wrapping_is_saved(model, tmp_path):
     with torch.no_grad(), peft_model.disable_adapter():
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "base")(input_ids=ids).logits,
                                    peft_model(input_ids=ids).logits, rtol=0, atol=0)
+    # merge_adapter() (fast evaluation during training) adds the delta into the base layers: saved as the base,
+    # resuming applied the adapter twice
+    merged = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["c_fc"], fan_in_fan_out=True,
+                                                             init_lora_weights=False))
+    merged.merge_adapter()
+    with pytest.raises(ValueError, match=r"merged into 2 layers .*: call peft_model.unmerge_adapter\(\) first"):
+        save_grown_base(merged, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
 
 
 @pytest.mark.parametrize("architecture", ["gpt2", "llama", "bert"])

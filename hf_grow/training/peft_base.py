@@ -18,6 +18,11 @@ def save_grown_base(peft_model: nn.Module, folder: str | os.PathLike) -> None:
     an adapter wraps is saved under its own name from the module it wraps (`_wrapped`), without copying the model.
     """
     base = peft_model.get_base_model()
+    # a merged adapter's delta sits in its base layer's weights: saved so, resuming would add it a second time
+    merged = [name for name, module in base.named_modules() if getattr(module, "merged", None) is True]
+    if merged:
+        raise ValueError(f"the adapter is merged into {len(merged)} layers ({merged[0]}, ...): call "
+                         "peft_model.unmerge_adapter() first, so that the base saved holds its own weights alone")
     state: dict[str, Tensor] = {}
     _collect_base_state(base, "", state)
     base.save_pretrained(folder, state_dict=state)
