@@ -341,3 +341,15 @@ def test_a_failed_line_search_leaves_the_ddp_wrapper_synchronizing(one_process_g
     reduced.clear()
     train_steps(wrapped, optimizer, batches[3:], 0, 1)
     assert sum(reduced) == sum(parameter.numel() for parameter in model.parameters())
+
+
+def test_zero_redundancy_optimizer_is_refused_before_any_change(one_process_group):
+    """Its state lives in its own partition's inner optimizer: accepted, the growth ran and the next step crashed in
+    Adam with a shape error on the process whose partition held the query/key weights."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = GrownGPT2LMHeadModel(grown_config(8))
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(ValueError, match="cannot remap the state of ZeroRedundancyOptimizer: its state is sharded"):
+        grow_in_training(model, optimizer, None, 8, mode="zero")
+    assert model.config.qk_head_dims == [8, 8]

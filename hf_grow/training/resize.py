@@ -45,6 +45,7 @@ UNREMAPPABLE_OPTIMIZERS = {
     "Rprop": "its per-entry step sizes start at the learning rate, not at zero",
     "ASGD": "it keeps an average of the weights themselves",
     "LBFGS": "its curvature history holds all parameters flattened together",
+    "ZeroRedundancyOptimizer": "its state is sharded across processes by parameter partition (like FSDP's)",
 }
 
 
