@@ -56,8 +56,9 @@ def merged_if_peft(model: PreTrainedModel) -> PreTrainedModel:
     if prompt_learning:
         raise ValueError(
             f"{type(model).__name__} holds prompt-learning adapters {prompt_learning} (virtual tokens, not weights), "
-            "which cannot be merged into the model: grow its base model (peft_model.get_base_model()) and add the "
-            "adapter again"
+            "which cannot be merged into the model: grow its base model (peft_model.get_base_model()) and add a "
+            "prompt-tuning adapter again (prefix tuning's key prefixes have the old query/key width: it cannot run "
+            "on a grown model)"
         )
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper  # modules_to_save, trainable tokens
