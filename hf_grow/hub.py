@@ -30,6 +30,8 @@ from .sentence import is_sentence_transformer, transformer_module
 logger = logging.getLogger("hf_grow")
 
 
+#: The files of which one makes a saved tokenizer (its config; a fast tokenizer's own file).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 #: What a push leaves out of a folder: what transformers' Trainer writes beside a model it saves into its output
 #: folder (its run's arguments, a pickle; state, results, a checkpoint's state; as the Trainer's own push does), and
 #: a PEFT adapter saved there, which from_pretrained would apply to the grown model.
@@ -74,10 +76,13 @@ def _files_to_push(folder: Path) -> list[Path]:
     auto_map = json.loads(config_path.read_text()).get("auto_map")
     if not auto_map:
         raise ValueError(f"the config in {folder} has no auto_map: is it a model grown by hf_grow?")
-    needed = {f"{reference.split('.')[0]}.py" for reference in auto_map.values()} | {REPORT_FILENAME}
+    needed = {f"{reference.split('.')[0]}.py" for reference in auto_map.values()}
     missing = sorted(name for name in needed if not (folder / name).is_file())
     if missing:
         raise ValueError(f"{folder} lacks {', '.join(missing)}: save the grown model with its save_pretrained")
+    if not (folder / REPORT_FILENAME).is_file():
+        raise ValueError(f"{folder} lacks {REPORT_FILENAME}: a grown model loaded with from_pretrained and saved "
+                         f"again writes none; copy the {REPORT_FILENAME} of the folder it was grown into here")
     # every file, those of its folders too (a SentenceTransformer's modules, a tokenizer's chat templates); none
     # hidden, none of a Trainer's run in the same folder (`LEFT_OUT_FILES`, `RUN_FOLDERS`), no PEFT adapter
     files, left_out = [], []
@@ -110,7 +115,9 @@ def _stale_weights(in_repo: Iterable[str], pushed: Collection[str]) -> list[str]
 def _save_model(model: nn.Module, folder: Path, tokenizer: PreTrainedTokenizerBase | None, repo_id: str) -> str | None:
     """Save a grown model or `SentenceTransformer` to ``folder`` for `push_to_hub`; the name of its base model."""
     if getattr(model, "growth_report", None) is None:
-        raise ValueError("the model has no growth_report: push a model returned by hf_grow.grow_model")
+        raise ValueError("the model has no growth_report: push a model returned by hf_grow.grow_model, or give a "
+                         "grown model loaded with from_pretrained the report of the folder it was grown into "
+                         "(model.growth_report = hf_grow.load_growth_report(folder))")
     if is_sentence_transformer(model):
         model.save(str(folder))  # its modules, tokenizer and the grown transformers model
         return transformer_module(model).model.config.name_or_path or None
@@ -139,7 +146,8 @@ def push_to_hub(
 
     ``folder_or_model``: a folder written by the grown model's `save_pretrained` (and the tokenizer's) or by a
     grown `SentenceTransformer`'s ``save``, or a grown model or `SentenceTransformer` (saved to a temporary folder
-    first; a transformers model with ``tokenizer`` when given). A folder's ``README.md`` is the card; a model's
+    first; a transformers model with ``tokenizer`` when given; a folder is pushed as it is, and ``tokenizer`` with a
+    folder is refused: save it into the folder). A folder's ``README.md`` is the card; a model's
     card, or a folder's without one, is made (`model_card`, with ``base_model``); metadata the Hub refuses (local
     paths as base model or datasets) is left out of the committed card. The repository is created if needed
     (``private``), and ``revision`` names a branch, created if needed; weight files that a push there before left
@@ -161,6 +169,12 @@ def push_to_hub(
             folder = Path(folder_or_model)
             if not folder.is_dir():
                 raise ValueError(f"{folder} is not a folder: pass a saved grown model's folder or the model itself")
+            if tokenizer is not None:  # a folder is pushed as it is: the tokenizer would be left out
+                raise ValueError(f"tokenizer= is saved with a model, and {folder} is a folder: save the tokenizer into "
+                                 "it (tokenizer.save_pretrained(folder)) and push the folder without tokenizer=")
+            if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+                logger.warning("pushing %s without a tokenizer: save the tokenizer into it (tokenizer.save_pretrained)"
+                               " so that others can use it", folder)
             existing = folder / CARD_FILENAME if (folder / CARD_FILENAME).is_file() else None
         files = _files_to_push(folder)
         if existing is not None:

@@ -109,11 +109,17 @@ def test_push_a_model_commits_everything_once(grown, model_folder, tmp_path):
     assert load_growth_report(tmp_path).to_dict() == report.to_dict()
 
 
-def test_push_a_folder_to_a_branch(grown, tmp_path):
-    model, _ = grown
+def test_push_a_folder_to_a_branch(grown, tmp_path, caplog):
+    model, tokenizer = grown
     model.save_pretrained(tmp_path / "saved")
     api = FakeApi()
-    push_to_hub(tmp_path / "saved", "me/grown", revision="experiment", commit_message="grown", api=api)
+    # tokenizer= with a folder was dropped without a word (the folder is pushed as it is)
+    with pytest.raises(ValueError, match=r"save the tokenizer into it \(tokenizer.save_pretrained\(folder\)\)"):
+        push_to_hub(tmp_path / "saved", "me/grown", api=api, tokenizer=tokenizer)
+    assert api.calls == []
+    with caplog.at_level(logging.WARNING, logger="hf_grow"):
+        push_to_hub(tmp_path / "saved", "me/grown", revision="experiment", commit_message="grown", api=api)
+    assert "without a tokenizer: save the tokenizer into it" in caplog.text
     assert api.calls[1] == ("create_branch", "me/grown", {"branch": "experiment", "exist_ok": True})
     assert api.calls[2][2] == {"commit_message": "grown", "revision": "experiment"}
     assert set(api.files) == GROWN_FILES  # a card was made for the folder, which is left as it was
@@ -211,12 +217,22 @@ def test_bad_pushes_are_refused_before_anything(grown, tmp_path, monkeypatch):
     plain.save_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match="no auto_map"):
         push_to_hub(tmp_path / "plain", "me/plain", api=api)
-    with pytest.raises(ValueError, match="no growth_report"):
+    with pytest.raises(ValueError, match=r"no growth_report: .*= hf_grow.load_growth_report\(folder\)"):
         push_to_hub(plain, "me/plain", api=api)
+    loaded = AutoModelForCausalLM.from_pretrained(_saved(model, tmp_path / "grown"))  # no report: fine-tuned, say
+    loaded.save_pretrained(tmp_path / "fine-tuned")
+    with pytest.raises(ValueError, match="lacks growth_report.json: a grown model loaded with from_pretrained and "
+                                         "saved again writes none; copy the growth_report.json"):
+        push_to_hub(tmp_path / "fine-tuned", "me/fine-tuned", api=api)
     monkeypatch.setattr(hub, "is_offline_mode", lambda: True)
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
         push_to_hub(model, "me/grown", api=api)
     assert api.calls == []
+
+
+def _saved(model, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    return folder
 
 
 def test_only_the_main_process_pushes(grown, monkeypatch):
