@@ -76,12 +76,13 @@ def test_an_interrupted_or_failed_write_leaves_the_old_output_and_says_what_was_
 
 
 @pytest.mark.parametrize("case", ["a report inside the output", "offloading into the input", "a mount point",
-                                  "a report folder that cannot be written"])
+                                  "a report folder that cannot be written", "the current folder"])
 def test_outputs_that_would_break_the_output_or_the_input_are_refused_before_any_work(model_folder, tmp_path, capsys,  # noqa: F811
                                                                                       monkeypatch, case):
     """A --report inside --output-dir replaced a file of the grown model (exit 0, a model that did not load); an
     --offload-dir inside the input folder left M's files there when killed; an output folder that is a mount point
-    (a container's volume) failed at the rename, after all the work."""
+    (a container's volume) failed at the rename, after all the work; the current folder (``--output-dir .``) was
+    replaced whole, the shell left in a deleted copy that showed nothing."""
     import shutil
 
     output = tmp_path / "grown"
@@ -93,7 +94,11 @@ def test_outputs_that_would_break_the_output_or_the_input_are_refused_before_any
         "offloading into the input": ["--offload-dir", str(model_folder / "offload")],
         "a mount point": [],
         "a report folder that cannot be written": ["--report", str(tmp_path / "read-only" / "report.json")],
+        "the current folder": [],
     }[case]
+    if case == "the current folder":
+        output.mkdir()
+        monkeypatch.chdir(output / ".")
     if case == "a mount point":
         output.mkdir()
         monkeypatch.setattr(os.path, "ismount", lambda path: os.fspath(path) == os.fspath(output))
@@ -107,7 +112,8 @@ def test_outputs_that_would_break_the_output_or_the_input_are_refused_before_any
     error = capsys.readouterr().err
     expected = {"a report inside the output": "lies inside --output-dir",
                 "offloading into the input": "is inside the input", "a mount point": "is a mount point",
-                "a report folder that cannot be written": "its folder cannot be written"}[case]
+                "a report folder that cannot be written": "its folder cannot be written",
+                "the current folder": "is the current folder or holds it"}[case]
     assert expected in error and len(error.strip().splitlines()) == 1, error
     assert sorted(path.name for path in model_folder.iterdir()) == before
 
@@ -212,7 +218,8 @@ def test_a_failed_push_comes_after_the_summary(model_folder, tmp_path, capsys, m
 
 def test_a_folder_made_for_the_output_keeps_its_permissions(tmp_path):
     """An empty folder made beforehand (private, or a group's) is replaced by the staged one: it keeps its mode and
-    its group (with the mode alone, a group's folder shut its group out)."""
+    its group (with the mode alone, a group's folder shut its group out), and its owner where root writes it (a
+    folder of a user's, mounted into a container: its files came back root's, which that user could not remove)."""
     from hf_grow.cli.running import write_folder_atomically
 
     output = tmp_path / "grown"
@@ -226,6 +233,12 @@ def test_a_folder_made_for_the_output_keeps_its_permissions(tmp_path):
     assert written and (output / "config.json").read_text() == "{}"
     assert oct(output.stat().st_mode & 0o777) == oct(0o770) and output.stat().st_gid == group  # the group kept
     assert (output / "config.json").stat().st_gid == group  # its files' too
+    if os.geteuid() == 0:
+        (output / "config.json").write_text('{"model_type": "gpt2"}')  # a saved model, which --overwrite replaces
+        os.chown(output, 1000, group)
+        write_folder_atomically(output, lambda folder: (folder / "config.json").write_text("{}"), overwrite=True,
+                                done=lambda: written.append(True))
+        assert output.stat().st_uid == (output / "config.json").stat().st_uid == 1000
 
 
 def test_a_tilde_the_shell_left_is_expanded_in_every_path(tmp_path, monkeypatch):

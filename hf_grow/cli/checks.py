@@ -183,6 +183,12 @@ def check_output_folder(output: Path, overwrite: bool) -> None:
             f"--output-dir {output} is a mount point, which the finished model cannot be renamed into: give a folder "
             "inside it"
         )
+    cwd = Path.cwd().resolve()
+    if output.resolve() in (cwd, *cwd.parents):  # replaced whole, a shell in it would sit in the deleted old folder
+        raise CommandError(
+            f"--output-dir {output} is the current folder or holds it: the finished model replaces the folder whole, "
+            "leaving this shell in a deleted copy; give a folder beside it (e.g. --output-dir ../NAME) or cd out first"
+        )
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         if not overwrite:
             raise CommandError(f"{output} exists and is not empty: choose another --output-dir or pass --overwrite")

@@ -51,9 +51,11 @@ def write_folder_atomically(output: Path, write, overwrite: bool, done: Callable
         check_output_folder(output, overwrite)
         if output.exists():  # a folder made for the model keeps its permissions (a shared group's, a private one)
             made = output.stat()
-            with contextlib.suppress(OSError):  # the group, to the files too, where this user may give it (a member)
+            # its group, to the files too, where this user may give it (a member); its owner where root runs this
+            owner = made.st_uid if hasattr(os, "geteuid") and os.geteuid() == 0 else -1
+            with contextlib.suppress(OSError):
                 for path in [staging, *staging.rglob("*")]:
-                    os.chown(path, -1, made.st_gid)
+                    os.chown(path, owner, made.st_gid)
             os.chmod(staging, stat.S_IMODE(made.st_mode))
             output.rename(replaced)
         staging.rename(output)
