@@ -88,7 +88,7 @@ def _grow_and_write(args: argparse.Namespace, accelerator, started: float) -> No
     tokenizer = load_tokenizer(args)
     statistics_batches, held_out_batches = text_batches(args, tokenizer, objective, is_main)  # data before the model
     if statistics is not None:
-        check_statistics_text(args, statistics, statistics_batches[: args.config.max_batches])
+        check_statistics_text(args, statistics, statistics_batches[: args.config.max_batches], objective)
     else:
         processes = 1 if accelerator is None else accelerator.num_processes
         check_cross_fit_batches(args.config.cross_fit, len(statistics_batches[: args.config.max_batches]), processes)

@@ -192,11 +192,14 @@ def load_statistics(path: str) -> GrowthStatistics:
         raise CommandError(f"{error}: pass a file written by `hf-grow inspect --save-stats`") from None
 
 
-def check_statistics_text(args: argparse.Namespace, statistics: GrowthStatistics, batches: list) -> None:
+def check_statistics_text(
+    args: argparse.Namespace, statistics: GrowthStatistics, batches: list, objective: str
+) -> None:
     """Refuse ``--stats`` of another number of tokens or batches than the statistics ``batches`` these data options
     give (the first ``--max-batches``, as `hf-grow inspect` takes them): collected with other data options, the
     held-out text could lie inside the text of the statistics, and the card would name data they were not collected
-    on. Other text of the same size is not detected (the statistics carry no fingerprint of their text)."""
+    on; and of another number of loss terms (a masked LM's masks drawn with another ``--mlm-probability`` or
+    ``--seed``). Other text of the same size is not detected (the statistics carry no fingerprint of their text)."""
     tokens = sum(int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
                  for batch in batches)
     if (statistics.num_tokens, statistics.num_batches) != (tokens, len(batches)):
@@ -205,6 +208,14 @@ def check_statistics_text(args: argparse.Namespace, statistics: GrowthStatistics
             f"{statistics.num_batches:,} batches, but these data options give {tokens:,} tokens in {len(batches):,} "
             "batches for the statistics: pass the data options of the `hf-grow inspect --save-stats` run (--data or "
             "--dataset, --max-tokens, --seq-len, --batch-size, --max-batches and the held-out options)"
+        )
+    shift = 1 if objective == "causal" else 0  # a causal LM's labels are shifted: the first predicts nothing
+    terms = sum(int((batch["labels"][..., shift:] != -100).sum()) for batch in batches)
+    if statistics.loss_weight is not None and statistics.loss_weight != terms:
+        masks = " (the masks: --mlm-probability and --seed)" if objective == "masked" else ""
+        raise CommandError(
+            f"--stats {args.stats} holds the statistics of {statistics.loss_weight:,} loss terms, but these data "
+            f"options give {terms:,}: pass the options of the `hf-grow inspect --save-stats` run{masks}"
         )
 
 
