@@ -2,6 +2,7 @@
 outputs that would break the output or the input are refused before any work, an ignored signal stays ignored."""
 
 import os
+import re
 
 import pytest
 
@@ -257,3 +258,25 @@ def test_a_tilde_the_shell_left_is_expanded_in_every_path(tmp_path, monkeypatch)
         f"{tmp_path}/model", f"{tmp_path}/grown", f"{tmp_path}/r.json", f"{tmp_path}/s"]
     assert [second[name] for name in ("model", "json", "plot", "save_stats")] == [
         f"{tmp_path}/model", f"{tmp_path}/i.json", f"{tmp_path}/p.png", f"{tmp_path}/s"]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--private", "--revision", "v2"], "--private, --revision apply to --push-to-hub, which is not given"),
+    (["--eval-pairs", "16"], "--eval-pairs applies to --pairs, which is not given"),
+    (["--seed", str(2**70)], "--seed must fit in 64 bits"),
+])
+def test_flags_that_would_do_nothing_or_crash_are_one_line_errors(tmp_path, capsys, flags, expected):
+    """They ran without a word (a forgotten --push-to-hub pushed nothing), or with a traceback (a seed past 64 bits,
+    in torch.manual_seed after the data was read)."""
+    output = tmp_path / "grown"
+    assert cli.main(["gpt2", "--data", "/nonexistent/never-read.txt", "--output-dir", str(output), *flags]) == 2
+    error = capsys.readouterr().err
+    assert expected in error and len(error.strip().splitlines()) == 1, error
+    assert not output.exists()
+
+
+def test_a_negated_flag_says_what_it_turns_off(capsys):
+    """HfArgumentParser gave --no-measure-realized-gains the help of the flag it negates."""
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert re.search(r"--no-measure-realized-gains.*\n\s+do not: evaluate the held-out loss", capsys.readouterr().out)

@@ -150,6 +150,8 @@ def build_parser() -> HfArgumentParser:
             action.help, action.default = EVAL_FRACTION_HELP, None
         if action.dest in FOR_TRAINING:  # None: not given, the config's default or --for-training's
             action.default = None
+        if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser copies the help of what it negates
+            action.help = f"do not: {action.help}"
     growth = next(group for group in parser._action_groups if group.title == GrowthConfig._argument_group_name)
     growth.add_argument("--for-training", action="store_true", help=FOR_TRAINING_HELP)
     _add_model_argument(parser)
