@@ -110,7 +110,7 @@ def test_several_passes_need_the_same_data_each_time(three_layers, stdlib_bytes)
                     torch.rand(batch["labels"].shape, generator=generator) < 0.5, -100)}
 
     masked = MaskedAnew()
-    with pytest.raises(ValueError, match=r"batch 1 of statistics 2/\d has \d+ loss terms, more batches of that many"):
+    with pytest.raises(ValueError, match=r"batch 0 of statistics 2/\d has \d+ loss terms, more batches of that many"):
         collect_statistics(model, masked, adapter, memory_budget=budget)
     assert masked.served == [6, 1]
 
@@ -204,6 +204,8 @@ def test_wrapped_models_are_unwrapped(trained_gpt2, stdlib_bytes):
 
 
 def test_non_finite_inputs_name_the_layer_and_batch(gpt2_copy, stdlib_bytes):
+    """By the dataloader's index, as the batch checks do: after a skipped batch (no loss term) the error named the
+    batch before the bad one."""
     model = gpt2_copy
     calls = []
 
@@ -213,8 +215,10 @@ def test_non_finite_inputs_name_the_layer_and_batch(gpt2_copy, stdlib_bytes):
             return output * float("nan")  # a GPT2Block returns its hidden states
 
     handle = model.transformer.h[0].register_forward_hook(nan_after_layer_zero_on_second_batch)
-    with pytest.raises(FloatingPointError, match="inputs to the attention of layer 1 at batch 1"):
-        collect_statistics(model, lm_batches(stdlib_bytes["stats"], 3, batch_size=2), get_adapter(model))
+    batches = lm_batches(stdlib_bytes["stats"], 3, batch_size=2)
+    skipped = {**batches[0], "labels": torch.full_like(batches[0]["labels"], -100)}  # no forward pass: skipped
+    with pytest.raises(FloatingPointError, match="inputs to the attention of layer 1 at batch 2"):
+        collect_statistics(model, [skipped, *batches], get_adapter(model))
     handle.remove()
 
 
@@ -354,7 +358,7 @@ def test_float64_products_that_overflow_float32_sums_name_the_layer_and_batch():
     product = torch.randn(3, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     sums.add_gradient(0, product)
     torch.testing.assert_close(sums.gradients[0], product.float(), rtol=0, atol=0)
-    sums.batch_index = 4
+    sums.batch_number = 4
     with pytest.raises(FloatingPointError, match="layer 0 overflowed torch.float32 at batch 4: accumulate in float64"):
         sums.add_gradient(0, torch.full((3, 5, 5), 1e39, dtype=torch.float64))
 

@@ -223,8 +223,8 @@ def collect_statistics(
                     raise ValueError(
                         "the data changed between passes over it (tokens, batches, skipped, loss terms, loss sum: "
                         f"{first_pass} in pass 1, {counts} in pass {index + 1}): memory_budget needs the same "
-                        "batches on every pass (no random masking or cropping in the collator), or a larger budget "
-                        "for a single pass."
+                        "batches on every pass (no random masking or cropping in the collator, no shuffling "
+                        "DataLoader: shuffle=False), or a larger budget for a single pass."
                     )
                 # each layer's half and rest would weigh other batches (batches of equal weight in another order
                 # pass: each layer's halves are then another split of the same data, each consistent)
@@ -340,17 +340,17 @@ def _collect_pass(
                     weights[weight] += 1
                 elif left[weight] == 0:
                     raise ValueError(
-                        f"the data changed between passes over it: batch {number + 1} of {description} has {weight} "
+                        f"the data changed between passes over it: batch {number} of {description} has {weight} "
                         "loss terms, more batches of that many than pass 1 had: memory_budget needs the same batches "
-                        "on every pass (no random masking or cropping in the collator), or a larger budget for a "
-                        "single pass."
+                        "on every pass (no random masking or cropping in the collator, no shuffling DataLoader: "
+                        "shuffle=False), or a larger budget for a single pass."
                     )
                 else:
                     left[weight] -= 1
                 if weight == 0:
                     skipped += 1  # no loss term (every label -100): the model's loss would be 0 / 0
                 else:
-                    collector.step(model, batch, loss_fn, weight)
+                    collector.step(model, batch, loss_fn, weight, number)
                 bar.update()
                 if max_batches is not None and collector.sums.batch_index >= max_batches:
                     break

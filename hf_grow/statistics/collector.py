@@ -125,7 +125,9 @@ class Sums:
         self.half_loss_weight: int | None = 0 if cross_fit else None
         self.float16 = float16
         self.num_tokens = 0
-        self.batch_index = 0
+        self.batch_index = 0  # batches added (their loss terms not all ignored)
+        #: The dataloader's index of the batch being added (skipped batches counted), which errors name.
+        self.batch_number = 0
         self.loss_weight = 0
         self.loss_sum = 0.0
 
@@ -140,7 +142,7 @@ class Sums:
         product = flat.mT @ flat
         if not torch.isfinite(product).all():
             raise FloatingPointError(
-                f"non-finite inputs to the attention of layer {layer} at batch {self.batch_index}: "
+                f"non-finite inputs to the attention of layer {layer} at batch {self.batch_number}: "
                 "check the data of that batch and the model's weights."
             )
         self.second_moments[layer] += product
@@ -154,7 +156,7 @@ class Sums:
         if not torch.isfinite(contribution.sum()) and not torch.isfinite(contribution).all():
             overflow = " (float16 overflows most easily: load the model in bfloat16 or float32)" if self.float16 else ""
             raise FloatingPointError(
-                f"non-finite score gradients in layer {layer} at batch {self.batch_index}{overflow}: "
+                f"non-finite score gradients in layer {layer} at batch {self.batch_number}{overflow}: "
                 "check the loss and the data of that batch."
             )
         targets = [self.gradients[layer]] + ([self.half_gradients[layer]] if self.in_half else [])
@@ -165,7 +167,7 @@ class Sums:
         if any(not torch.isfinite(target.sum()) and not torch.isfinite(target).all() for target in targets):
             raise FloatingPointError(
                 f"the sum of score gradients of layer {layer} overflowed {targets[0].dtype} at batch "
-                f"{self.batch_index}: accumulate in float64 (accumulate_dtype) or compute in float32 (compute_dtype)."
+                f"{self.batch_number}: accumulate in float64 (accumulate_dtype) or compute in float32 (compute_dtype)."
             )
 
     def add_batch(self, tokens: int, loss_weight: int, loss: float) -> None:
@@ -378,14 +380,16 @@ class Collector:
 
         return hook
 
-    def step(self, model: PreTrainedModel, batch: Any, loss_fn: LossFn | None, weight: int) -> float:
+    def step(self, model: PreTrainedModel, batch: Any, loss_fn: LossFn | None, weight: int, number: int) -> float:
         """Forward and backward on one batch of ``weight`` loss terms, accumulating C and M. Returns its loss.
+        ``number``: its index in the dataloader, which errors name (as the batch checks do).
 
         Backward runs on the loss times ``weight``, the sum over its terms: M sums those (see `GrowthStatistics`),
         and each term's gradient is of order one, which keeps float16 score gradients from underflowing. Every
         forward pass the loss makes with gradient counts its real tokens in C and its score gradients in M (one
         without, a teacher's or a guide's, counts in neither).
         """
+        self.sums.batch_number = number
         self.products.inputs.clear()
         self.anchors.clear()
         self.passes = self.passes_with_gradient = self.pass_tokens = 0
@@ -393,12 +397,12 @@ class Collector:
         loss = compute_loss(model, batch, loss_fn)
         if self.passes == 0:
             raise ValueError(
-                f"the loss of batch {self.sums.batch_index} ran no forward pass of the model: loss_fn(model, batch) "
+                f"the loss of batch {self.sums.batch_number} ran no forward pass of the model: loss_fn(model, batch) "
                 "must compute its loss with the model it is given."
             )
         if self.passes_with_gradient == 0:  # a pass without (a teacher's, a guide's) beside one with is fine
             raise ValueError(
-                f"the loss of batch {self.sums.batch_index} ran the model only without gradient (under torch.no_grad "
+                f"the loss of batch {self.sums.batch_number} ran the model only without gradient (under torch.no_grad "
                 "or inference_mode): its scores' gradients cannot reach M. sentence-transformers' Cached* losses "
                 "(GradCache) embed so and compute gradients in a pass of their own: use the loss without the cache "
                 "(e.g. MultipleNegativesRankingLoss for CachedMultipleNegativesRankingLoss), with fewer pairs per "
@@ -408,7 +412,7 @@ class Collector:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
             raise ValueError(f"the loss must be a scalar tensor, got {shape}")
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"the loss is {loss.item()} at batch {self.sums.batch_index}")
+            raise FloatingPointError(f"the loss is {loss.item()} at batch {self.sums.batch_number}")
         anchors = list({id(anchor): anchor for anchor in self.anchors if anchor.requires_grad}.values())
         self.products.in_backward = True
         try:
