@@ -41,7 +41,11 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
             ) as target:
                 shutil.copyfileobj(source, target)
         return
-    path = Path(os.path.realpath(path))
+    given, path = path, Path(os.path.realpath(path))
+    if path.is_dir():  # the rename's error would name the temporary file
+        raise IsADirectoryError(f"{given} is a folder: give the path of a file to write")
+    if not path.parent.is_dir():  # the writer's error would name the temporary file
+        raise FileNotFoundError(f"{given}: no folder {path.parent} to write it in; create it first")
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(temporary)

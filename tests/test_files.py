@@ -25,10 +25,13 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
 
 
 def test_writing_onto_a_folder_fails_without_a_trace(tmp_path):
+    """Also in words that name the path given (the errors named a temporary file the user never gave)."""
     (tmp_path / "target").mkdir()
-    with pytest.raises(OSError):
+    with pytest.raises(IsADirectoryError, match=f"^{tmp_path / 'target'} is a folder: give the path of a file"):
         GrowthConfig().to_json_file(tmp_path / "target")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"] and not any((tmp_path / "target").iterdir())
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'missing' / 's.json'}: no folder .*; create it first"):
+        write_text_atomically(tmp_path / "missing" / "s.json", "{}")
 
 
 def test_a_link_stays_and_a_fifo_is_written_into(tmp_path):
