@@ -270,10 +270,10 @@ def test_the_draw_leaves_the_global_generators_as_they_were(stdlib_bytes, monkey
 
 def test_a_small_draw_leaves_a_batch_for_the_statistics():
     """2 batches against 1 + 3 gave (0, 2): no statistics batch."""
-    from hf_grow.training.callback import _split_counts
+    from hf_grow.training.callback_checks import split_counts
 
-    assert _split_counts(2, 1, 3) == (1, 1) and _split_counts(5, 8, 4) == (3, 2) and _split_counts(20, 8, 4) == (8, 4)
-    assert _split_counts(3, 8, 0) == (3, 0) and _split_counts(1, 8, 4) == (0, 0)
+    assert split_counts(2, 1, 3) == (1, 1) and split_counts(5, 8, 4) == (3, 2) and split_counts(20, 8, 4) == (8, 4)
+    assert split_counts(3, 8, 0) == (3, 0) and split_counts(1, 8, 4) == (0, 0)
 
 
 def test_each_growth_takes_its_own_batches_of_an_iterable_dataset(stdlib_bytes, monkeypatch):

@@ -5,13 +5,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import dataclasses
-import inspect
 import itertools
 import logging
-import math
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy
@@ -21,15 +18,14 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from transformers import PreTrainedModel, TrainerCallback
 
 from ..adapters import get_adapter
-from ..config import GrowthConfig, check_p, resolve_config
+from ..config import GrowthConfig
 from ..distributed import refuse_sharded_training, refuse_unsupported_ddp, sharded_training_message
-from ..growth import check_fast_search, check_memory_budget, resolve_growth
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
-from ..progress import known_length
 from ..report import GrowthReport
-from ..statistics import check_loss_fn, check_statistics_arguments
-from .grow import (DEFAULT_MODE, GROWTH_MODES, SOLVED_MODES, _in_training_defaults, check_init_std, grow_in_training,
-                   model_to_grow, resolved_mode)
+from .callback_checks import (check_growth_options, check_resumed_widths, check_schedule, check_schedule_layers,
+                              check_solved_growth, check_training_set_size, split_counts,
+                              warn_about_training_settings)
+from .grow import GROWTH_MODES, SOLVED_MODES, grow_in_training, model_to_grow, resolved_mode
 from .resize import check_growable, torch_optimizers
 
 logger = logging.getLogger("hf_grow")
@@ -102,13 +98,13 @@ class GrowthCallback(TrainerCallback):
         trainer: Any | None = None,
         **growth_kwargs,
     ):
-        _check_schedule(grow_at, qk_dims_at)
+        check_schedule(grow_at, qk_dims_at)
         if mode is not None and mode not in GROWTH_MODES:
             raise ValueError(f"mode must be one of {GROWTH_MODES}, got {mode!r}")
         check_new_moments(new_moments)
         if statistics_batches < 1 or eval_batches < 1:
             raise ValueError("statistics_batches and eval_batches must be at least 1")
-        _check_growth_options(mode, config, growth_kwargs, dataloader, eval_dataloader)
+        check_growth_options(mode, config, growth_kwargs, dataloader, eval_dataloader)
         self.grow_at = dict(grow_at) if grow_at is not None else None
         self.qk_dims_at = dict(qk_dims_at) if qk_dims_at is not None else None
         self.mode = mode
@@ -136,19 +132,19 @@ class GrowthCallback(TrainerCallback):
             refuse_sharded_training(self.trainer.model_wrapped, self.trainer.accelerator)
             refuse_unsupported_ddp(self.trainer.model_wrapped)
         model = model_to_grow(model)
-        _check_resumed_widths(model, state)
+        check_resumed_widths(model, state)
         check_growable(model, get_adapter(model), torch_optimizers(optimizer))
-        _check_schedule_layers(self.grow_at, self.qk_dims_at, model)
+        check_schedule_layers(self.grow_at, self.qk_dims_at, model)
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
         mode = resolved_mode(model, self.mode)
         if mode in SOLVED_MODES:
             statistics_batches = self.statistics_batches  # a small training set shares fewer (cross_fit needs two)
             if self.dataloader is None:
                 eval_count = 0 if self.eval_dataloader is not None else self.eval_batches
-                statistics_batches = _check_training_set_size(train_dataloader, args, statistics_batches, eval_count)
-            _check_solved_growth(model, mode, self.config, self.growth_kwargs, self.dataloader, self.eval_dataloader,
+                statistics_batches = check_training_set_size(train_dataloader, args, statistics_batches, eval_count)
+            check_solved_growth(model, mode, self.config, self.growth_kwargs, self.dataloader, self.eval_dataloader,
                                  statistics_batches)
-        _warn_about_training_settings(schedule, args, state, self.trainer, self.growth_kwargs)
+        warn_about_training_settings(schedule, args, state, self.trainer, self.growth_kwargs)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         schedule = self.grow_at if self.grow_at is not None else self.qk_dims_at
@@ -187,22 +183,6 @@ class GrowthCallback(TrainerCallback):
         _log_growth(list(model.config.qk_head_dims), mode, report, args, state, control, self.trainer)
 
 
-def _check_resumed_widths(model: PreTrainedModel, state) -> None:
-    """A run resumed past a growth needs the model of its checkpoint: the growths already done (in the resumed
-    ``log_history``) are not repeated, so a model at the old widths would train on at them without a word (a PEFT
-    model's checkpoints hold its adapter alone, not the grown base)."""
-    grown = [entry["qk_head_dims"] for entry in state.log_history if "qk_head_dims" in entry]
-    widths = get_adapter(model).qk_head_dims(model.config)
-    if grown and list(grown[-1]) != list(widths):
-        raise ValueError(
-            f"resuming at step {state.global_step}, after growths to query/key widths {grown[-1]}, but the model has "
-            f"{widths}: build the model from the checkpoint (AutoModelForCausalLM.from_pretrained(checkpoint)); a "
-            "PEFT model's checkpoints hold its adapter alone, so save its grown base model after the growth "
-            "(hf_grow.save_grown_base(peft_model, folder)) and resume with "
-            "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), checkpoint, is_trainable=True)"
-        )
-
-
 def _log_growth(qk_head_dims: list[int], mode: str, report: GrowthReport | None, args, state, control,
                 trainer: Any | None) -> None:
     """Record a growth in ``state.log_history`` (and so ``trainer_state.json``) and, given the Trainer, send its
@@ -224,187 +204,6 @@ def _dims_to_reach(target: int | Sequence[int], model: PreTrainedModel) -> dict[
     current = get_adapter(model).qk_head_dims(model.config)
     targets = [target] * len(current) if isinstance(target, int) else list(target)
     return {layer: max(0, want - have) for layer, (want, have) in enumerate(zip(targets, current))}
-
-
-def _check_schedule(
-    grow_at: Mapping[int, int | Mapping[int, int]] | None, qk_dims_at: Mapping[int, int | Sequence[int]] | None
-) -> None:
-    """Exactly one schedule, at positive global steps; widths positive and non-decreasing."""
-    if (grow_at is None) == (qk_dims_at is None):
-        raise ValueError("pass exactly one of grow_at={step: p} and qk_dims_at={step: width}")
-    schedule = grow_at if grow_at is not None else qk_dims_at
-    bad_steps = [step for step in schedule if isinstance(step, bool) or not isinstance(step, int) or step <= 0]
-    if bad_steps:
-        raise ValueError(f"growth steps must be positive global steps (optimizer steps), got {bad_steps}")
-    for step, added in (grow_at or {}).items():
-        with _naming(f"grow_at[{step}]"):
-            check_p(added)
-    if qk_dims_at is not None:
-        widths = sorted(schedule.items())
-        flat = [min(w) if isinstance(w, Sequence) else w for _, w in widths]
-        if any(not isinstance(w, int) or w <= 0 for w in flat) or flat != sorted(flat):
-            raise ValueError(f"qk_dims_at must map steps to positive, non-decreasing widths, got {dict(widths)}")
-
-
-def _check_schedule_layers(
-    grow_at: Mapping[int, int | Mapping[int, int]] | None, qk_dims_at: Mapping[int, int | Sequence[int]] | None,
-    model: PreTrainedModel,
-) -> None:
-    """The schedule's layers against the model's, before training (they were found wrong at the growth step)."""
-    num_layers = len(get_adapter(model).qk_head_dims(model.config))
-    for step, added in (grow_at or {}).items():
-        with _naming(f"grow_at[{step}]"):
-            resolve_growth(added, num_layers)
-    for step, target in (qk_dims_at or {}).items():
-        if not isinstance(target, int) and len(target) != num_layers:
-            raise ValueError(f"qk_dims_at[{step}] has {len(target)} widths but the model has {num_layers} layers")
-
-
-@contextlib.contextmanager
-def _naming(entry: str) -> Iterator[None]:
-    """Errors of a check prefixed with the schedule entry they are about."""
-    try:
-        yield
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"{entry}: {error}") from None
-
-
-#: `GrowthConfig`'s fields: the growth keywords that are options (the others are `grow_in_training`'s own).
-_CONFIG_FIELDS = frozenset(option.name for option in dataclasses.fields(GrowthConfig))
-
-
-def _growth_options(config: GrowthConfig | None, growth_kwargs: Mapping[str, Any]) -> GrowthConfig:
-    """``config`` (or a default one) with the growth keywords that are its fields applied."""
-    return resolve_config(config, {name: value for name, value in growth_kwargs.items() if name in _CONFIG_FIELDS})
-
-
-def _check_growth_options(mode: str | None, config: GrowthConfig | None, growth_kwargs: Mapping[str, Any],
-                          dataloader: Iterable[Any] | None, eval_dataloader: Iterable[Any] | None) -> None:
-    """Refuse, when the callback is made, growth options that `grow_in_training` would refuse at the growth step,
-    mid-training: unknown names, bad values, the fast search in a mode that cannot take it, fixed batches that are
-    none."""
-    for name, batches in (("dataloader", dataloader), ("eval_dataloader", eval_dataloader)):
-        if known_length(batches) == 0:
-            raise ValueError(f"{name} holds no batches: pass batches, or None to draw them from the training set")
-    unknown = sorted(set(growth_kwargs) - _CONFIG_FIELDS - set(inspect.signature(grow_in_training).parameters))
-    if unknown:
-        raise TypeError(f"unknown growth option(s) {unknown}: GrowthConfig's fields or grow_in_training's keywords")
-    if growth_kwargs.get("init_std") is not None:
-        check_init_std(growth_kwargs["init_std"])
-    check_loss_fn(growth_kwargs.get("loss_fn"))
-    owned = sorted(set(growth_kwargs) & _SET_BY_THE_CALLBACK)
-    if owned:
-        raise TypeError(
-            f"GrowthCallback sets {owned} itself: the dims added come from the schedule (grow_at or qk_dims_at), the "
-            "model, optimizer and accelerator from the Trainer (with several processes pass trainer=trainer), and "
-            "the statistics are collected at each growth (pass dataloader= for fixed batches)"
-        )
-    options = _growth_options(config, growth_kwargs)
-    if options.budget is not None:
-        raise ValueError("growth in training adds p dims per layer; a budget allocation is grow_model's (budget=None)")
-    if options.p is not None:
-        raise ValueError(f"the dims added come from the schedule (grow_at or qk_dims_at), not the config's "
-                         f"p={options.p!r}: leave p out of the config")
-    if (mode or DEFAULT_MODE) in SOLVED_MODES:  # the baselines search no step
-        check_fast_search(options.search, mode or DEFAULT_MODE, "the model")
-    if options.rotate_factors and mode != "refactor":
-        raise ValueError(f"rotate_factors rewrites refactored Q/K factors: pass mode='refactor' with it (mode is "
-                         f"{mode or DEFAULT_MODE!r}, which it does not apply to)")
-
-
-def _check_solved_growth(model: PreTrainedModel, mode: str, config: GrowthConfig | None,
-                         growth_kwargs: Mapping[str, Any], dataloader: Iterable[Any] | None,
-                         eval_dataloader: Iterable[Any] | None, statistics_batches: int) -> None:
-    """Refuse, before training, what `grow_in_training` would refuse of a solved growth at the growth step that the
-    model and the options show now: a mode the architecture cannot grow by, statistics options that cannot run
-    (Triton off CUDA, an offload folder that is not one, a memory budget below one layer's statistics: with the
-    halves of cross_fit where `grow_in_training`'s default turns it on), and cross_fit on the one statistics batch
-    of each growth (the callback's ``dataloader``, or ``statistics_batches`` drawn at each growth)."""
-    adapter = get_adapter(model)
-    adapter.check_mode(model, mode)
-    options = _growth_options(config, growth_kwargs)
-    if config is None:  # grow_in_training's defaults: the batches drawn at each growth (stand-ins) or the caller's
-        drawn = dataloader is None
-        batches, eval_batches = ([None] * statistics_batches, []) if drawn else (dataloader, eval_dataloader)
-        defaults = _in_training_defaults(mode, growth_kwargs, batches, eval_batches, None, None, None)
-        options = dataclasses.replace(options, cross_fit=defaults.get("cross_fit", options.cross_fit))
-    statistics_batches = statistics_batches if dataloader is None else None
-    check_statistics_arguments(
-        options.statistics_method, next(model.parameters()).device, options.torch_compute_dtype, options.query_block,
-        options.max_batches, options.memory_budget, options.torch_accumulate_dtype, options.offload_dir,
-    )
-    check_memory_budget(model, adapter, options)
-    if statistics_batches is not None and options.max_batches is not None:
-        statistics_batches = min(statistics_batches, options.max_batches)
-    if options.cross_fit and statistics_batches is not None and statistics_batches < 2:
-        raise ValueError(
-            f"cross_fit splits each growth's statistics batches into two halves, but it gets {statistics_batches}: "
-            "pass statistics_batches=2 or more to GrowthCallback, or cross_fit=False."
-        )
-
-
-#: `grow_in_training`'s arguments that the callback passes itself.
-_SET_BY_THE_CALLBACK = frozenset({"model", "optimizer", "dataloader", "p", "accelerator", "statistics"})
-
-
-def _split_counts(available: int, statistics_batches: int, eval_batches: int) -> tuple[int, int]:
-    """The statistics and held-out batches that ``available`` batches per process give: those asked for where
-    there are enough, else ``available`` shared in their proportion, at least one of each (when any is held out;
-    none at all from fewer than two batches)."""
-    if available >= statistics_batches + eval_batches or eval_batches == 0:
-        return min(available, statistics_batches), eval_batches
-    if available < 2:
-        return 0, 0  # no statistics batch beside a held-out one: refused by the callers
-    held_out = min(available - 1, max(1, round(available * eval_batches / (statistics_batches + eval_batches))))
-    return available - held_out, held_out
-
-
-def _check_training_set_size(train_dataloader: DataLoader | None, args, statistics_batches: int,
-                             eval_batches: int) -> int:
-    """Refuse, before training, a training set too small to draw a growth's batches from; say how a small one is
-    shared (a set of known length: an IterableDataset is found short at the growth step). The statistics batches
-    each growth gets."""
-    dataset = getattr(train_dataloader, "dataset", None)
-    if not isinstance(dataset, Sized) or isinstance(dataset, IterableDataset):
-        return statistics_batches
-    batch_size = args.per_device_train_batch_size
-    available = math.ceil(len(dataset) / batch_size) // args.world_size
-    statistics, held_out = _split_counts(available, statistics_batches, eval_batches)
-    if statistics < 1:
-        raise ValueError(
-            f"the training set gives {available} batch(es) of {batch_size} per process: a growth needs one for the "
-            f"statistics{' and one held out' if eval_batches else ''}. Pass dataloader= (and eval_dataloader=) with "
-            "batches of your own, or a larger training set."
-        )
-    if (statistics, held_out) != (statistics_batches, eval_batches):
-        logger.warning(
-            "the training set gives %d batches of %d per process: each growth uses %d for the statistics and %d held "
-            "out (asked: %d and %d).", available, batch_size, statistics, held_out, statistics_batches, eval_batches
-        )
-    return statistics
-
-
-def _warn_about_training_settings(schedule: Mapping[int, Any], args, state, trainer: Any | None,
-                                  growth_kwargs: Mapping[str, Any]) -> None:
-    """Warn, before training, about settings under which a growth does not do what the Trainer would."""
-    late = sorted(step for step in schedule if step > state.max_steps)
-    if late:
-        logger.warning("growth steps %s come after the last training step (%d): those growths do not happen "
-                       "(the schedule counts optimizer steps, not batches).", late, state.max_steps)
-    if args.load_best_model_at_end:
-        logger.warning("load_best_model_at_end: checkpoints saved before a growth cannot be loaded into the grown "
-                       "model, so the best checkpoint is the best of those saved since the last growth.")
-    if "loss_fn" in growth_kwargs:
-        return
-    custom_loss = False
-    if trainer is not None:
-        from transformers import Trainer  # imported by the Trainer given
-
-        custom_loss = (type(trainer).compute_loss is not Trainer.compute_loss
-                       or getattr(trainer, "compute_loss_func", None) is not None)
-    if custom_loss or args.label_smoothing_factor:
-        logger.warning("the growths' statistics and line search use the model's own loss (outputs.loss), not the "
-                       "Trainer's compute_loss or label smoothing: pass GrowthCallback(..., loss_fn=...) for its loss.")
 
 
 def _forget_best_checkpoint(state) -> None:
@@ -445,7 +244,7 @@ def _draw_batches(
 ) -> tuple[list, list]:
     """This process's statistics and held-out batches, from the training set through the Trainer's collator,
     in an order of their own (``seed``): every process draws the same batches and takes every world_size-th (as
-    many on each; a small training set is shared as `_split_counts` says). An IterableDataset, read from its start,
+    many on each; a small training set is shared as `split_counts` says). An IterableDataset, read from its start,
     gives the ``growth_index``-th run of batches (the last ones where it ends sooner), so that each growth of a
     schedule sees batches of its own."""
     count = (statistics_batches + eval_batches) * args.world_size
@@ -461,7 +260,7 @@ def _draw_batches(
     with _generators_restored(seed, collate_fn):
         drawn = list(collections.deque(itertools.islice(loader, skipped + count), maxlen=count))
     drawn = drawn[: len(drawn) // args.world_size * args.world_size][args.process_index :: args.world_size]
-    statistics, held_out = _split_counts(len(drawn), statistics_batches, eval_batches)
+    statistics, held_out = split_counts(len(drawn), statistics_batches, eval_batches)
     if statistics < 1:
         raise ValueError(f"the training set gave {len(drawn)} batch(es) per process: a growth needs one for the "
                          f"statistics{' and one held out' if eval_batches else ''} (pass dataloader=)")
