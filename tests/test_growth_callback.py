@@ -101,9 +101,7 @@ def test_options_the_callback_sets_itself_are_refused_when_it_is_made():
     # grow_in_training's own keywords and fixed batches, refused at the growth step after the training to it
     for options, message in (({"init_std": -1.0}, "init_std must be a finite number >= 0"),
                              ({"init_std": float("nan")}, "init_std must be a finite number >= 0"),
-                             ({"loss_fn": 3}, "loss_fn must be a function"),
-                             ({"dataloader": []}, "dataloader holds no batches"),
-                             ({"eval_dataloader": []}, "eval_dataloader holds no batches")):
+                             ({"loss_fn": 3}, "loss_fn must be a function")):
         with pytest.raises(ValueError, match=message):
             GrowthCallback({3: 8}, mode="zero", **options)
     with pytest.raises(ValueError, match="init_std must be a finite number >= 0, got True"):
@@ -337,3 +335,34 @@ def test_a_peft_run_resumes_past_a_growth_as_readme_says(stdlib_bytes, tmp_path)
     ids = dataset[0]["input_ids"][None]
     with torch.no_grad(), resumed.disable_adapter(), peft_model.disable_adapter():  # the base model as it was
         torch.testing.assert_close(resumed(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+
+
+def test_fixed_batches_and_widths_are_checked_when_training_begins(tmp_path, stdlib_bytes):
+    """Held-out batches without labels, a one-shot iterator read out by the first of two growths and widths past
+    the scores' rank were refused at the growth step, after the training to it; and an empty batch list at the
+    callback's making, though under DDP a process's own shard may be empty (the other process then died in gloo)."""
+    from conftest import lm_batches
+
+    model = grown_model()
+    args, state = trainer_arguments(tmp_path), TrainerState(max_steps=6)
+    batches = lm_batches(stdlib_bytes["train"], 2, batch_size=2, seed=3)
+    unlabelled = [{"input_ids": batch["input_ids"]} for batch in batches]
+    for callback, message in (
+        (GrowthCallback({3: 8}, eval_dataloader=[]), "eval_dataloader holds no batches"),
+        (GrowthCallback({3: 8}, mode="zero", dataloader=[]), "dataloader holds no batches"),
+        (GrowthCallback({3: 8}, dataloader=batches, eval_dataloader=unlabelled),
+         "eval_dataloader batch 0 holds no labels"),
+        (GrowthCallback({2: 8, 4: 8}, dataloader=iter(batches), eval_dataloader=batches),
+         "dataloader is a one-shot iterator, which the first of the schedule's 2 growths reads out"),
+        (GrowthCallback({2: 30, 4: 30}), r"grow_at\[4\]: query/key widths \{0: 68, 1: 68\} exceed 65"),
+        (GrowthCallback(qk_dims_at={2: 100}), r"qk_dims_at\[2\]: query/key widths \{0: 100, 1: 100\} exceed 65"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            callback.on_train_begin(args, state, None, model=model, optimizer=None)
+    settings = ("deepspeed", "fsdp", "load_best_model_at_end", "label_smoothing_factor")
+    two = type("Args", (), {**{name: getattr(args, name) for name in settings}, "world_size": 2})()
+    fake_trainer = type("Trainer", (Trainer,), {"__init__": lambda self: None, "model_wrapped": model,
+                                                 "accelerator": None, "compute_loss_func": None})()
+    GrowthCallback({3: 8}, mode="zero", eval_dataloader=[], trainer=fake_trainer).on_train_begin(
+        two, state, None, model=model, optimizer=None)  # this process's shard is empty: fine under DDP
+

@@ -22,9 +22,9 @@ from ..config import GrowthConfig
 from ..distributed import refuse_sharded_training, refuse_unsupported_ddp, sharded_training_message
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
-from .callback_checks import (check_growth_options, check_resumed_widths, check_schedule, check_schedule_layers,
-                              check_solved_growth, check_training_set_size, split_counts,
-                              warn_about_training_settings)
+from .callback_checks import (check_fixed_batches, check_growth_options, check_resumed_widths, check_schedule,
+                              check_schedule_layers, check_schedule_widths, check_solved_growth,
+                              check_training_set_size, split_counts, warn_about_training_settings)
 from .grow import GROWTH_MODES, SOLVED_MODES, grow_in_training, model_to_grow, resolved_mode
 from .resize import check_growable, torch_optimizers
 
@@ -144,6 +144,9 @@ class GrowthCallback(TrainerCallback):
                 statistics_batches = check_training_set_size(train_dataloader, args, statistics_batches, eval_count)
             check_solved_growth(model, mode, self.config, self.growth_kwargs, self.dataloader, self.eval_dataloader,
                                  statistics_batches)
+            check_schedule_widths(self.grow_at, self.qk_dims_at, model)
+        check_fixed_batches(model, self.dataloader, self.eval_dataloader, self.growth_kwargs.get("loss_fn"),
+                            len(schedule), args.world_size)
         warn_about_training_settings(schedule, args, state, self.trainer, self.growth_kwargs)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):

@@ -18,8 +18,10 @@ from transformers import PreTrainedModel
 from ..adapters import get_adapter
 from ..config import GrowthConfig, check_p, resolve_config
 from ..growth import check_fast_search, check_memory_budget, resolve_growth
+from ..growth.prepare import QK_INPUT_WIDTH, qk_input_width
 from ..progress import known_length
 from ..statistics import check_loss_fn, check_statistics_arguments
+from ..statistics.batches import check_batch, check_labels
 from .grow import DEFAULT_MODE, SOLVED_MODES, _in_training_defaults, check_init_std, grow_in_training
 
 logger = logging.getLogger("hf_grow")
@@ -61,6 +63,52 @@ def check_schedule(
             raise ValueError(f"qk_dims_at must map steps to positive, non-decreasing widths, got {dict(widths)}")
 
 
+def check_schedule_widths(
+    grow_at: Mapping[int, int | Mapping[int, int]] | None, qk_dims_at: Mapping[int, int | Sequence[int]] | None,
+    model: PreTrainedModel,
+) -> None:
+    """A solved mode's widths, through the whole schedule, against the largest rank a head's scores can have (they
+    were refused at the offending growth step, after the training to it)."""
+    adapter = get_adapter(model)
+    widths = adapter.qk_head_dims(model.config)
+    limit = qk_input_width(model, adapter)
+    for step in sorted(grow_at if grow_at is not None else qk_dims_at):
+        if grow_at is not None:
+            entry, added = f"grow_at[{step}]", resolve_growth(grow_at[step], len(widths))
+            widths = [width + extra for width, extra in zip(widths, added)]
+        else:
+            entry, target = f"qk_dims_at[{step}]", qk_dims_at[step]
+            targets = [target] * len(widths) if isinstance(target, int) else list(target)
+            widths = [max(width, want) for width, want in zip(widths, targets)]
+        too_wide = {layer: width for layer, width in enumerate(widths) if width > limit}
+        if too_wide:
+            raise ValueError(
+                f"{entry}: query/key widths {too_wide} exceed {limit}, the width of the query/key projections' "
+                f"inputs ({QK_INPUT_WIDTH}) and the largest rank a head's scores can have: lower {entry}"
+            )
+
+
+def check_fixed_batches(model: PreTrainedModel, dataloader: Iterable[Any] | None,
+                        eval_dataloader: Iterable[Any] | None, loss_fn: Any, growths: int, world_size: int) -> None:
+    """The callback's fixed batches, before training, as `grow_in_training` checks them at each growth step: none
+    (on one process: under DDP each process's own shard may be empty), a one-shot iterator read out by the first
+    of several growths, and the batches of a list (not those of a DataLoader: iterating it would run its collator
+    and draw from the random generators training uses)."""
+    for name, batches in (("dataloader", dataloader), ("eval_dataloader", eval_dataloader)):
+        if batches is None:
+            continue
+        if world_size == 1 and known_length(batches) == 0:
+            raise ValueError(f"{name} holds no batches: pass batches, or None to draw them from the training set")
+        if growths > 1 and isinstance(batches, Iterator):
+            raise ValueError(f"{name} is a one-shot iterator, which the first of the schedule's {growths} growths "
+                             "reads out: pass a list of batches (each growth reads them again)")
+        if isinstance(batches, (list, tuple)):
+            for index, batch in enumerate(batches):
+                check_batch(batch, f"{name} batch {index}", model)
+                if name == "eval_dataloader":
+                    check_labels(batch, f"{name} batch {index}", model, loss_fn)
+
+
 def check_schedule_layers(
     grow_at: Mapping[int, int | Mapping[int, int]] | None, qk_dims_at: Mapping[int, int | Sequence[int]] | None,
     model: PreTrainedModel,
@@ -97,10 +145,7 @@ def check_growth_options(mode: str | None, config: GrowthConfig | None, growth_k
                           dataloader: Iterable[Any] | None, eval_dataloader: Iterable[Any] | None) -> None:
     """Refuse, when the callback is made, growth options that `grow_in_training` would refuse at the growth step,
     mid-training: unknown names, bad values, the fast search in a mode that cannot take it, fixed batches that are
-    none."""
-    for name, batches in (("dataloader", dataloader), ("eval_dataloader", eval_dataloader)):
-        if known_length(batches) == 0:
-            raise ValueError(f"{name} holds no batches: pass batches, or None to draw them from the training set")
+    none (checked when training begins: under DDP a process's own shard may be empty)."""
     unknown = sorted(set(growth_kwargs) - _CONFIG_FIELDS - set(inspect.signature(grow_in_training).parameters))
     if unknown:
         raise TypeError(f"unknown growth option(s) {unknown}: GrowthConfig's fields or grow_in_training's keywords")
