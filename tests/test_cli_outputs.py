@@ -280,3 +280,20 @@ def test_a_negated_flag_says_what_it_turns_off(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert re.search(r"--no-measure-realized-gains.*\n\s+do not: evaluate the held-out loss", capsys.readouterr().out)
+
+
+def test_a_model_folder_without_a_config_says_what_it_holds(tmp_path, capsys, monkeypatch):
+    """A PEFT adapter's folder was "Unrecognized model ... Should have a `model_type` key in its config.json" (it
+    has no config.json), and a mistyped relative folder, read as a Hub id offline, a network error alone."""
+    adapter = tmp_path / "lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "gpt2", "peft_type": "LORA"}')
+    arguments = ["--data", "/nonexistent/never-read.txt", "--output-dir", str(tmp_path / "grown")]
+    assert cli.main([str(adapter), *arguments]) == 2
+    error = capsys.readouterr().err
+    assert "it holds a PEFT adapter (of gpt2): merge it into its base model" in error, error
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert cli.main(["models/gpt2-mine", *arguments]) == 2
+    error = capsys.readouterr().err
+    assert "no local folder models/gpt2-mine, and as a Hub id: " in error and len(error.strip().splitlines()) == 1

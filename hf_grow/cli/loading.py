@@ -53,10 +53,18 @@ def model_objective(args: argparse.Namespace) -> str:
             f"cannot load model {args.model!r}: no folder there, and not a Hub id; pass the model's folder (with "
             "config.json) or a Hub id"
         )
+    if Path(args.model).is_dir() and not (Path(args.model) / "config.json").is_file():
+        adapter = Path(args.model) / "adapter_config.json"
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.is_file() else None
+        what = (f"a PEFT adapter (of {base}): merge it into its base model (PeftModel.merge_and_unload(), then "
+                "save_pretrained) and pass that folder, or grow the PeftModel with hf_grow.grow_model"
+                if adapter.is_file() else "no config.json: pass the folder a model was saved to (save_pretrained)")
+        raise CommandError(f"cannot load model {args.model!r}: it holds {what}")
     try:
         config = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as error:
-        raise CommandError(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}") from None
+        missing = "" if Path(args.model).exists() else f"no local folder {args.model}, and as a Hub id: "
+        raise CommandError(f"cannot load model {args.model!r}: {missing}{str(error).splitlines()[0]}") from None
     if config.model_type not in supported_model_types():
         raise CommandError(
             f"hf_grow cannot grow {args.model!r} (model_type={config.model_type!r}); "
