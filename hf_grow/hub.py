@@ -169,10 +169,12 @@ def push_to_hub(
             folder = Path(folder_or_model)
             if not folder.is_dir():
                 raise ValueError(f"{folder} is not a folder: pass a saved grown model's folder or the model itself")
+            has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
             if tokenizer is not None:  # a folder is pushed as it is: the tokenizer would be left out
-                raise ValueError(f"tokenizer= is saved with a model, and {folder} is a folder: save the tokenizer into "
-                                 "it (tokenizer.save_pretrained(folder)) and push the folder without tokenizer=")
-            if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+                fix = ("its own is pushed: leave out tokenizer=" if has_tokenizer else
+                       "save the tokenizer into it (tokenizer.save_pretrained(folder)) and push it without tokenizer=")
+                raise ValueError(f"tokenizer= is saved with a model, and {folder} is a folder: {fix}")
+            if not has_tokenizer:
                 logger.warning("pushing %s without a tokenizer: save the tokenizer into it (tokenizer.save_pretrained)"
                                " so that others can use it", folder)
             existing = folder / CARD_FILENAME if (folder / CARD_FILENAME).is_file() else None

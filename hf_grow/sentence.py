@@ -303,7 +303,8 @@ def _warn_of_columns_left_out(record: Any, columns: Sequence[str] | None, source
     if left_out:
         warnings.warn(f"{source}: the pairs are its first two columns ({', '.join(map(str, list(record)[:2]))}); "
                       f"left out: {', '.join(map(str, left_out))} (to take a column of hard negatives, name three "
-                      "columns, anchor, positive and negative: --pair-columns or columns=)", stacklevel=3)
+                      "columns, anchor, positive and negative: --pair-columns A P --negative-column N, or columns=)",
+                      stacklevel=3)
 
 
 def _csv_pairs(reader: csv.DictReader, columns: Sequence[str] | None, source: str) -> list[tuple[str, ...]]:

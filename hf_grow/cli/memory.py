@@ -199,7 +199,7 @@ def _planner(
     else:
         model_config = AutoConfig.from_pretrained(args.model)
     # a batch of pairs: its anchors and its positives (and its hard negatives, a third column named)
-    sequences = max(2, len(getattr(args, "pair_columns", None) or ())) if objective == "pairs" else 1
+    sequences = (3 if getattr(args, "negative_column", None) else 2) if objective == "pairs" else 1
     if objective == "pairs" and args.eval_pairs:
         eval_tokens = sequences * seq_len * args.eval_pairs
     # --stats: no statistics pass; the file's tensors are held through the solve and the line search

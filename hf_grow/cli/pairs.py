@@ -33,9 +33,11 @@ def add_pairs_arguments(parser: argparse.ArgumentParser) -> None:
         help="text pairs (anchor, positive) to grow a SentenceTransformer on with MultipleNegativesRankingLoss: a "
         ".tsv (two tab-separated texts a line), .jsonl or .csv file, or a datasets name (its --split)",
     )
-    pairs.add_argument("--pair-columns", nargs="+", metavar="COLUMN",
-                       help="the pair's two columns in a .jsonl or .csv file or a dataset (default: the first two), "
-                       "or three: anchor, positive and hard negative")
+    pairs.add_argument("--pair-columns", nargs=2, metavar=("ANCHOR", "POSITIVE"),
+                       help="the pair's columns in a .jsonl or .csv file or a dataset (default: the first two)")
+    pairs.add_argument("--negative-column", metavar="NEGATIVE",
+                       help="a third column, of hard negatives (with --pair-columns): (anchor, positive, negative) "
+                       "triplets")
     pairs.add_argument("--eval-pairs", type=int,
                        help="held-out pairs for the line search: the last ones (default 10%% in whole batches, at "
                             "least one batch)")
@@ -49,16 +51,17 @@ def check_pairs_arguments(args: argparse.Namespace, text_options: list[str]) -> 
     if text_options:
         raise CommandError(
             f"{', '.join(text_options)} appl{'ies' if len(text_options) == 1 else 'y'} to text, not to --pairs (its "
-            "options: --pair-columns, --eval-pairs, --split and --dataset-config of a dataset, --streaming)"
+            "options: --pair-columns, --negative-column, --eval-pairs, --split and --dataset-config of a dataset, "
+            "--streaming)"
         )
     # MultipleNegativesRankingLoss takes each batch's other positives as a pair's negatives: one pair alone has a
     # loss of 0 whatever the weights
     if args.batch_size < 2:
         raise CommandError(f"--batch-size must be at least 2 with --pairs (the other pairs of a batch are a pair's "
                            f"negatives), got {args.batch_size}")
-    if args.pair_columns is not None and len(args.pair_columns) not in (2, 3):
-        raise CommandError(f"--pair-columns takes two columns (anchor, positive) or three (anchor, positive, "
-                           f"negative), got {len(args.pair_columns)}")
+    if args.negative_column is not None and args.pair_columns is None:
+        raise CommandError("--negative-column is a third column beside the pair's: name those too (--pair-columns "
+                           "ANCHOR POSITIVE)")
     if args.eval_pairs is not None and args.eval_pairs < 2:
         raise CommandError(f"--eval-pairs must be at least 2 (the other pairs of a batch are a pair's negatives), "
                            f"got {args.eval_pairs}")
@@ -86,7 +89,8 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
 
         datasets.disable_progress_bars()
     try:
-        pairs = read_pairs(args.pairs, args.pair_columns, args.split, args.streaming, args.dataset_config)
+        columns = args.pair_columns and [*args.pair_columns, *[args.negative_column] * bool(args.negative_column)]
+        pairs = read_pairs(args.pairs, columns, args.split, args.streaming, args.dataset_config)
     except (ValueError, OSError) as error:
         raise CommandError(f"--pairs: {str(error).splitlines()[0]}") from None
     except Exception as error:  # datasets' own, e.g. a folder whose files have other columns: its cause says which
