@@ -353,6 +353,10 @@ def test_the_command_keeps_a_local_models_license_and_its_terms_files(grown, tmp
     assert (folder / "LICENSE.txt").read_text() == "the terms"
     assert (folder / "USE_POLICY.md").read_text() == "the policy"
     assert not_a_saved_model(folder) is None  # --overwrite replaces the folder again
+    # a card saved with a byte-order mark (Windows editors): its terms were lost when it was read as plain UTF-8
+    (source / "README.md").write_text("\ufeff---\nlicense: mit\n---\n", encoding="utf-8")
+    write_card(args, folder, data="text", datasets=[])
+    assert ModelCard.load(folder / "README.md").data.license == "mit"
     for damaged in ("---\n- not a mapping\n---\n", "---\nlicense: [unclosed\n---\n"):  # the YAML's own error too
         (source / "README.md").write_text(damaged)  # a damaged card keeps nothing, and fails nothing
         write_card(args, folder, data="text", datasets=[])

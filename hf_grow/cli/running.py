@@ -179,7 +179,7 @@ def _terms_source(model: str) -> Path | None:
 def _terms(source: Path) -> dict:
     """`card.INHERITED_CARD_DATA` of the card in ``source`` (none without a card, or with a damaged one)."""
     path = source / card.CARD_FILENAME
-    return card.card_terms(path.read_text(encoding="utf-8", errors="replace")) if path.is_file() else {}
+    return card.card_terms(path.read_text(encoding="utf-8-sig", errors="replace")) if path.is_file() else {}
 
 
 def finish_run(args: argparse.Namespace, report, output: Path, lines: list[str]) -> None:
