@@ -4,7 +4,7 @@ The gains are first-order in the step (`hf_grow.linalg.growth_gain_rates`), in l
 relative units of `grow_model`): at step size t, adding k dimensions to a head lowers the solve's local model (the
 linear term less the penalty ||Delta||^2 / 2 lam) by about t times the sum of its first k marginal gains, and the
 loss itself by about twice that, each head at its own lam = t * unit (``step_mode``: the head's unit by default,
-its layer's with "per_layer").
+its layer's with "per_layer"; the norms of the ``truncation``, as a budget takes them).
 The line search picks t later, on held-out data, and one t serves every head, so the ranking of heads and layers
 (what a budget allocation uses) does not depend on it. The step modes that also search each layer's step on the
 held-out batches ("layer_search", "coordinate") rank at the per-layer units they start from: those searches
@@ -72,7 +72,8 @@ class GrowthInspection:
     statistics_batches: int
     #: lam per unit step size, the root mean square of the layers' units. With ``step_mode="global"`` (one lam for
     #: all) multiply a gain per unit step size by lam / lam_unit for an absolute step lam; per layer or per head
-    #: each gain is at its layer's or head's own unit (‖Z‖/‖P‖ in the metric of C), which this mean does not give.
+    #: each gain is at its layer's or head's own unit (‖Z‖/‖P‖ in the truncation's norm), which this mean does not
+    #: give.
     lam_unit: float
     max_dims: int
     layers: list[LayerInspection] = field(default_factory=list)
@@ -168,6 +169,7 @@ def inspect_growth(
     statistics_method: str | None = None,
     query_block: int | None = None,
     step_mode: str | None = None,
+    truncation: str | None = None,
     progress: bool = False,
 ) -> GrowthInspection:
     """Expected gains of growing every head by 1..``max_dims`` dimensions, from one pass of statistics.
@@ -179,17 +181,18 @@ def inspect_growth(
     unchanged.
 
     The statistics and solve options are those of a `GrowthConfig` (``config``, default ``GrowthConfig()``, e.g. the
-    one you grow with): its ``rtol``, ``step_mode``, ``max_batches``, ``compute_dtype``, ``statistics_method``,
-    ``query_block``, ``memory_budget`` and ``cross_fit``; the keywords of the same names, when not None, replace
-    them. The gains are in the metric of C whatever the ``truncation`` (as a budget allocates them); the other
-    options do not apply here. Collected here, each group of layers' M is solved and freed once its pass is done
-    (as in `grow_model`): with a ``memory_budget``, no more than a group's M is held at a time.
+    one you grow with): its ``rtol``, ``step_mode``, ``truncation``, ``max_batches``, ``compute_dtype``,
+    ``statistics_method``, ``query_block``, ``memory_budget`` and ``cross_fit``; the keywords of the same names, when
+    not None, replace them. The gains are in the metric of C, per unit of the step size with each layer's lam in
+    the units of the ``truncation`` and ``step_mode`` (of "auto", the simplest candidate's), as a budget allocates
+    them; the other options do not apply here. Collected here, each group of layers' M is solved and freed once its
+    pass is done (as in `grow_model`): with a ``memory_budget``, no more than a group's M is held at a time.
     """
     if isinstance(max_dims, bool) or not isinstance(max_dims, int) or max_dims <= 0:
         raise ValueError(f"max_dims must be a positive int, got {max_dims!r}")
     overrides = dict(
         max_batches=max_batches, rtol=rtol, compute_dtype=compute_dtype, statistics_method=statistics_method,
-        query_block=query_block, step_mode=step_mode,
+        query_block=query_block, step_mode=step_mode, truncation=truncation,
     )
     config = resolve_config(config, {name: value for name, value in overrides.items() if value is not None})
     model = merged_if_peft(unwrap_model(model))  # as grow_model takes it: compiled, DDP or accelerate-wrapped
@@ -197,10 +200,11 @@ def inspect_growth(
     check_weights_in_memory(model)  # offloaded weights: the solve reads Q/K after the statistics pass
     check_loss_fn(loss_fn)
     qk_dims = adapter.qk_head_dims(model.config)
+    truncation, step_mode = config.candidates[0]  # as a budget ranks: the simplest of "auto" options
 
     def solve(statistics: GrowthStatistics, layers: Iterable[int], release: bool) -> GrowthProblem:
         return GrowthProblem(
-            model, adapter, statistics, qk_dims, "whitened", config.rtol, "eigh", step_mode=config.candidates[0][1],
+            model, adapter, statistics, qk_dims, truncation, config.rtol, "eigh", step_mode=step_mode,
             mode=adapter.growth_modes[0], with_rates=True, cross_fit=config.cross_fit, layers=layers, release=release,
         )
 

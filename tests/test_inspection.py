@@ -137,3 +137,24 @@ def test_inspection_collects_once_and_refuses_other_weights(trained_gpt2, statis
         grow_model(copy.deepcopy(trained_gpt2).to(dtype), None, p=8, step_size=0.0, statistics=loaded)
     with pytest.raises(ValueError, match="max_dims"):
         inspect_growth(trained_gpt2, statistics=statistics, max_dims=0)
+
+
+@pytest.mark.parametrize("step_mode", ["per_layer", "per_head"])
+def test_inspection_ranks_at_the_truncations_units_as_a_budget_does(trained_gpt2, statistics, data, step_mode):
+    """A Frobenius budget ranks at the plain-norm lam units; the inspection ranked at the whitened ones whatever the
+    truncation (allocations apart on a 4-layer GPT-2, a BERT and a Llama: a review, 2026-11-30)."""
+    from hf_grow.budget import allocate_budget
+
+    allocated = {}
+    for truncation in ("whitened", "frobenius"):
+        inspection = inspect_growth(trained_gpt2, statistics=statistics, max_dims=32, step_mode=step_mode,
+                                    truncation=truncation)
+        gains = [torch.tensor([sum(head.marginal_gains[k] for head in layer.heads) for k in range(32)])
+                 for layer in inspection.layers]
+        allocated[truncation] = [allocate_budget(gains, budget, 1) for budget in range(1, 33)]
+        for budget in (3, 17):
+            report = grow_model(trained_gpt2, None, budget=budget, statistics=statistics, truncation=truncation,
+                                step_mode=step_mode, step_size=0.0, measure_realized_gains=False).growth_report
+            added = [layer.qk_dim_after - layer.qk_dim_before for layer in report.layers]
+            assert added == allocate_budget(gains, budget, 1), (truncation, budget)
+    assert allocated["whitened"] != allocated["frobenius"]  # the table ranked at the whitened units for both

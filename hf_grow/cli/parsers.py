@@ -182,7 +182,7 @@ INSPECT_CONFIG_FIELDS = (
     "offload_dir",
 )
 #: The fields that set the lam the gains are at, as the growth (and its ``--budget``) ranks them.
-INSPECT_GAIN_FIELDS = ("step_mode", "rtol")
+INSPECT_GAIN_FIELDS = ("step_mode", "truncation", "rtol")
 
 
 def _add_config_options(
@@ -229,6 +229,8 @@ def build_inspect_parser() -> argparse.ArgumentParser:
     _add_config_options(parser.add_argument_group("gains"), INSPECT_GAIN_FIELDS, {
         "step_mode": "rank at the lam of this step mode, as hf-grow --budget with the same --step-mode does "
                      "(default auto: per head, its first candidate; layer_search and coordinate: per layer)",
+        "truncation": "rank at the lam units of this truncation, as hf-grow --budget with the same --truncation does "
+                      "(default auto: whitened, its first candidate)",
         "rtol": "pseudo-inverse tolerance, as hf-grow --rtol (default 1e-6)",
     })
     run = _add_run_arguments(parser, grows=False)
