@@ -103,6 +103,14 @@ def test_the_report_gives_each_heads_step(trained_gpt2, statistics):
         assert [head.lam for head in layer.heads] == pytest.approx(expected, rel=1e-12)
 
 
+def test_a_huge_step_the_config_accepts_is_reported(trained_gpt2, statistics):
+    """The report's root mean square of the layers' lam squared them: from step 1e155 on, a growth that had run to
+    its end failed in the report with a bare OverflowError."""
+    report = grow_model(trained_gpt2, None, p=8, statistics=statistics, step_size=1e200, step_mode="global",
+                        measure_realized_gains=False).growth_report
+    assert math.isfinite(report.lam) and report.lam == pytest.approx(report.layers[0].lam, rel=1e-12)
+
+
 def test_per_head_append_rescales_each_heads_update(trained_gpt2, statistics):
     adapter = get_adapter(trained_gpt2)
     solved = GrowthProblem(trained_gpt2, adapter, statistics, [24, 24], "whitened", 1e-6, "eigh", mode="append",

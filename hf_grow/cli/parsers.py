@@ -230,7 +230,7 @@ def build_inspect_parser() -> argparse.ArgumentParser:
         "step_mode": "rank at the lam of this step mode, as hf-grow --budget with the same --step-mode does "
                      "(default auto: per head, its first candidate; layer_search and coordinate: per layer)",
         "truncation": "rank at the lam units of this truncation, as hf-grow --budget with the same --truncation does "
-                      "(default auto: whitened, its first candidate)",
+                      "(default whitened; auto: whitened, its first candidate)",
         "rtol": "pseudo-inverse tolerance, as hf-grow --rtol (default 1e-6)",
     })
     run = _add_run_arguments(parser, grows=False)

@@ -448,7 +448,7 @@ def write_report(
         solver="+".join(sorted(problem.methods_used)) or problem.solver,
         mode=problem.mode,
         step_size=step_size,
-        lam=math.sqrt(sum(layer.lam**2 for layer in layers) / len(layers)),
+        lam=math.hypot(*(layer.lam for layer in layers)) / math.sqrt(len(layers)),  # no overflow of a huge lam
         eval_loss_before=loss_before,
         eval_loss_after=outcome.loss_after,
         unconstrained_eval_loss=outcome.unconstrained_loss,
