@@ -163,7 +163,7 @@ def _sentence_terms(sentence_model: nn.Module) -> dict:
 def card_terms(text: str) -> dict:
     """`INHERITED_CARD_DATA` of a model card's text (none of a damaged card's)."""
     try:
-        data = ModelCard(text).data.to_dict()
+        data = ModelCard(text.removeprefix("\ufeff")).data.to_dict()  # sentence-transformers keeps a BOM
     except Exception:  # metadata that is no YAML mapping, or no YAML (yaml's own errors): nothing kept of it
         return {}
     return {key: data[key] for key in INHERITED_CARD_DATA if data.get(key)}

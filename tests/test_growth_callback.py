@@ -359,6 +359,17 @@ def test_fixed_batches_and_widths_are_checked_when_training_begins(tmp_path, std
     ):
         with pytest.raises(ValueError, match=message):
             callback.on_train_begin(args, state, None, model=model, optimizer=None)
+    (GrowthCallback({3: 8}, mode="zero", eval_dataloader=unlabelled)  # the baselines read no batch
+     .on_train_begin(args, state, None, model=model, optimizer=None))
+    with pytest.raises(ValueError, match="dataloader batch 0 holds no labels"):  # statistics batches need them too
+        GrowthCallback({3: 8}, dataloader=unlabelled, eval_dataloader=batches).on_train_begin(
+            args, state, None, model=model, optimizer=None)
+    # resumed at step 4, after the growth at 3: the growths done counted again refused a valid schedule (8 + 24 + 24
+    # past 65) and an iterator that one growth is left to read
+    resumed = TrainerState(max_steps=6, global_step=4, log_history=[{"step": 3, "qk_head_dims": [32, 32]}])
+    wide = GrownGPT2LMHeadModel(GrownGPT2Config(**tiny_gpt2_config().to_dict() | {"qk_head_dims": [32, 32]}))
+    GrowthCallback({3: 24, 5: 24}, dataloader=iter(batches), eval_dataloader=batches).on_train_begin(
+        args, resumed, None, model=wide, optimizer=None)
     settings = ("deepspeed", "fsdp", "load_best_model_at_end", "label_smoothing_factor")
     two = type("Args", (), {**{name: getattr(args, name) for name in settings}, "world_size": 2})()
     fake_trainer = type("Trainer", (Trainer,), {"__init__": lambda self: None, "model_wrapped": model,

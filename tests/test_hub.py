@@ -357,6 +357,7 @@ def test_the_command_keeps_a_local_models_license_and_its_terms_files(grown, tmp
     (source / "README.md").write_text("\ufeff---\nlicense: mit\n---\n", encoding="utf-8")
     write_card(args, folder, data="text", datasets=[])
     assert ModelCard.load(folder / "README.md").data.license == "mit"
+    assert hf_grow.card.card_terms("\ufeff---\nlicense: mit\n---\n") == {"license": "mit"}  # a loaded ST's card
     for damaged in ("---\n- not a mapping\n---\n", "---\nlicense: [unclosed\n---\n"):  # the YAML's own error too
         (source / "README.md").write_text(damaged)  # a damaged card keeps nothing, and fails nothing
         write_card(args, folder, data="text", datasets=[])

@@ -58,7 +58,9 @@ def model_objective(args: argparse.Namespace) -> str:
         base = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.is_file() else None
         what = (f"a PEFT adapter (of {base}): merge it into its base model (PeftModel.merge_and_unload(), then "
                 "save_pretrained) and pass that folder, or grow the PeftModel with hf_grow.grow_model"
-                if adapter.is_file() else "no config.json: pass the folder a model was saved to (save_pretrained)")
+                if adapter.is_file() else "a SentenceTransformer (its model in a module folder): grow it with --pairs"
+                if (Path(args.model) / "modules.json").is_file() else
+                "no config.json: pass the folder a model was saved to (save_pretrained)")
         raise CommandError(f"cannot load model {args.model!r}: it holds {what}")
     try:
         config = AutoConfig.from_pretrained(args.model)

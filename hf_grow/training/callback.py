@@ -144,9 +144,10 @@ class GrowthCallback(TrainerCallback):
                 statistics_batches = check_training_set_size(train_dataloader, args, statistics_batches, eval_count)
             check_solved_growth(model, mode, self.config, self.growth_kwargs, self.dataloader, self.eval_dataloader,
                                  statistics_batches)
-            check_schedule_widths(self.grow_at, self.qk_dims_at, model)
+            check_schedule_widths(self.grow_at, self.qk_dims_at, model, state.global_step)
+        growths_left = sum(step > state.global_step for step in schedule)  # a resumed run skips those done
         check_fixed_batches(model, self.dataloader, self.eval_dataloader, self.growth_kwargs.get("loss_fn"),
-                            len(schedule), args.world_size)
+                            growths_left, args.world_size, read=mode in SOLVED_MODES)
         warn_about_training_settings(schedule, args, state, self.trainer, self.growth_kwargs)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):

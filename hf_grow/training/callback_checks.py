@@ -65,14 +65,15 @@ def check_schedule(
 
 def check_schedule_widths(
     grow_at: Mapping[int, int | Mapping[int, int]] | None, qk_dims_at: Mapping[int, int | Sequence[int]] | None,
-    model: PreTrainedModel,
+    model: PreTrainedModel, done: int,
 ) -> None:
-    """A solved mode's widths, through the whole schedule, against the largest rank a head's scores can have (they
-    were refused at the offending growth step, after the training to it)."""
+    """A solved mode's widths, through the schedule's growths after step ``done`` (a resumed run's model has those
+    before), against the largest rank a head's scores can have (they were refused at the offending growth step,
+    after the training to it)."""
     adapter = get_adapter(model)
     widths = adapter.qk_head_dims(model.config)
     limit = qk_input_width(model, adapter)
-    for step in sorted(grow_at if grow_at is not None else qk_dims_at):
+    for step in sorted(step for step in (grow_at if grow_at is not None else qk_dims_at) if step > done):
         if grow_at is not None:
             entry, added = f"grow_at[{step}]", resolve_growth(grow_at[step], len(widths))
             widths = [width + extra for width, extra in zip(widths, added)]
@@ -89,24 +90,27 @@ def check_schedule_widths(
 
 
 def check_fixed_batches(model: PreTrainedModel, dataloader: Iterable[Any] | None,
-                        eval_dataloader: Iterable[Any] | None, loss_fn: Any, growths: int, world_size: int) -> None:
+                        eval_dataloader: Iterable[Any] | None, loss_fn: Any, growths: int, world_size: int,
+                        read: bool) -> None:
     """The callback's fixed batches, before training, as `grow_in_training` checks them at each growth step: none
-    (on one process: under DDP each process's own shard may be empty), a one-shot iterator read out by the first
-    of several growths, and the batches of a list (not those of a DataLoader: iterating it would run its collator
-    and draw from the random generators training uses)."""
+    (on one process: under DDP each process's own shard may be empty); where the growths ``read`` them (the solved
+    modes), a one-shot iterator read out by the first of several ``growths`` (those still to come), and the
+    batches of a list (not those of a DataLoader: iterating it would run its collator and draw from the random
+    generators training uses), labels included."""
     for name, batches in (("dataloader", dataloader), ("eval_dataloader", eval_dataloader)):
         if batches is None:
             continue
         if world_size == 1 and known_length(batches) == 0:
             raise ValueError(f"{name} holds no batches: pass batches, or None to draw them from the training set")
+        if not read:
+            continue
         if growths > 1 and isinstance(batches, Iterator):
             raise ValueError(f"{name} is a one-shot iterator, which the first of the schedule's {growths} growths "
                              "reads out: pass a list of batches (each growth reads them again)")
         if isinstance(batches, (list, tuple)):
             for index, batch in enumerate(batches):
                 check_batch(batch, f"{name} batch {index}", model)
-                if name == "eval_dataloader":
-                    check_labels(batch, f"{name} batch {index}", model, loss_fn)
+                check_labels(batch, f"{name} batch {index}", model, loss_fn)
 
 
 def check_schedule_layers(
