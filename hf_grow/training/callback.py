@@ -19,12 +19,12 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from ..adapters import get_adapter
 from ..config import GrowthConfig
-from ..distributed import refuse_sharded_training, refuse_unsupported_ddp, sharded_training_message
 from ..optimizer_state import DEFAULT_NEW_MOMENTS, check_new_moments
 from ..report import GrowthReport
 from .callback_checks import (check_fixed_batches, check_growth_options, check_resumed_widths, check_schedule,
                               check_schedule_layers, check_schedule_widths, check_solved_growth,
-                              check_training_set_size, split_counts, warn_about_training_settings)
+                              check_training_set_size, check_training_setup, split_counts,
+                              warn_about_training_settings)
 from .grow import GROWTH_MODES, SOLVED_MODES, grow_in_training, model_to_grow, resolved_mode
 from .resize import check_growable, torch_optimizers
 
@@ -121,16 +121,7 @@ class GrowthCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         self.reports = {}  # each train() (a second one, model_init, hyperparameter_search) grows on its schedule
-        if args.deepspeed or args.fsdp:
-            raise ValueError(sharded_training_message("DeepSpeed" if args.deepspeed else "FSDP"))
-        if args.world_size > 1 and self.trainer is None:
-            raise ValueError(
-                f"GrowthCallback with {args.world_size} processes needs the Trainer, to grow its DDP-wrapped model "
-                "with its accelerator: trainer.add_callback(GrowthCallback(..., trainer=trainer))."
-            )
-        if self.trainer is not None:
-            refuse_sharded_training(self.trainer.model_wrapped, self.trainer.accelerator)
-            refuse_unsupported_ddp(self.trainer.model_wrapped)
+        check_training_setup(args, self.trainer)
         model = model_to_grow(model)
         check_resumed_widths(model, state)
         check_growable(model, get_adapter(model), torch_optimizers(optimizer))

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from ..adapters import get_adapter
 from ..config import GrowthConfig, check_p, resolve_config
+from ..distributed import refuse_sharded_training, refuse_unsupported_ddp, sharded_training_message
 from ..growth import check_fast_search, check_memory_budget, resolve_growth
 from ..growth.prepare import QK_INPUT_WIDTH, qk_input_width
 from ..progress import known_length
@@ -25,6 +26,21 @@ from ..statistics.batches import check_batch, check_labels
 from .grow import DEFAULT_MODE, SOLVED_MODES, _in_training_defaults, check_init_std, grow_in_training
 
 logger = logging.getLogger("hf_grow")
+
+
+def check_training_setup(args, trainer: Any | None) -> None:
+    """Sharded training (DeepSpeed, FSDP), several processes without the Trainer (whose DDP-wrapped model and
+    accelerator the growth needs) and DDP options growth cannot follow: refused before the first step."""
+    if args.deepspeed or args.fsdp:
+        raise ValueError(sharded_training_message("DeepSpeed" if args.deepspeed else "FSDP"))
+    if args.world_size > 1 and trainer is None:
+        raise ValueError(
+            f"GrowthCallback with {args.world_size} processes needs the Trainer, to grow its DDP-wrapped model "
+            "with its accelerator: trainer.add_callback(GrowthCallback(..., trainer=trainer))."
+        )
+    if trainer is not None:
+        refuse_sharded_training(trainer.model_wrapped, trainer.accelerator)
+        refuse_unsupported_ddp(trainer.model_wrapped)
 
 
 def check_resumed_widths(model: PreTrainedModel, state) -> None:
