@@ -298,3 +298,13 @@ def test_a_model_folder_without_a_config_says_what_it_holds(tmp_path, capsys, mo
     assert cli.main(["models/gpt2-mine", *arguments]) == 2
     error = capsys.readouterr().err
     assert "no local folder models/gpt2-mine, and as a Hub id: " in error and len(error.strip().splitlines()) == 1
+
+
+def test_a_masking_option_for_a_causal_lm_is_refused(model_folder, tmp_path, capsys):  # noqa: F811
+    """--mlm-probability on a causal LM ran without a word (a review, 2026-11-30): it masks nothing there."""
+    output = tmp_path / "grown"
+    assert cli.main([str(model_folder), "--data", "/nonexistent/never-read.txt", "--output-dir", str(output),
+                     "--mlm-probability", "0.3"]) == 2
+    error = capsys.readouterr().err
+    assert "--mlm-probability applies to masked LMs" in error and len(error.strip().splitlines()) == 1, error
+    assert not output.exists()

@@ -35,6 +35,10 @@ def load_tokenizer(args: argparse.Namespace):
     return tokenizer
 
 
+#: The share of tokens masked for a masked LM's loss (transformers' DataCollatorForLanguageModeling's default).
+MLM_PROBABILITY = 0.15
+
+
 def model_objective(args: argparse.Namespace) -> str:
     """``"causal"`` or ``"masked"``: the loss the command grows the model on, from the model's config.
 
@@ -87,6 +91,9 @@ def model_objective(args: argparse.Namespace) -> str:
     if masked:
         return "masked"
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        if getattr(args, "mlm_probability", MLM_PROBABILITY) != MLM_PROBABILITY:  # it would mask nothing, silently
+            raise CommandError(f"--mlm-probability applies to masked LMs; {args.model!r} is a causal LM, grown on "
+                               "next-token loss: leave it out")
         if args.seq_len < 3:  # the one position with a label attends to itself alone: no score has a gradient
             raise CommandError(f"--seq-len {args.seq_len} gives a causal LM no position that attends to two tokens "
                                "(its scores would have no gradient): pass --seq-len 3 or more")

@@ -17,7 +17,7 @@ from ..version import __version__
 from ..config import FOR_TRAINING, GrowthConfig
 from ..data import DEFAULT_EVAL_TOKENS
 from .checks import DATASET_ONLY_OPTIONS
-from .loading import DTYPES
+from .loading import DTYPES, MLM_PROBABILITY
 from .pairs import add_pairs_arguments
 
 
@@ -90,7 +90,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser, eval_fraction: bool = T
     )
     if eval_fraction:
         data.add_argument("--eval-fraction", type=float, help=EVAL_FRACTION_HELP)
-    data.add_argument("--mlm-probability", type=float, default=0.15, help="masked LMs: share of tokens masked")
+    data.add_argument("--mlm-probability", type=float, default=MLM_PROBABILITY,
+                      help="masked LMs: share of tokens masked")
 
 
 FOR_TRAINING_HELP = (
