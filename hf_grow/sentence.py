@@ -278,16 +278,18 @@ def read_pairs(
                 records = [(number, _json_line(line, f"{source} line {number}"))
                            for number, line in enumerate(file, 1) if line.strip()]
                 if columns is None and records and isinstance(records[0][1], Mapping):
-                    _warn_of_columns_left_out(records[0][1], columns, source)
+                    _warn_of_columns_left_out(list(records[0][1]), columns, source)
                     columns = list(records[0][1])[:2]  # the file's columns: its first line's, on every line
                 pairs = [_column_pair(record, columns, f"{source} line {number}") for number, record in records]
             else:
-                pairs = _csv_pairs(csv.DictReader(file), columns, source)
+                reader = csv.DictReader(file)
+                _warn_of_columns_left_out(reader.fieldnames or [], columns, source)
+                pairs = _csv_pairs(reader, columns, source)
     else:
         import datasets
 
         dataset = datasets.load_dataset(source, config, split=split, streaming=streaming)
-        _warn_of_columns_left_out(dict.fromkeys(dataset.column_names or ()), columns, source)
+        _warn_of_columns_left_out(dataset.column_names or [], columns, source)
         pairs = [
             _column_pair(record, columns, f"{source} ({split}) row {number}") for number, record in enumerate(dataset)
         ]
@@ -296,12 +298,13 @@ def read_pairs(
     return pairs
 
 
-def _warn_of_columns_left_out(record: Any, columns: Sequence[str] | None, source: str) -> None:
-    """A warning naming the columns of the first record that the default pair (its first two) leaves out: a third
-    column of hard negatives would be dropped without a word."""
-    left_out = list(record)[2:] if columns is None and isinstance(record, Mapping) else []
+def _warn_of_columns_left_out(names: Sequence[str], columns: Sequence[str] | None, source: str) -> None:
+    """A warning naming the columns (``names``: the source's) that the default pair (its first two) leaves out: a
+    third column of hard negatives would be dropped without a word. Called from `read_pairs`, whose caller it
+    names."""
+    left_out = list(names)[2:] if columns is None else []
     if left_out:
-        warnings.warn(f"{source}: the pairs are its first two columns ({', '.join(map(str, list(record)[:2]))}); "
+        warnings.warn(f"{source}: the pairs are its first two columns ({', '.join(map(str, names[:2]))}); "
                       f"left out: {', '.join(map(str, left_out))} (to take a column of hard negatives, name three "
                       "columns, anchor, positive and negative: --pair-columns A P --negative-column N, or columns=)",
                       stacklevel=3)
@@ -310,7 +313,6 @@ def _warn_of_columns_left_out(record: Any, columns: Sequence[str] | None, source
 def _csv_pairs(reader: csv.DictReader, columns: Sequence[str] | None, source: str) -> list[tuple[str, ...]]:
     """The pairs of a .csv file's records, each named by the line it ends on (a quoted text may span lines); a record
     of more fields than the header names is refused (an unquoted comma split a text, and the rest was dropped)."""
-    _warn_of_columns_left_out(dict.fromkeys(reader.fieldnames or ()), columns, source)
     pairs = []
     for record in reader:
         where = f"{source} line {reader.line_num}"

@@ -89,7 +89,9 @@ def grow_from_pairs(args: argparse.Namespace, accelerator, started: float, is_ma
 
         datasets.disable_progress_bars()
     try:
-        columns = args.pair_columns and [*args.pair_columns, *[args.negative_column] * bool(args.negative_column)]
+        columns = args.pair_columns  # and the negatives' (checked: named with the pair's)
+        if args.negative_column is not None:
+            columns = [*columns, args.negative_column]
         pairs = read_pairs(args.pairs, columns, args.split, args.streaming, args.dataset_config)
     except (ValueError, OSError) as error:
         raise CommandError(f"--pairs: {str(error).splitlines()[0]}") from None

@@ -288,4 +288,3 @@ def tf32_matmuls() -> bool:
     if not hasattr(torch.backends, "fp32_precision"):
         return torch.get_float32_matmul_precision() != "highest"
     return torch.backends.cuda.matmul.fp32_precision == "tf32"
-
